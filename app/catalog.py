@@ -1,0 +1,130 @@
+"""The model catalog: one YAML file per served model under `models/`.
+
+An entry says what a model is (adapter, where its weights come from, limits)
+and how to batch it; it holds no code. A wrong entry fails at load time with
+the file, the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class CatalogError(ValueError):
+    """A catalog file is missing, unreadable or invalid."""
+
+
+class Source(BaseModel):
+    """Where the weights come from: exactly one of `path`, `package` or `hub`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="a local directory")
+    package: str | None = Field(None, description="an installed Python package shipping weights")
+    subdir: str = Field("", description="directory inside the package or path")
+    hub: str | None = Field(None, description="a Hugging Face hub id (needs network)")
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Source:
+        given = [k for k in ("path", "package", "hub") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of path, package or hub (got {given or 'none'})")
+        return self
+
+
+class BatchProfile(BaseModel):
+    """Batching parameters tuned for one device type."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(16_384, ge=1, description="padded tokens per batch")
+    max_items: int = Field(64, ge=1)
+    max_delay_ms: float = Field(0.0, ge=0)
+    measured: str | None = Field(None, description="the benchmark run this came from")
+
+
+class ModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    id: str = Field(min_length=1, description="the Hugging Face id users know")
+    adapter: Literal["dense"]
+    source: Source
+    tasks: list[Literal["encode"]] = Field(default_factory=lambda: ["encode"])
+    dims: int = Field(ge=1)
+    max_seq_length: int | None = Field(
+        None, ge=1, description="default: read from the sentence-transformers files"
+    )
+    pooling: Literal["mean", "cls", "lasttoken"] | None = Field(
+        None, description="default: read from the sentence-transformers files"
+    )
+    normalize: bool | None = Field(
+        None, description="default: true when the model ships a Normalize module"
+    )
+    profiles: dict[str, BatchProfile] = Field(default_factory=dict)
+
+    def profile(self, device: str) -> BatchProfile | None:
+        """The tuned profile for a device type ('cpu', 'l4', 'h100', ...), if any."""
+        return self.profiles.get(device)
+
+
+def load_entry(path: Path) -> ModelEntry:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise CatalogError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{path}: expected a mapping at the top level")
+    try:
+        return ModelEntry.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc'])}': {err['msg']}" for err in exc.errors()
+        )
+        raise CatalogError(f"{path}: {problems}") from exc
+
+
+class Catalog:
+    """All entries of a catalog directory, by model id."""
+
+    def __init__(self, entries: dict[str, ModelEntry]) -> None:
+        self._entries = entries
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> Catalog:
+        if not directory.is_dir():
+            raise CatalogError(f"catalog directory {directory} does not exist")
+        entries: dict[str, ModelEntry] = {}
+        origin: dict[str, Path] = {}
+        for path in sorted(directory.glob("*.yaml")):
+            entry = load_entry(path)
+            if entry.id in entries:
+                raise CatalogError(f"{path}: id '{entry.id}' is also defined in {origin[entry.id]}")
+            entries[entry.id] = entry
+            origin[entry.id] = path
+        return cls(entries)
+
+    def get(self, model_id: str) -> ModelEntry | None:
+        return self._entries.get(model_id)
+
+    def require(self, model_ids: list[str]) -> list[ModelEntry]:
+        """The entries for `model_ids`; an id missing from the catalog is an error."""
+        missing = [m for m in model_ids if m not in self._entries]
+        if missing:
+            raise CatalogError(
+                f"models {missing} are not in the catalog; known: {sorted(self._entries)}"
+            )
+        return [self._entries[m] for m in model_ids]
+
+    def __iter__(self):
+        return iter(self._entries.values())
+
+
+@lru_cache(maxsize=8)
+def load_catalog(directory: Path) -> Catalog:
+    return Catalog.from_dir(directory)

@@ -1,0 +1,81 @@
+"""The Celery app: `celery -A app worker` finds it here.
+
+msgpack and JSON only (never pickle), the rpc result backend (results go to
+the caller's `reply_to`), publisher confirms, task events on. shoal tasks are
+routed to the queue of the model named in their kwargs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.signals import before_task_publish
+
+from app.queues import model_kombu_queue
+from app.settings import get_settings
+from tasks.envelope import annotate, now_ms
+from tasks.names import OPERATION_OF_TASK
+
+settings = get_settings()
+
+app = Celery("shoal", broker=settings.broker_url, backend="rpc://")
+app.conf.update(
+    task_serializer="msgpack",
+    result_serializer="msgpack",
+    accept_content=["msgpack", "json"],
+    result_accept_content=["msgpack", "json"],
+    event_serializer="json",
+    broker_heartbeat=settings.broker_heartbeat,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"confirm_publish": True},
+    worker_send_task_events=True,
+    task_send_sent_event=False,
+    worker_prefetch_multiplier=1,
+    task_default_queue=f"{settings.queue_prefix}.default",
+    result_expires=None,
+    worker_hijack_root_logger=True,
+)
+
+
+def route_to_model_queue(
+    name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **_: Any
+) -> dict[str, Any] | None:
+    """Send shoal.* tasks to the queue of `kwargs['model']` (declared with its arguments)."""
+    if name not in OPERATION_OF_TASK or not isinstance(kwargs, dict) or "model" not in kwargs:
+        return None
+    queue = model_kombu_queue(str(kwargs["model"]), settings)
+    return {"queue": queue, "exchange": queue.exchange, "routing_key": queue.routing_key}
+
+
+app.conf.task_routes = (route_to_model_queue,)
+
+
+@before_task_publish.connect
+def _annotate_shoal_task(
+    sender: str | None = None, body: Any = None, headers: dict | None = None,
+    properties: dict | None = None, **_: Any,
+) -> None:
+    """Give messages from plain Celery clients the headers a gateway would write."""
+    if sender not in OPERATION_OF_TASK or headers is None or "shoal_model" in headers:
+        return
+    kwargs = body[1] if isinstance(body, list | tuple) and len(body) == 3 else {}
+    deadline_ms = None
+    expires = headers.get("expires")
+    if expires:
+        from datetime import datetime
+
+        deadline_ms = int(datetime.fromisoformat(expires).timestamp() * 1000)
+        if properties is not None:
+            properties["expiration"] = str(max(1, deadline_ms - now_ms()))
+    headers.update(annotate(sender, kwargs, deadline_ms=deadline_ms).as_headers())
+
+
+def _install_worker_steps() -> None:
+    # Clients import this module too; only the worker needs the bootstep.
+    from app.worker import install
+
+    install(app)
+
+
+_install_worker_steps()

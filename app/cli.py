@@ -1,0 +1,90 @@
+"""The `shoal` command: run the gateway or a worker, inspect settings and queues."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.settings import get_settings
+
+    settings = get_settings()
+    uvicorn.run(
+        "gateway.app:create_app",
+        factory=True,
+        host=args.host or settings.host,
+        port=args.port or settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    if args.models:
+        os.environ["SHOAL_MODELS"] = args.models
+    argv = [
+        "celery", "-A", "app", "worker",
+        "--pool", "threads", "--concurrency", "1",
+        "--events", "--without-gossip", "--without-mingle",
+        "--loglevel", args.log_level,
+        "--hostname", args.hostname,
+    ]
+    from celery.__main__ import main as celery_main
+
+    sys.argv = argv
+    celery_main()
+    return 0
+
+
+def _settings(_: argparse.Namespace) -> int:
+    from app.settings import get_settings
+
+    print(json.dumps(get_settings().model_dump(mode="json"), indent=2))
+    return 0
+
+
+def _queues(_: argparse.Namespace) -> int:
+    from app.settings import get_settings
+    from app.topology import queue_for
+
+    settings = get_settings()
+    for model in settings.models:
+        mq = queue_for(model, settings)
+        print(f"{model}\t{mq.name}\t{mq.dead_letter_queue}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gateway = sub.add_parser("gateway", help="run the HTTP gateway")
+    gateway.add_argument("--host")
+    gateway.add_argument("--port", type=int)
+    gateway.add_argument("--log-level", default="info")
+    gateway.add_argument("--access-log", action="store_true")
+    gateway.set_defaults(run=_gateway)
+
+    worker = sub.add_parser("worker", help="run a Celery worker serving SHOAL_MODELS")
+    worker.add_argument("--models", help="comma-separated model ids (default: SHOAL_MODELS)")
+    worker.add_argument("--hostname", default="shoal@%h")
+    worker.add_argument("--log-level", default="info")
+    worker.set_defaults(run=_worker)
+
+    sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
+    sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Every knob of shoal, read from environment variables prefixed `SHOAL_`.
+
+The README lists them; `shoal settings` prints the values in force.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import field_validator
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SHOAL_", extra="ignore")
+
+    # --- broker and topology ---
+    broker_url: str = "amqp://guest:guest@127.0.0.1:5672//"
+    broker_heartbeat: float = Field(10.0, description="AMQP heartbeat, seconds (0 disables)")
+    management_url: str = "http://guest:guest@127.0.0.1:15672/api/"
+    queue_prefix: str = "shoal"
+    queue_max_length: int = Field(10_000, ge=1, description="messages per model queue")
+    queue_delivery_limit: int = Field(20, ge=2)
+
+    # --- models ---
+    catalog_dir: Path = REPO_ROOT / "models"
+    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: [DEFAULT_MODEL])
+
+    # --- gateway ---
+    host: str = "127.0.0.1"
+    port: int = 8080
+    default_timeout_ms: int = Field(30_000, ge=1)
+    max_timeout_ms: int = Field(300_000, ge=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    max_items: int = Field(512, ge=1, description="items (texts) per request")
+    max_text_chars: int = Field(100_000, ge=1, description="characters per text item")
+    retry_after_s: int = Field(1, ge=0)
+
+    # --- worker ---
+    prefetch: int = Field(64, ge=1, description="unacked messages per model consumer")
+    batch_max_tokens: int = Field(16_384, ge=1, description="padded tokens per batch")
+    batch_max_items: int = Field(64, ge=1)
+    batch_max_delay_ms: float = Field(
+        0.0, ge=0, description="wait for a fuller batch only while the runtime is busy"
+    )
+    torch_threads: int = Field(0, ge=0, description="0 = one per core")
+    device: str = "cpu"
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

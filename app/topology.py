@@ -1,0 +1,73 @@
+"""Queue names and arguments, shared by every process that declares them.
+
+RabbitMQ refuses a re-declaration whose arguments differ, so the gateway
+(aio-pika) and the worker (kombu) both take their arguments from here.
+
+Naming rule, documented in the README: a model's queue is
+`{prefix}.model.{slug}` where slug is the model id lower-cased, `/` replaced
+by `.` and any other character outside `[a-z0-9._-]` replaced by `-`.
+Its dead-letter queue is that name plus `.dead`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_UNSAFE = re.compile(r"[^a-z0-9._-]")
+
+
+def model_slug(model_id: str) -> str:
+    return _UNSAFE.sub("-", model_id.lower().replace("/", "."))
+
+
+@dataclass(frozen=True)
+class ModelQueue:
+    name: str
+    exchange: str
+    dead_letter_exchange: str
+    dead_letter_queue: str
+    arguments: dict[str, Any]
+
+
+def task_exchange(prefix: str) -> str:
+    return f"{prefix}.tasks"
+
+
+def dead_letter_exchange(prefix: str) -> str:
+    return f"{prefix}.dlx"
+
+
+def model_queue(
+    model_id: str, *, prefix: str, max_length: int, delivery_limit: int
+) -> ModelQueue:
+    name = f"{prefix}.model.{model_slug(model_id)}"
+    dlx = dead_letter_exchange(prefix)
+    return ModelQueue(
+        name=name,
+        exchange=task_exchange(prefix),
+        dead_letter_exchange=dlx,
+        dead_letter_queue=f"{name}.dead",
+        arguments={
+            "x-queue-type": "quorum",
+            "x-dead-letter-exchange": dlx,
+            "x-dead-letter-routing-key": name,
+            "x-delivery-limit": delivery_limit,
+            "x-max-length": max_length,
+            "x-overflow": "reject-publish",
+        },
+    )
+
+
+DEAD_LETTER_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
+
+
+def queue_for(model_id: str, settings: Any) -> ModelQueue:
+    """The queue of `model_id` under the given `app.settings.Settings`."""
+    return model_queue(
+        model_id,
+        prefix=settings.queue_prefix,
+        max_length=settings.queue_max_length,
+        delivery_limit=settings.queue_delivery_limit,
+    )

@@ -1,0 +1,138 @@
+"""The gateway's Starlette app: `uvicorn gateway.app:create_app --factory`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.catalog import load_catalog
+from app.settings import Settings, get_settings
+from gateway.broker import Broker
+from gateway.codecs import encode_response
+from gateway.embeddings import create_embeddings
+from gateway.encode import encode
+from gateway.errors import ApiError
+from gateway.health import healthz, list_models, readyz
+from gateway.metrics import LATENCY, REQUESTS, metrics
+from tasks.errors import ErrorCode, ShoalError
+
+log = logging.getLogger(__name__)
+
+
+def _error_response(request: Request, error: ApiError) -> Response:
+    headers = {"X-Request-Id": getattr(request.state, "request_id", "")}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return encode_response(request, error.body(), error.status, headers)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _error_response(request, exc)
+
+
+async def _on_shoal_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ShoalError)
+    return _error_response(request, ApiError(exc.code, exc.message))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
+        exc.status_code, ErrorCode.INVALID_REQUEST
+    )
+    error = ApiError(code, f"{request.method} {request.url.path}: {exc.detail}")
+    error.status = exc.status_code
+    return _error_response(request, error)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return _error_response(request, ApiError(ErrorCode.INTERNAL, "internal error; see the "
+                                             "gateway's log"))
+
+
+_FIXED_ROUTES = {"/v1/embeddings", "/v1/models", "/healthz", "/readyz", "/metrics"}
+
+
+def _route_label(path: str) -> str:
+    """A bounded metrics label: the route template, never a caller's path."""
+    if path in _FIXED_ROUTES:
+        return path
+    return "/v1/encode/{model}" if path.startswith("/v1/encode/") else "other"
+
+
+class RequestIdMiddleware:
+    """Echo or assign X-Request-Id and count every response by route and status."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        route = _route_label(scope["path"])
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message["headers"] = headers
+                REQUESTS.labels(route, str(message["status"])).inc()
+                LATENCY.labels(route).observe(time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(settings: Settings | None = None) -> Starlette:
+    settings = settings or get_settings()
+    catalog = load_catalog(settings.catalog_dir)
+    served = {entry.id: entry for entry in catalog.require(settings.models)}
+    broker = Broker(settings, list(served))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        broker.start()
+        yield
+        await broker.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/embeddings", create_embeddings, methods=["POST"]),
+            Route("/v1/encode/{model:path}", encode, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={
+            ApiError: _on_api_error,
+            ShoalError: _on_shoal_error,
+            HTTPException: _on_http_error,
+            Exception: _on_unexpected,
+        },
+        lifespan=lifespan,
+    )
+    app.add_middleware(RequestIdMiddleware)
+    app.state.settings = settings
+    app.state.served = served
+    app.state.broker = broker
+    return app

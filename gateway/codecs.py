@@ -1,0 +1,86 @@
+"""Request bodies and responses in JSON or msgpack.
+
+The request's `Content-Type` picks the decoder; the response follows
+`Accept`, defaulting to the request's own type.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import ApiError
+from tasks.errors import ErrorCode
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+_MSGPACK_TYPES = {"application/msgpack", "application/x-msgpack"}
+
+
+def media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+def is_msgpack(header: str | None) -> bool:
+    return media_type(header) in _MSGPACK_TYPES
+
+
+async def read_body(request: Request, max_bytes: int) -> Any:
+    """The decoded body; 413 if over `max_bytes`, 400 if it does not parse."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    content_type = request.headers.get("content-type")
+    kind = media_type(content_type)
+    if kind in _MSGPACK_TYPES:
+        try:
+            return msgpack.unpackb(raw, raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"body is not valid msgpack: {exc}") from None
+    if kind not in ("", JSON) and not kind.endswith("+json"):
+        raise ApiError(
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+            f"Content-Type {kind!r} is not supported; send application/json or "
+            "application/msgpack",
+        )
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {exc}") from None
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(ErrorCode.PAYLOAD_TOO_LARGE, f"body is over the {max_bytes}-byte limit")
+
+
+def wants_msgpack(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    for part in accept.split(","):
+        kind = media_type(part)
+        if kind in _MSGPACK_TYPES:
+            return True
+        if kind == JSON:
+            return False
+    return is_msgpack(request.headers.get("content-type"))
+
+
+def encode_response(
+    request: Request | None, payload: Any, status: int = 200, headers: dict | None = None
+) -> Response:
+    if request is not None and wants_msgpack(request):
+        body = msgpack.packb(payload, use_bin_type=True)
+        return Response(body, status, headers, media_type=MSGPACK)
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    return Response(body, status, headers, media_type=JSON)

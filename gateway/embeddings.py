@@ -1,0 +1,62 @@
+"""POST /v1/embeddings, OpenAI-compatible (works with the official `openai` client)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.codecs import encode_response, read_body
+from gateway.errors import invalid
+from gateway.submit import call_model, check_texts, served_model
+from tasks.results import embedding_arrays
+from tasks.schema import parse_encode
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+def _input_texts(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, int | list) for v in value):
+        raise invalid("token-id input is not supported; send 'input' as a string or a list of "
+                      "strings")
+    raise invalid("'input' must be a string or a non-empty list of strings")
+
+
+async def create_embeddings(request: Request) -> Response:
+    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    entry = served_model(request, body.get("model"))
+    texts = _input_texts(body.get("input"))
+    check_texts(request, texts)
+    encoding_format = body.get("encoding_format") or "float"
+    if encoding_format not in ENCODING_FORMATS:
+        raise invalid(f"'encoding_format' must be one of {list(ENCODING_FORMATS)}")
+    options: dict[str, Any] = {}
+    if body.get("dimensions") is not None:
+        options["dimensions"] = body["dimensions"]
+    kwargs = {"model": entry.id, "items": [{"text": t} for t in texts], "options": options}
+    parse_encode(kwargs, entry.dims)  # 422 before anything is published
+    reply = await call_model(request, entry, "encode", kwargs, texts)
+    result = reply.result
+    data = []
+    for index, row in enumerate(embedding_arrays(result)):
+        embedding: Any = (
+            base64.b64encode(row.tobytes()).decode() if encoding_format == "base64"
+            else row.tolist()
+        )
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    tokens = result["usage"]["tokens"]
+    payload = {
+        "object": "list",
+        "data": data,
+        "model": entry.id,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return encode_response(request, payload, headers=reply.headers)

@@ -1,0 +1,100 @@
+"""Turn a validated request into a task message, publish it and await its result."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from app.catalog import ModelEntry
+from gateway.errors import ApiError, invalid
+from tasks.cost import estimate_texts
+from tasks.envelope import Annotations, now_ms, task_body, task_headers
+from tasks.errors import ErrorCode
+from tasks.names import TASK_OF_OPERATION
+
+# Without max_seq_length in the catalog, cap estimates at a common limit.
+FALLBACK_MAX_TOKENS = 512
+
+
+@dataclass(slots=True)
+class Reply:
+    result: dict[str, Any]
+    headers: dict[str, str]
+
+
+def timeout_ms(request: Request) -> int:
+    settings = request.app.state.settings
+    raw = request.headers.get("x-timeout-ms")
+    if raw is None:
+        return settings.default_timeout_ms
+    try:
+        value = int(raw)
+    except ValueError:
+        raise invalid(f"X-Timeout-Ms must be an integer number of milliseconds, got {raw!r}")
+    if not 1 <= value <= settings.max_timeout_ms:
+        raise invalid(f"X-Timeout-Ms must be between 1 and {settings.max_timeout_ms}")
+    return value
+
+
+def served_model(request: Request, model: Any) -> ModelEntry:
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' must be a non-empty string")
+    entry = request.app.state.served.get(model)
+    if entry is None:
+        served = sorted(request.app.state.served)
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND,
+                       f"model {model!r} is not served here; served models: {served}")
+    return entry
+
+
+def check_texts(request: Request, texts: list[str]) -> None:
+    settings = request.app.state.settings
+    if len(texts) > settings.max_items:
+        raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
+                       f"{len(texts)} items is over the limit of {settings.max_items} per request")
+    for i, text in enumerate(texts):
+        if len(text) > settings.max_text_chars:
+            raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
+                           f"item {i} has {len(text)} characters, over the limit of "
+                           f"{settings.max_text_chars}")
+
+
+async def call_model(
+    request: Request, entry: ModelEntry, op: str, kwargs: dict[str, Any], texts: list[str]
+) -> Reply:
+    started = time.perf_counter()
+    budget_ms = timeout_ms(request)
+    cost, longest = estimate_texts(texts, entry.max_seq_length or FALLBACK_MAX_TOKENS)
+    sent = now_ms()
+    annotations = Annotations(entry.id, op, len(texts), cost, longest, sent + budget_ms, sent)
+    task_id = str(uuid.uuid4())
+    broker = request.app.state.broker
+    headers = task_headers(task_id, TASK_OF_OPERATION[op], annotations, broker.origin)
+    reply = await broker.call(entry.id, task_id, task_body(kwargs), headers, budget_ms / 1000)
+    if reply.get("status") != "SUCCESS":
+        raise error_from_failure(reply.get("result"))
+    result = reply["result"]
+    timing = result.get("timing") or {}
+    out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}"}
+    if timing.get("queue_ms") is not None:
+        out_headers["X-Queue-Time-Ms"] = str(timing["queue_ms"])
+    if timing.get("inference_ms") is not None:
+        out_headers["X-Inference-Time-Ms"] = f"{timing['inference_ms']:.1f}"
+    batch = result.get("batch") or {}
+    if "requests" in batch:
+        out_headers["X-Batch-Requests"] = str(batch["requests"])
+    return Reply(result, out_headers)
+
+
+def error_from_failure(meta: Any) -> ApiError:
+    """A Celery FAILURE result (a serialised ShoalError) as an API error."""
+    if isinstance(meta, dict):
+        args = meta.get("exc_message")
+        if meta.get("exc_type") == "ShoalError" and isinstance(args, list | tuple) and len(args) == 2:
+            return ApiError(str(args[0]), str(args[1]))
+        return ApiError(ErrorCode.INTERNAL, f"worker error {meta.get('exc_type')}: {args}")
+    return ApiError(ErrorCode.INTERNAL, f"worker error: {meta!r}")

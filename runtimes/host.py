@@ -1,0 +1,138 @@
+"""The model host: loads the served models and runs batches of requests.
+
+One host per device. Today it runs inside the worker on a dedicated thread;
+it keeps no reference to the broker, so it can move behind a socket into its
+own process without changing what it computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from app.catalog import ModelEntry
+from runtimes.base import Outcome, Request
+from runtimes.pytorch.dense import DenseEncoder, normalize_rows
+from runtimes.sources import resolve_source
+from tasks.errors import ErrorCode, ShoalError
+from tasks.schema import EncodeRequest, parse_encode
+
+log = logging.getLogger(__name__)
+
+
+class ModelHost:
+    """Holds loaded models by id and runs encode batches on them."""
+
+    def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384) -> None:
+        self.device = device
+        self.chunk_tokens = chunk_tokens
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self._models: dict[str, DenseEncoder] = {}
+
+    def load(self, entries: Iterable[ModelEntry]) -> None:
+        for entry in entries:
+            started = time.perf_counter()
+            ref, local = resolve_source(entry.source)
+            self._models[entry.id] = DenseEncoder(
+                ref,
+                local=local,
+                device=self.device,
+                pooling=entry.pooling,
+                normalize=entry.normalize,
+                max_seq_length=entry.max_seq_length,
+                chunk_tokens=self.chunk_tokens,
+            )
+            log.info("loaded %s in %.1fs", entry.id, time.perf_counter() - started)
+
+    def encoder(self, model_id: str) -> DenseEncoder:
+        return self._models[model_id]
+
+    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
+        encoder = self._models.get(model_id)
+        if encoder is None:
+            return [_failed(r.id, ErrorCode.MODEL_NOT_FOUND, f"this worker does not serve "
+                            f"{model_id}") for r in requests]
+        outcomes: dict[str, Outcome] = {}
+        runnable: list[tuple[Request, EncodeRequest]] = []
+        for request in requests:
+            try:
+                if request.op != "encode":
+                    raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION,
+                                     f"{model_id} does not support '{request.op}'")
+                parsed = parse_encode(request.kwargs, encoder.dims)
+                if not parsed.truncate:
+                    _check_lengths(encoder, parsed.texts)
+                runnable.append((request, parsed))
+            except ShoalError as exc:
+                outcomes[request.id] = _failed(request.id, exc.code, exc.message)
+        if runnable:
+            try:
+                outcomes.update(self._encode(encoder, model_id, runnable))
+            except Exception:
+                # Run each request alone so only the one that fails gets an error.
+                log.exception("batch of %d requests failed; retrying one by one", len(runnable))
+                for pair in runnable:
+                    try:
+                        outcomes.update(self._encode(encoder, model_id, [pair]))
+                    except Exception as exc:
+                        log.exception("request %s failed", pair[0].id)
+                        outcomes[pair[0].id] = _failed(pair[0].id, ErrorCode.INTERNAL,
+                                                       f"inference failed: {exc!r}")
+        return [outcomes[r.id] for r in requests]
+
+    def _encode(
+        self, encoder: DenseEncoder, model_id: str, batch: list[tuple[Request, EncodeRequest]]
+    ) -> dict[str, Outcome]:
+        started = time.perf_counter()
+        texts = [t for _, parsed in batch for t in parsed.texts]
+        tokens = encoder.tokenize(texts)
+        vectors = encoder.embed(tokens)
+        inference_ms = (time.perf_counter() - started) * 1000
+        outcomes: dict[str, Outcome] = {}
+        stats = {"requests": len(batch), "items": len(texts), "inference_ms": inference_ms}
+        offset = 0
+        for request, parsed in batch:
+            n = len(parsed.texts)
+            rows = vectors[offset : offset + n]
+            used_tokens = sum(len(ids) for ids in tokens.input_ids[offset : offset + n])
+            offset += n
+            if parsed.dimensions is not None:
+                rows = rows[:, : parsed.dimensions]
+            if encoder.normalize if parsed.normalize is None else parsed.normalize:
+                rows = normalize_rows(rows)
+            rows = np.ascontiguousarray(rows, dtype="<f4")
+            outcomes[request.id] = Outcome(
+                request.id,
+                result={
+                    "model": model_id,
+                    "dims": int(rows.shape[1]),
+                    "count": n,
+                    "dtype": "float32",
+                    "embeddings": rows.tobytes(),
+                    "usage": {"tokens": used_tokens},
+                    "batch": stats,
+                },
+            )
+        return outcomes
+
+    def close(self) -> None:
+        self._models.clear()
+
+
+def _check_lengths(encoder: DenseEncoder, texts: list[str]) -> None:
+    for i, length in enumerate(encoder.untruncated_lengths(texts)):
+        if length > encoder.max_seq_length:
+            raise ShoalError(
+                ErrorCode.INPUT_TOO_LONG,
+                f"items[{i}] has {length} tokens, over the model's {encoder.max_seq_length}; "
+                "shorten it or set options.truncate to true",
+            )
+
+
+def _failed(request_id: str, code: str, message: str) -> Outcome:
+    return Outcome(request_id, error_code=str(code), error_message=message)

@@ -1,0 +1,1 @@
+"""PyTorch (transformers) adapters, one module per model family."""

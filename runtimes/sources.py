@@ -1,0 +1,34 @@
+"""Turn a catalog `source` into a local directory of weights."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from app.catalog import Source
+
+
+class SourceError(RuntimeError):
+    pass
+
+
+def resolve_source(source: Source) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, whether it is a local directory)."""
+    if source.path:
+        path = Path(source.path).expanduser() / source.subdir
+        if not path.is_dir():
+            raise SourceError(f"model directory {path} does not exist")
+        return str(path), True
+    if source.package:
+        spec = importlib.util.find_spec(source.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise SourceError(
+                f"package '{source.package}' is not installed (pip install "
+                f"{source.package.replace('_', '-')})"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / source.subdir
+        if not path.is_dir():
+            raise SourceError(f"package '{source.package}' has no directory {source.subdir!r}")
+        return str(path), True
+    assert source.hub
+    return source.hub, False

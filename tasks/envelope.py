@@ -1,0 +1,165 @@
+"""The task message: Celery protocol v2 with shoal's annotations in headers.
+
+Any Celery client can produce these messages and Flower understands them;
+shoal's gateway builds them directly (no Celery import) and workers read the
+`shoal_*` headers to schedule a message without decoding its body.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgpack
+
+from tasks.cost import estimate_texts
+from tasks.names import OPERATION_OF_TASK
+
+CONTENT_TYPE = "application/x-msgpack"
+CONTENT_ENCODING = "binary"
+
+H_MODEL = "shoal_model"
+H_OP = "shoal_op"
+H_ITEMS = "shoal_items"
+H_COST = "shoal_cost"  # estimated tokens of the whole request
+H_LONGEST = "shoal_longest"  # estimated tokens of its longest item
+H_DEADLINE = "shoal_deadline"  # epoch milliseconds
+H_SENT = "shoal_sent"  # epoch milliseconds, when the message was published
+H_LORA = "shoal_lora"
+
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+# Without a catalog at hand (a plain Celery client), cap estimates here.
+DEFAULT_MAX_TOKENS = 512
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Annotations:
+    """What a worker needs to schedule a message, read from its headers."""
+
+    model: str
+    op: str
+    items: int
+    cost: int
+    longest: int
+    deadline_ms: int | None
+    sent_ms: int | None
+    lora: str | None = None
+
+    def as_headers(self) -> dict[str, Any]:
+        headers: dict[str, Any] = {
+            H_MODEL: self.model,
+            H_OP: self.op,
+            H_ITEMS: self.items,
+            H_COST: self.cost,
+            H_LONGEST: self.longest,
+        }
+        if self.deadline_ms is not None:
+            headers[H_DEADLINE] = self.deadline_ms
+        if self.sent_ms is not None:
+            headers[H_SENT] = self.sent_ms
+        if self.lora:
+            headers[H_LORA] = self.lora
+        return headers
+
+
+def item_texts(kwargs: dict[str, Any]) -> list[str]:
+    """The texts of an encode request's `items` (non-text items count as empty)."""
+    items = kwargs.get("items") or []
+    return [i.get("text", "") if isinstance(i, dict) else "" for i in items]
+
+
+def annotate(task_name: str, kwargs: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,
+             deadline_ms: int | None = None) -> Annotations:
+    """Annotations computed from a request's kwargs (for clients without a gateway)."""
+    texts = item_texts(kwargs)
+    cost, longest = estimate_texts(texts, max_tokens)
+    options = kwargs.get("options") or {}
+    return Annotations(
+        model=str(kwargs.get("model", "")),
+        op=OPERATION_OF_TASK.get(task_name, "unknown"),
+        items=len(texts),
+        cost=cost,
+        longest=longest,
+        deadline_ms=deadline_ms,
+        sent_ms=now_ms(),
+        lora=options.get("lora") if isinstance(options, dict) else None,
+    )
+
+
+def read_annotations(headers: dict[str, Any]) -> Annotations | None:
+    """The annotations of a received message, or None if it carries none."""
+    try:
+        return Annotations(
+            model=headers[H_MODEL],
+            op=headers[H_OP],
+            items=int(headers[H_ITEMS]),
+            cost=int(headers[H_COST]),
+            longest=int(headers.get(H_LONGEST, 0)),
+            deadline_ms=headers.get(H_DEADLINE),
+            sent_ms=headers.get(H_SENT),
+            lora=headers.get(H_LORA),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def expires_iso(deadline_ms: int) -> str:
+    return datetime.fromtimestamp(deadline_ms / 1000, tz=UTC).isoformat()
+
+
+def task_headers(task_id: str, task_name: str, annotations: Annotations, origin: str) -> dict:
+    """Celery protocol v2 headers plus shoal's annotations."""
+    headers = {
+        "lang": "py",
+        "task": task_name,
+        "id": task_id,
+        "shadow": None,
+        "eta": None,
+        "expires": expires_iso(annotations.deadline_ms) if annotations.deadline_ms else None,
+        "group": None,
+        "group_index": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "root_id": task_id,
+        "parent_id": None,
+        "argsrepr": "()",
+        "kwargsrepr": f"{{'model': {annotations.model!r}, 'items': {annotations.items}}}",
+        "origin": origin,
+        "ignore_result": False,
+    }
+    headers.update(annotations.as_headers())
+    return headers
+
+
+def task_body(kwargs: dict[str, Any]) -> bytes:
+    """Celery protocol v2 body `[args, kwargs, embed]`, msgpack-encoded."""
+    return msgpack.packb([[], kwargs, _EMBED], use_bin_type=True)
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The kwargs of a task body; raises ValueError on anything malformed."""
+    try:
+        decoded = msgpack.unpackb(body, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"task body is not msgpack: {exc}") from exc
+    if (
+        not isinstance(decoded, list | tuple)
+        or len(decoded) != 3
+        or not isinstance(decoded[1], dict)
+    ):
+        raise ValueError("task body is not a Celery protocol v2 [args, kwargs, embed] triple")
+    return decoded[1]
+
+
+def decode_result(body: bytes) -> dict[str, Any]:
+    """A Celery rpc result message: {task_id, status, result, traceback, ...}."""
+    result = msgpack.unpackb(body, raw=False)
+    if not isinstance(result, dict) or "status" not in result:
+        raise ValueError("not a Celery result message")
+    return result

@@ -1,0 +1,9 @@
+"""Task names (Celery `task` header) and the operation each stands for."""
+
+ENCODE = "shoal.encode"
+SCORE = "shoal.score"
+EXTRACT = "shoal.extract"
+GENERATE = "shoal.generate"
+
+OPERATION_OF_TASK = {ENCODE: "encode", SCORE: "score", EXTRACT: "extract", GENERATE: "generate"}
+TASK_OF_OPERATION = {op: name for name, op in OPERATION_OF_TASK.items()}
