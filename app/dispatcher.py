@@ -59,6 +59,14 @@ class Dispatcher:
     # --- delivery (loop thread) ---------------------------------------------------------
 
     def on_message(self, message: Any) -> None:
+        try:
+            self._hold(message)
+        except Exception:
+            # Whatever a message holds, it must not take the consumer down.
+            log.exception("message dead-lettered: it could not be held")
+            message.reject(requeue=False)
+
+    def _hold(self, message: Any) -> None:
         headers = message.headers or {}
         task_id = headers.get("id") or message.properties.get("correlation_id")
         task_name = headers.get("task", ENCODE)

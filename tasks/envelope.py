@@ -69,9 +69,12 @@ class Annotations:
 
 
 def item_texts(kwargs: dict[str, Any]) -> list[str]:
-    """The texts of an encode request's `items` (non-text items count as empty)."""
-    items = kwargs.get("items") or []
-    return [i.get("text", "") if isinstance(i, dict) else "" for i in items]
+    """The texts of an encode request's `items` (anything but a text counts as empty)."""
+    items = kwargs.get("items")
+    if not isinstance(items, list):
+        return []
+    texts = [i.get("text") if isinstance(i, dict) else None for i in items]
+    return [t if isinstance(t, str) else "" for t in texts]
 
 
 def annotate(task_name: str, kwargs: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,

@@ -46,11 +46,14 @@ class DenseEncoder:
         self.pooling = pooling or st.pooling or "mean"
         self.normalize = st.normalize if normalize is None else normalize
         self.do_lower_case = st.do_lower_case
+        # The catalog wins, then the sentence-transformers files, then the
+        # tokenizer's own limit (huge sentinel values mean "none").
+        tokenizer_limit = self.tokenizer.model_max_length
+        wanted = max_seq_length or st.max_seq_length or (
+            tokenizer_limit if tokenizer_limit < 1_000_000 else None
+        )
         limits = [
-            n for n in (
-                max_seq_length or st.max_seq_length,
-                getattr(self.model.config, "max_position_embeddings", None),
-            ) if n
+            n for n in (wanted, getattr(self.model.config, "max_position_embeddings", None)) if n
         ]
         self.max_seq_length = min(limits) if limits else 512
         self.dims = int(self.model.config.hidden_size)

@@ -26,6 +26,23 @@ class SentenceTransformerConfig:
     do_lower_case: bool = False
 
 
+def _pooling_mode(config: dict, model_dir: Path) -> str:
+    """The single pooling mode of a Pooling config (v6 `pooling_mode` or older flags)."""
+    if "pooling_mode" in config:  # sentence-transformers >= 6
+        mode = config["pooling_mode"]
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    else:
+        modes = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
+    chosen = [_POOLING_MODES.get(m, m) for m in modes]
+    supported = set(_POOLING_MODES.values())
+    if len(chosen) != 1 or chosen[0] not in supported:
+        raise ValueError(
+            f"{model_dir}: pooling {modes} is not supported; "
+            f"shoal supports exactly one of {sorted(supported)}"
+        )
+    return chosen[0]
+
+
 def read_st_config(model_dir: Path) -> SentenceTransformerConfig:
     """What the directory's sentence-transformers files say (defaults if absent)."""
     modules_file = model_dir / "modules.json"
@@ -38,17 +55,7 @@ def read_st_config(model_dir: Path) -> SentenceTransformerConfig:
         kind = module.get("type", "")
         if kind.endswith(".Pooling"):
             config = json.loads((model_dir / module["path"] / "config.json").read_text())
-            chosen = [mode for key, mode in _POOLING_MODES.items() if config.get(key)]
-            unsupported = [
-                k for k, v in config.items() if k.startswith("pooling_mode") and v
-                and k not in _POOLING_MODES
-            ]
-            if unsupported or len(chosen) != 1:
-                raise ValueError(
-                    f"{model_dir}: pooling {unsupported or chosen} is not supported; "
-                    f"shoal supports exactly one of {sorted(set(_POOLING_MODES.values()))}"
-                )
-            pooling = chosen[0]
+            pooling = _pooling_mode(config, model_dir)
         elif kind.endswith(".Normalize"):
             normalize = True
     bert_config_file = model_dir / "sentence_bert_config.json"

