@@ -126,7 +126,14 @@ def process_label(pid: int) -> str:
 
 
 def cpu_snapshot(pids: list[int]) -> dict[int, float]:
-    return {pid: cpu_seconds(pid) for pid in pids}
+    """CPU seconds of each process still alive."""
+    snapshot = {}
+    for pid in pids:
+        try:
+            snapshot[pid] = cpu_seconds(pid)
+        except OSError:
+            print(f"warning: process {pid} is gone", file=sys.stderr)
+    return snapshot
 
 
 # --------------------------------------------------------------------------- HTTP load
@@ -227,8 +234,9 @@ def summarize(
 ) -> LevelResult:
     done = len(samples.latencies_ms)
     lat = np.array(samples.latencies_ms) if done else None
-    per_request = 1000 / done if done else math.nan
-    cpu = {process_label(pid): (after[pid] - before[pid]) * per_request for pid in before}
+    per_request = 1000 / done if done else 0.0
+    alive = [pid for pid in before if pid in after] if done else []
+    cpu = {process_label(pid): (after[pid] - before[pid]) * per_request for pid in alive}
     if cpu:
         cpu["total"] = sum(cpu.values())
     return LevelResult(
@@ -315,7 +323,7 @@ def http_table(levels: list[LevelResult], inproc: dict[int, float]) -> list[str]
 
 
 def cpu_table(levels: list[LevelResult]) -> list[str]:
-    names = list(levels[0].cpu_ms_per_request) if levels else []
+    names = list(dict.fromkeys(n for r in levels for n in r.cpu_ms_per_request))
     if not names:
         return []
     lines = [
