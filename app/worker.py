@@ -2,8 +2,9 @@
 
 Each served model's queue gets its own channel and consumer with its own
 prefetch (per-consumer QoS; quorum queues refuse global QoS). Models are
-loaded once when the worker starts, before any message is consumed, and
-stay loaded across broker reconnects.
+loaded once, when the step is built: that is before the consumer opens its
+broker connection, whose heartbeats would otherwise go unanswered while the
+weights load. They stay loaded across broker reconnects.
 """
 
 from __future__ import annotations
@@ -48,18 +49,18 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         super().__init__(c, **kwargs)
         self.settings = get_settings()
         self.entries = load_catalog(self.settings.catalog_dir).require(self.settings.models)
+        self.limits = {e.id: batch_limits(e, self.settings) for e in self.entries}
+        self.runtime = self._runtime()
         self.dispatcher: Dispatcher | None = None
-        c.shoal_queues = [queue_for(e.id, self.settings).name for e in self.entries]
 
     def _runtime(self) -> Any:
         # Imported here: torch loads only in worker processes, never in clients.
         from runtimes.host import ModelHost
 
-        limits = [batch_limits(e, self.settings) for e in self.entries]
         host = ModelHost(
             device=self.settings.device,
             threads=self.settings.torch_threads,
-            chunk_tokens=max(lim.max_tokens for lim in limits),
+            chunk_tokens=max(limit.max_tokens for limit in self.limits.values()),
         )
         host.load(self.entries)
         return host
@@ -68,8 +69,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         if c.hub is None:
             raise RuntimeError("shoal's worker needs Celery's event loop (an AMQP broker)")
         if self.dispatcher is None:
-            limits = {e.id: batch_limits(e, self.settings) for e in self.entries}
-            self.dispatcher = Dispatcher(c, self._runtime(), limits)
+            self.dispatcher = Dispatcher(c, self.runtime, self.limits)
         self.consumers = []
         for entry in self.entries:
             queue, dead = kombu_queues(queue_for(entry.id, self.settings))

@@ -1,0 +1,57 @@
+"""Operators see the worker, each request as a task, and the model queues in Flower."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import MINILM, queue_name
+from tests.stack import free_port, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def test_flower_lists_worker_tasks_and_queues(stack):
+    from tasks.client import encode
+
+    port = free_port()
+    stack.stack.flower("flower", port)
+    url = f"http://127.0.0.1:{port}"
+
+    def workers() -> dict:
+        return httpx.get(f"{url}/api/workers", params={"refresh": "true"}, timeout=10).json()
+
+    names = wait_for(lambda: [w for w in workers() if w.startswith("main@")], 60,
+                     "Flower to list the worker")
+
+    def task_seen() -> dict | None:
+        # Flower sees only events sent after it connected: send until one shows up.
+        task_id = str(uuid.uuid4())
+        encode.apply_async(kwargs={"model": MINILM, "items": [{"text": "x"}]},
+                           task_id=task_id).get(timeout=30)
+        return wait_for(lambda: httpx.get(f"{url}/api/task/info/{task_id}").json(), 5,
+                        "the task in Flower")
+
+    wait_for(task_seen, 60, "Flower to receive task events", interval=0.5)
+
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for task_id in ids:
+        encode.apply_async(kwargs={"model": MINILM, "items": [{"text": task_id}]},
+                           task_id=task_id).get(timeout=30)
+
+    def finished() -> list[dict]:
+        infos = [httpx.get(f"{url}/api/task/info/{t}").json() for t in ids]
+        return infos if all(i.get("state") == "SUCCESS" for i in infos) else []
+
+    for info in wait_for(finished, 30, "the tasks to show as succeeded"):
+        assert info["name"] == "shoal.encode"
+        assert info["worker"] == names[0]
+        assert info["runtime"] is not None and info["runtime"] >= 0
+        assert info["received"] and info["started"] and info["succeeded"]
+
+    broker_page = wait_for(
+        lambda: (page := httpx.get(f"{url}/broker", timeout=10).text)
+        and queue_name(MINILM) in page and page, 30, "the model queue on the broker tab")
+    assert queue_name(MINILM) in broker_page
