@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-
-from pydantic import Field
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing import Annotated
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -34,7 +34,9 @@ def timeout_ms(request: Request) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise invalid(f"X-Timeout-Ms must be an integer number of milliseconds, got {raw!r}")
+        raise invalid(
+            f"X-Timeout-Ms must be an integer number of milliseconds, got {raw!r}"
+        ) from None
     if not 1 <= value <= settings.max_timeout_ms:
         raise invalid(f"X-Timeout-Ms must be between 1 and {settings.max_timeout_ms}")
     return value
@@ -94,7 +96,8 @@ def error_from_failure(meta: Any) -> ApiError:
     """A Celery FAILURE result (a serialised ShoalError) as an API error."""
     if isinstance(meta, dict):
         args = meta.get("exc_message")
-        if meta.get("exc_type") == "ShoalError" and isinstance(args, list | tuple) and len(args) == 2:
+        is_shoal = meta.get("exc_type") == "ShoalError"
+        if is_shoal and isinstance(args, list | tuple) and len(args) == 2:
             return ApiError(str(args[0]), str(args[1]))
         return ApiError(ErrorCode.INTERNAL, f"worker error {meta.get('exc_type')}: {args}")
     return ApiError(ErrorCode.INTERNAL, f"worker error: {meta!r}")

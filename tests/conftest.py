@@ -86,7 +86,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     stack = Stack(dict(os.environ), logs)
     port = free_port()
     worker = stack.worker("main", [MINILM, TINY_CLS])
-    gateway = stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART])
+    stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready")

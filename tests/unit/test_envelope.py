@@ -2,7 +2,12 @@ import msgpack
 import pytest
 
 from tasks.envelope import (
-    Annotations, annotate, decode_body, read_annotations, task_body, task_headers,
+    Annotations,
+    annotate,
+    decode_body,
+    read_annotations,
+    task_body,
+    task_headers,
 )
 from tasks.names import ENCODE
 
