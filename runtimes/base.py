@@ -31,7 +31,12 @@ class Outcome:
 
 
 class Runtime(Protocol):
-    """Runs one batch of one model. Implementations: in-process (`runtimes.host`)."""
+    """Runs one batch of one model.
+
+    Implementations: in-process (`runtimes.host.ModelHost`) and in a child
+    process that may crash without taking the caller down
+    (`runtimes.process.ProcessRuntime`).
+    """
 
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]: ...
 

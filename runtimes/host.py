@@ -1,8 +1,13 @@
 """The model host: loads the served models and runs batches of requests.
 
-One host per device. Today it runs inside the worker on a dedicated thread;
-it keeps no reference to the broker, so it can move behind a socket into its
-own process without changing what it computes.
+One host per device. It runs either inside the worker on a dedicated thread
+or, behind a socket, in its own process (`runtimes.server`); it keeps no
+reference to the broker, so both compute the same thing.
+
+An inference exception propagates out of `run_batch`: the caller decides
+which request is to blame (`runtimes.process` bisects the batch). Only
+problems found by checking a request before inference are per-request
+outcomes here.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class ModelHost:
         for entry in entries:
             started = time.perf_counter()
             ref, local = resolve_source(entry.source)
-            self._models[entry.id] = DenseEncoder(
+            self._models[entry.id] = _encoder_class(entry.adapter)(
                 ref,
                 local=local,
                 device=self.device,
@@ -61,6 +66,8 @@ class ModelHost:
         runnable: list[tuple[Request, EncodeRequest]] = []
         for request in requests:
             try:
+                if not isinstance(request.kwargs, dict):
+                    raise ShoalError(ErrorCode.VALIDATION_ERROR, "task kwargs must be an object")
                 if request.op != "encode":
                     raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION,
                                      f"{model_id} does not support '{request.op}'")
@@ -71,18 +78,7 @@ class ModelHost:
             except ShoalError as exc:
                 outcomes[request.id] = _failed(request.id, exc.code, exc.message)
         if runnable:
-            try:
-                outcomes.update(self._encode(encoder, model_id, runnable))
-            except Exception:
-                # Run each request alone so only the one that fails gets an error.
-                log.exception("batch of %d requests failed; retrying one by one", len(runnable))
-                for pair in runnable:
-                    try:
-                        outcomes.update(self._encode(encoder, model_id, [pair]))
-                    except Exception as exc:
-                        log.exception("request %s failed", pair[0].id)
-                        outcomes[pair[0].id] = _failed(pair[0].id, ErrorCode.INTERNAL,
-                                                       f"inference failed: {exc!r}")
+            outcomes.update(self._encode(encoder, model_id, runnable))
         return [outcomes[r.id] for r in requests]
 
     def _encode(
@@ -122,6 +118,15 @@ class ModelHost:
 
     def close(self) -> None:
         self._models.clear()
+
+
+def _encoder_class(adapter: str) -> type[DenseEncoder]:
+    if adapter == "dense-faulty":
+        # Imported only when asked for: it exists to crash processes in tests.
+        from runtimes.pytorch.faulty import FaultyDenseEncoder
+
+        return FaultyDenseEncoder
+    return DenseEncoder
 
 
 def _check_lengths(encoder: DenseEncoder, texts: list[str]) -> None:

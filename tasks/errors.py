@@ -24,6 +24,9 @@ class ErrorCode(StrEnum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNSUPPORTED_OPERATION = "UNSUPPORTED_OPERATION"
     INTERNAL = "INTERNAL"
+    # This request, run alone, crashed the model runtime or made inference fail;
+    # not retried (it would fail again), every other request of its batch was served.
+    POISON_INPUT = "POISON_INPUT"
 
 
 class ShoalError(Exception):

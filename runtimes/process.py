@@ -1,0 +1,388 @@
+"""A runtime whose models live in a child process, so that the worker survives them.
+
+The child (`python -m runtimes.server`) is spawned, never forked, and reached
+over a private Unix socket with msgpack frames. A segfault, an OOM kill, a
+CUDA error or an exception in the model ends at most that child; the worker
+restarts it and finds which request is to blame.
+
+Restart and bisect policy. When a batch fails (the child dies, or replies
+that the batch raised), it is split in halves and each half is run again
+(after a restart if the child died), recursively. A request is blamed, with
+POISON_INPUT, only when it fails *run alone after a batch containing it
+failed*: two failures, the second with nothing else in the batch. So:
+
+* an external kill (OOM killer, SIGKILL) during a batch costs one restart and
+  the halves then succeed: every request gets its normal result. A lone
+  request gets the same chance: its first failure is retried once.
+* a poison request costs log2(batch) + 1 failures (restarts, for crashes),
+  with no separate whole-batch retry: the halves already are the retry.
+* a batch too big for device memory is split until it fits.
+
+Before blaming a request, the runtime must have shown that it works: some
+part of the batch succeeded after the first failure, or else a known-good
+probe request succeeds. If the probe fails too, the runtime is broken
+whatever the input, and `run_batch` raises `RuntimeUnhealthy` rather than
+blaming everyone. (Usually the other parts are the evidence, so the batch's
+replies need not wait for the last restart.)
+
+After a death the next child is spawned at once (without waiting for it),
+so it loads while the batch's replies go out; there is no reply timeout (a hung model blocks the
+calling thread, which is the caller's deadline to enforce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from runtimes.base import Outcome, Request
+from runtimes.protocol import FrameTooLarge, ProtocolError, encode_frame, recv_frame
+from tasks.errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+PROBE = Request("probe", "encode", {"items": [{"text": "probe"}]})
+_MAX_SOCKET_PATH = 96  # sun_path holds 107 bytes on Linux; the server adds ".staging"
+_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class RuntimeStartError(RuntimeError):
+    """The runtime process did not become ready (its output tail is in the message)."""
+
+
+class RuntimeClosed(RuntimeError):
+    """The runtime was closed; it runs nothing more."""
+
+
+class RuntimeUnhealthy(RuntimeError):
+    """The runtime fails whatever the input, so no request of the batch is to blame."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    kind: Literal["crash", "exception"]
+    detail: str
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class _Child:
+    """One incarnation of the runtime process: the process, its output, its connection."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str], socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Its own session: a Ctrl-C meant for the worker must not kill the
+            # runtime under a running batch; the worker stops it itself.
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        self.tail: deque[str] = deque(maxlen=40)
+        self.sock: socket.socket | None = None
+        self._tee = threading.Thread(target=self._forward_output, daemon=True,
+                                     name=f"runtime-{self.pid}-output")
+        self._tee.start()
+
+    def _forward_output(self) -> None:
+        # The child's logs go to the worker's stderr; the tail is kept to
+        # explain a failed start.
+        assert self.proc.stdout is not None
+        for line in iter(self.proc.stdout.readline, b""):
+            self.tail.append(line.decode(errors="replace").rstrip())
+            with contextlib.suppress(OSError):
+                os.write(2, line)
+        self.proc.stdout.close()
+
+    def output_tail(self) -> str:
+        self._tee.join(timeout=2)
+        return "\n".join(self.tail)
+
+    def connect(self, timeout: float, closed: Callable[[], bool]) -> None:
+        """Wait for the socket (it appears once models are loaded) and the ready frame."""
+        deadline = self.started + timeout
+        while not self.socket_path.exists():
+            if closed():
+                raise RuntimeClosed("the runtime was closed while starting")
+            if self.proc.poll() is not None:
+                raise RuntimeStartError(
+                    f"the model runtime (pid {self.pid}) exited during start-up "
+                    f"({describe_exit(self.proc.returncode)}); its last output:\n"
+                    f"{self.output_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeStartError(
+                    f"the model runtime (pid {self.pid}) was not ready within {timeout:.0f}s; "
+                    f"its last output:\n{self.output_tail()}"
+                )
+            time.sleep(0.05)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 5.0))
+            sock.connect(str(self.socket_path))
+            ready = recv_frame(sock)
+            sock.settimeout(None)
+        except (OSError, EOFError, ProtocolError) as exc:
+            sock.close()
+            if closed():
+                raise RuntimeClosed("the runtime was closed while starting") from exc
+            raise RuntimeStartError(
+                f"the model runtime (pid {self.pid}) failed while connecting: {exc!r}; "
+                f"its last output:\n{self.output_tail()}"
+            ) from exc
+        if not isinstance(ready, dict) or ready.get("ready") != self.pid:
+            sock.close()
+            raise RuntimeStartError(f"unexpected first frame from the runtime: {ready!r:.200}")
+        self.sock = sock
+        log.info("model runtime pid %d ready in %.1fs", self.pid, time.monotonic() - self.started)
+
+    def stop(self, grace: float) -> str:
+        """End the process (politely first), reap it; how it ended. Safe to call twice."""
+        if self.sock is not None:
+            # Wakes a thread blocked in recv, and tells an idle server to exit.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._tee.join(timeout=2)
+        if self.sock is not None:
+            self.sock.close()
+        return describe_exit(self.proc.returncode)
+
+
+class ProcessRuntime:
+    """`runtimes.base.Runtime` backed by a child process; see the module doc for the policy.
+
+    `run_batch` is called from one thread at a time; `close` may come from any thread.
+    Counters for metrics: `restarts`, `poison_isolated`; `pid` is the current child's.
+    """
+
+    def __init__(
+        self,
+        catalog_dir: Path | str,
+        models: list[str],
+        device: str = "cpu",
+        threads: int = 0,
+        chunk_tokens: int = 16_384,
+        start_timeout: float = 300.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.models = list(models)
+        self.start_timeout = start_timeout
+        self.restarts = 0
+        self.poison_isolated = 0
+        self._argv = [
+            sys.executable, "-m", "runtimes.server",
+            "--catalog-dir", str(catalog_dir), "--device", device,
+            "--threads", str(threads), "--chunk-tokens", str(chunk_tokens),
+            "--parent-pid", str(os.getpid()),
+        ]
+        for model in self.models:
+            self._argv += ["--model", model]
+        self._env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        # The child imports the very code the worker runs, installed or not.
+        self._env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_SOURCE_ROOT, self._env.get("PYTHONPATH")) if p
+        )
+        self._dir = Path(tempfile.mkdtemp(prefix="shoal-runtime-"))  # mode 0700: private
+        self._lock = threading.Lock()  # guards _child and _closed against close()
+        self._closed = False
+        self._child: _Child | None = None
+        self._spawned = 0
+        self._works_after_failure = False  # in the current run_batch; see _blame
+        try:
+            self._ready_child()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        child = self._child
+        return child.pid if child is not None else None
+
+    def __enter__(self) -> ProcessRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- Runtime ----------------------------------------------------------------------
+
+    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
+        if not requests:
+            return []
+        self._works_after_failure = False
+        return self._run(model_id, requests, failed_before=False)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            child, self._child = self._child, None
+        if child is not None:
+            how = child.stop(grace=1.0)
+            log.info("model runtime pid %d stopped (%s)", child.pid, how)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # --- bisection --------------------------------------------------------------------
+
+    def _run(self, model: str, requests: list[Request], failed_before: bool) -> list[Outcome]:
+        result = self._call(model, requests)
+        if not isinstance(result, _Failure):
+            if failed_before and any(o.ok for o in result):
+                self._works_after_failure = True
+            return result
+        if len(requests) > 1:
+            log.warning("batch of %d requests for %s failed (%s: %s); splitting it",
+                        len(requests), model, result.kind, result.detail)
+            mid = len(requests) // 2
+            return (self._run(model, requests[:mid], failed_before=True)
+                    + self._run(model, requests[mid:], failed_before=True))
+        if not failed_before:
+            # A lone request's first failure may not be its fault (an OOM kill): once more.
+            log.warning("request %s for %s failed alone (%s: %s); retrying it once",
+                        requests[0].id, model, result.kind, result.detail)
+            return self._run(model, requests, failed_before=True)
+        return [self._blame(model, requests[0], result)]
+
+    def _blame(self, model: str, request: Request, failure: _Failure) -> Outcome:
+        probe = None if self._works_after_failure else self._call(model, [PROBE])
+        if isinstance(probe, _Failure):
+            raise RuntimeUnhealthy(
+                f"the model runtime for {model} fails even on a known-good request "
+                f"({probe.kind}: {probe.detail}); request {request.id} is not blamed"
+            )
+        self.poison_isolated += 1
+        if failure.kind == "crash":
+            message = f"this request crashed the model runtime ({failure.detail})"
+        else:
+            message = f"inference failed on this request: {failure.detail}"
+        log.error("request %s for %s isolated as poison: %s", request.id, model, message)
+        return Outcome(
+            request.id, error_code=str(ErrorCode.POISON_INPUT),
+            error_message=f"{message}; it failed alone, after failing its batch, and is not "
+                          "retried (the other requests of the batch were run without it)",
+        )
+
+    # --- one round trip ---------------------------------------------------------------
+
+    def _call(self, model: str, requests: list[Request]) -> list[Outcome] | _Failure:
+        child = self._ready_child()
+        frame = {"op": "run", "model": model,
+                 "requests": [{"id": r.id, "op": r.op, "kwargs": r.kwargs} for r in requests]}
+        try:
+            payload = encode_frame(frame)
+        except FrameTooLarge as exc:  # nothing was sent; halves may fit
+            return _Failure("exception", str(exc))
+        assert child.sock is not None
+        try:
+            child.sock.sendall(payload)
+            reply = recv_frame(child.sock)
+        except (OSError, EOFError, ProtocolError) as exc:
+            return _Failure("crash", self._replace_dead(child, f"connection lost: {exc}"))
+        if isinstance(reply, dict) and "outcomes" in reply:
+            return self._outcomes(child, reply["outcomes"], requests)
+        if isinstance(reply, dict) and "failed" in reply:
+            if reply.get("fatal"):
+                return _Failure("crash", f"{reply['failed']}, then "
+                                         f"{self._replace_dead(child, 'fatal device error')}")
+            return _Failure("exception", str(reply["failed"]))
+        self._replace_dead(child, "protocol error")
+        raise RuntimeError(f"unexpected reply from the model runtime: {reply!r:.300}")
+
+    def _outcomes(self, child: _Child, raw: Any, requests: list[Request]) -> list[Outcome]:
+        try:
+            outcomes = [
+                Outcome(str(o["id"]), o.get("result"), o.get("error_code"),
+                        o.get("error_message"), o.get("stats") or {})
+                for o in raw
+            ]
+            ok = [o.id for o in outcomes] == [r.id for r in requests]
+        except (TypeError, KeyError, AttributeError):
+            ok = False
+        if not ok:
+            self._replace_dead(child, "protocol error")
+            raise RuntimeError(f"the model runtime answered other requests: {raw!r:.300}")
+        return outcomes
+
+    # --- the child's life -------------------------------------------------------------
+
+    def _ready_child(self) -> _Child:
+        child = self._child
+        if child is not None and child.proc.poll() is not None:
+            # Died between batches: nothing about to run is to blame.
+            self._replace_dead(child, "died while idle", respawn=False)
+            child = None
+        if child is None:
+            child = self._spawn()
+        if child.sock is None:
+            try:
+                child.connect(self.start_timeout, lambda: self._closed)
+            except BaseException:
+                child.stop(grace=1.0)
+                self._forget(child)
+                raise
+        return child
+
+    def _spawn(self) -> _Child:
+        with self._lock:
+            if self._closed:
+                raise RuntimeClosed("the runtime is closed")
+            self._spawned += 1
+            if self._spawned > 1:
+                self.restarts += 1
+            path = self._dir / f"rt-{self._spawned}.sock"
+            if len(str(path)) > _MAX_SOCKET_PATH:
+                raise RuntimeStartError(f"socket path {path} is too long; set TMPDIR shorter")
+            self._child = _Child([*self._argv, "--socket", str(path)], self._env, path)
+            return self._child
+
+    def _forget(self, child: _Child) -> None:
+        with self._lock:
+            if self._child is child:
+                self._child = None
+
+    def _replace_dead(self, child: _Child, why: str, respawn: bool = True) -> str:
+        """Reap a child that died or broke its connection; start the next one loading."""
+        if self._closed:
+            raise RuntimeClosed("the runtime was closed while a batch was running")
+        how = child.stop(grace=5.0)
+        log.warning("model runtime pid %d is gone: %s (%s)", child.pid, how, why)
+        self._forget(child)
+        if respawn:
+            self._spawn()
+        return how

@@ -1,0 +1,68 @@
+"""Frames between a worker and its model runtime process: length-prefixed msgpack.
+
+A frame is a 4-byte big-endian body length followed by a msgpack body. Only
+msgpack is ever decoded (never pickle), so a compromised or confused peer can
+send wrong data but cannot run code in the other process.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+class ProtocolError(ValueError):
+    """The peer sent something that is not a valid frame."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame over MAX_FRAME_BYTES, refused before anything is sent or read."""
+
+
+class ConnectionClosed(EOFError):
+    """The peer closed the connection (or died)."""
+
+
+def encode_frame(obj: Any) -> bytes:
+    """Header + body; raises FrameTooLarge (nothing sent yet, the stream stays usable)."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(
+            f"frame of {len(body)} bytes is over the {MAX_FRAME_BYTES}-byte limit"
+        )
+    return _HEADER.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, obj: Any) -> None:
+    sock.sendall(encode_frame(obj))
+
+
+def recv_frame(sock: socket.socket) -> Any:
+    (length,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size, first=True))
+    if length > MAX_FRAME_BYTES:
+        # The body is not read, so the stream is out of step: the caller must drop it.
+        raise FrameTooLarge(f"peer announced a {length}-byte frame, over {MAX_FRAME_BYTES}")
+    body = _recv_exactly(sock, length, first=False)
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame body is not msgpack: {exc}") from exc
+
+
+def _recv_exactly(sock: socket.socket, n: int, *, first: bool) -> bytearray:
+    buffer = bytearray(n)
+    view = memoryview(buffer)
+    got = 0
+    while got < n:
+        received = sock.recv_into(view[got:])
+        if received == 0:
+            where = "between frames" if first and got == 0 else "in the middle of a frame"
+            raise ConnectionClosed(f"connection closed {where}")
+        got += received
+    return buffer  # unpackb reads it in place: no copy of a large frame

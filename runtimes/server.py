@@ -1,0 +1,202 @@
+"""The model runtime process: loads models, then serves batches over a Unix socket.
+
+    python -m runtimes.server --socket PATH --catalog-dir DIR --model ID [--model ID ...]
+        [--device cpu] [--threads N] [--chunk-tokens N] [--parent-pid PID]
+
+Started by `runtimes.process.ProcessRuntime`, never forked from the worker
+(CUDA cannot be initialised again in a forked child). The socket appears only
+once every model is loaded, so its existence means "ready". It accepts one
+connection (its worker) and exits when that connection closes or the parent
+dies. Frames (`runtimes.protocol`):
+
+    {"op": "ping"}                         -> {"pong": pid}
+    {"op": "run", "model": str,
+     "requests": [{"id", "op", "kwargs"}]} -> {"outcomes": [{"id", "result", "error_code",
+                                                             "error_message", "stats"}]}
+                                            | {"failed": repr(exc), "fatal": bool}
+    anything else                          -> {"error": str}
+
+On accept it sends {"ready": pid, "models": [...]} first. `failed` means the
+batch raised; the client decides which request is to blame. `fatal` means the
+exception left the device unusable (a CUDA error): the process exits right
+after replying so that the client starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.catalog import load_catalog
+from runtimes.base import Request
+from runtimes.protocol import ConnectionClosed, encode_frame, recv_frame
+
+if TYPE_CHECKING:
+    from runtimes.host import ModelHost
+
+log = logging.getLogger("runtimes.server")
+
+EXIT_FATAL = 3  # the device is unusable after an error; the client restarts us
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m runtimes.server")
+    parser.add_argument("--socket", required=True, type=Path)
+    parser.add_argument("--catalog-dir", required=True, type=Path)
+    parser.add_argument("--model", required=True, action="append", dest="models")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--chunk-tokens", type=int, default=16_384)
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is no longer our parent")
+    return parser.parse_args(argv)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit when the parent dies, even while the main thread is busy loading or computing.
+
+    getppid polling rather than PR_SET_PDEATHSIG: the latter fires when the
+    parent *thread* that started us exits, and workers start runtimes from
+    pool threads.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)  # nobody is left to answer; don't run exit handlers mid-batch
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _accept_one(path: Path) -> socket.socket:
+    """Listen at `path` (made visible atomically), accept the worker, remove the path."""
+    staging = path.with_name(path.name + ".staging")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        staging.unlink(missing_ok=True)
+        listener.bind(str(staging))
+        listener.listen(1)
+        # Renamed only once listening, so a client that sees the path can connect.
+        os.replace(staging, path)
+        conn, _ = listener.accept()
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+    return conn
+
+
+def _leaves_device_unusable(exc: BaseException, device: str) -> bool:
+    # After a CUDA error the context is corrupt and every later call fails;
+    # out-of-memory is not one of them (the next, smaller batch can succeed).
+    if not device.startswith("cuda"):
+        return False
+    text = str(exc)
+    return type(exc).__name__ == "AcceleratorError" or any(
+        marker in text for marker in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS")
+    )
+
+
+def _release_cached_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # the device may be what failed
+            log.exception("could not release cached device memory")
+
+
+def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
+    """The reply to one frame, and whether the process must exit after sending it."""
+    if not isinstance(frame, dict):
+        return {"error": f"expected a map, got {type(frame).__name__}"}, False
+    op = frame.get("op")
+    if op == "ping":
+        return {"pong": os.getpid()}, False
+    if op != "run":
+        return {"error": f"unknown op {op!r}"}, False
+    try:
+        model = str(frame["model"])
+        requests = [Request(str(r["id"]), str(r["op"]), r["kwargs"]) for r in frame["requests"]]
+    except (KeyError, TypeError) as exc:
+        return {"error": f"malformed run frame: {exc!r}"}, False
+    try:
+        outcomes = host.run_batch(model, requests)
+    except Exception as exc:
+        log.exception("batch of %d requests for %s failed", len(requests), model)
+        fatal = _leaves_device_unusable(exc, host.device)
+        if not fatal:
+            _release_cached_memory(host.device)
+        return {"failed": repr(exc), "fatal": fatal}, fatal
+    return {
+        "outcomes": [
+            {
+                "id": o.id,
+                "result": o.result,
+                "error_code": None if o.error_code is None else str(o.error_code),
+                "error_message": o.error_message,
+                "stats": o.stats,
+            }
+            for o in outcomes
+        ]
+    }, False
+
+
+def serve(conn: socket.socket, host: ModelHost) -> int:
+    """Answer frames until the worker hangs up; the process exit code."""
+    while True:
+        try:
+            frame = recv_frame(conn)
+        except (ConnectionClosed, OSError):
+            log.info("the worker closed the connection; exiting")
+            return 0
+        reply, fatal = handle(host, frame)
+        try:
+            payload = encode_frame(reply)
+        except Exception as exc:  # too large, or a result msgpack cannot pack
+            # Not fatal: the client bisects, and smaller batches give smaller replies.
+            payload = encode_frame({"failed": f"reply could not be sent: {exc!r}", "fatal": False})
+        try:
+            conn.sendall(payload)
+        except OSError:
+            log.info("the worker went away before the reply; exiting")
+            return 0
+        if fatal:
+            log.error("the device is unusable after that error; exiting so a fresh runtime starts")
+            return EXIT_FATAL
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    _exit_with_parent(args.parent_pid or os.getppid())
+    faulthandler.enable()  # a segfault still prints the Python stack to stderr
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="%(asctime)s runtime[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    # The catalog is checked before torch is imported: a wrong entry fails in
+    # a fraction of a second instead of after seconds of imports.
+    entries = load_catalog(args.catalog_dir).require(args.models)
+    from runtimes.host import ModelHost
+
+    host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens)
+    host.load(entries)
+    conn = _accept_one(args.socket)
+    conn.sendall(encode_frame({"ready": os.getpid(), "models": args.models}))
+    log.info("serving %s", ", ".join(args.models))
+    return serve(conn, host)
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    # Skip interpreter teardown (torch's takes seconds): the worker waits on our exit.
+    os._exit(code)

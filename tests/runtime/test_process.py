@@ -1,0 +1,250 @@
+"""The model runtime in its own process: results, crashes, exceptions, kills, shutdown.
+
+One real runtime process (tiny models) is shared by the module; tests that
+crash it check that it came back. `test/faulty` misbehaves on marker texts
+(runtimes.pytorch.faulty); `test/tiny` is the same weights with the plain adapter.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from app.catalog import Catalog
+from runtimes import process, protocol, server
+from runtimes.base import Outcome, Request
+from runtimes.host import ModelHost
+from runtimes.process import ProcessRuntime, RuntimeClosed, RuntimeStartError, RuntimeUnhealthy
+from runtimes.pytorch.faulty import AdapterRefused
+from tests.tiny_models import build_tiny_sentence_transformer
+
+TINY, FAULTY = "test/tiny", "test/faulty"
+SLOW_S = 1.0
+CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
+
+
+@pytest.fixture(scope="module")
+def catalog_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("process-runtime")
+    weights = build_tiny_sentence_transformer(root / "tiny", pooling="mean", normalize=True)
+    directory = root / "catalog"
+    directory.mkdir()
+    for name, model_id, adapter in (("tiny", TINY, "dense"), ("faulty", FAULTY, "dense-faulty")):
+        entry = {"id": model_id, "adapter": adapter, "source": {"path": str(weights)}, "dims": 32}
+        (directory / f"{name}.yaml").write_text(yaml.safe_dump(entry))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def runtime(catalog_dir: Path):
+    with ProcessRuntime(catalog_dir, [TINY, FAULTY], threads=1, start_timeout=60,
+                        env=CHILD_ENV) as runtime:
+        yield runtime
+
+
+def encode(*texts: str, **options) -> dict:
+    return {"items": [{"text": t} for t in texts], "options": options}
+
+
+def batch(*kwargs_list: dict) -> list[Request]:
+    return [Request(f"r{i}", "encode", kw) for i, kw in enumerate(kwargs_list)]
+
+
+def vectors(outcome: Outcome) -> np.ndarray:
+    result = outcome.result
+    assert result is not None, outcome.error_message
+    return np.frombuffer(result["embeddings"], "<f4").reshape(result["count"], result["dims"])
+
+
+def eight_with(marker: str, at: int) -> list[Request]:
+    return batch(*(encode(f"text {i} {marker if i == at else ''}", "and more")
+                   for i in range(8)))
+
+
+def assert_all_ok_but(outcomes: list[Outcome], bad: int | None) -> None:
+    for i, outcome in enumerate(outcomes):
+        assert outcome.ok == (i != bad), (i, outcome.error_code, outcome.error_message)
+        if i != bad:
+            assert vectors(outcome).shape == (2, 32)
+
+
+def test_results_match_the_in_process_host(runtime, catalog_dir):
+    requests = batch(encode("The cat sits on the mat.", "Grüße aus Köln 🚀"),
+                     encode("dims", dimensions=8, normalize=False),
+                     encode("word " * 300))
+    remote = runtime.run_batch(TINY, requests)
+    host = ModelHost(threads=1)
+    host.load(Catalog.from_dir(catalog_dir).require([TINY]))
+    local = host.run_batch(TINY, requests)
+    assert [o.id for o in remote] == ["r0", "r1", "r2"]
+    for a, b in zip(remote, local, strict=True):
+        assert a.ok and b.ok
+        np.testing.assert_allclose(vectors(a), vectors(b), rtol=1e-5, atol=1e-6)
+        assert {k: v for k, v in a.result.items() if k not in ("embeddings", "batch")} == \
+               {k: v for k, v in b.result.items() if k not in ("embeddings", "batch")}
+    # The faulty adapter computes the same thing when no marker is present.
+    np.testing.assert_allclose(vectors(runtime.run_batch(FAULTY, requests[:1])[0]),
+                               vectors(local[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_requests_fail_alone(runtime):
+    outcomes = runtime.run_batch(FAULTY, [
+        Request("ok", "encode", encode("fine")),
+        Request("text", "encode", {"items": [{"text": 3}]}),
+        Request("opts", "encode", encode("x", dimensions=999)),
+        Request("shape", "encode", ["not", "a", "map"]),  # type: ignore[arg-type]
+        Request("long", "encode", encode("word " * 200, truncate=False)),
+        Request("op", "score", encode("x")),
+    ])
+    codes = {o.id: o.error_code for o in outcomes}
+    assert codes == {"ok": None, "text": "VALIDATION_ERROR", "opts": "VALIDATION_ERROR",
+                     "shape": "VALIDATION_ERROR", "long": "INPUT_TOO_LONG",
+                     "op": "UNSUPPORTED_OPERATION"}
+    (unknown,) = runtime.run_batch("test/nope", [Request("x", "encode", encode("x"))])
+    assert unknown.error_code == "MODEL_NOT_FOUND"
+
+
+def test_a_crashing_request_is_isolated_and_the_runtime_restarts(runtime):
+    pid, restarts, poison = runtime.pid, runtime.restarts, runtime.poison_isolated
+    outcomes = runtime.run_batch(FAULTY, eight_with("@@crash@@", at=5))
+    assert_all_ok_but(outcomes, bad=5)
+    assert outcomes[5].error_code == "POISON_INPUT"
+    assert "crashed the model runtime (killed by SIGSEGV)" in outcomes[5].error_message
+    assert runtime.pid != pid and runtime.restarts > restarts
+    assert runtime.poison_isolated == poison + 1
+    assert_all_ok_but(runtime.run_batch(FAULTY, eight_with("", at=0)), bad=None)
+
+
+def test_a_raising_request_is_isolated_without_restart(runtime):
+    pid, restarts, poison = runtime.pid, runtime.restarts, runtime.poison_isolated
+    outcomes = runtime.run_batch(FAULTY, eight_with("@@raise@@", at=2))
+    assert_all_ok_but(outcomes, bad=2)
+    assert outcomes[2].error_code == "POISON_INPUT"
+    assert "RuntimeError('faulty adapter: input contains @@raise@@')" in outcomes[2].error_message
+    assert (runtime.pid, runtime.restarts) == (pid, restarts)
+    assert runtime.poison_isolated == poison + 1
+
+
+def test_a_lone_failing_request_is_blamed_only_if_the_runtime_still_works(runtime, monkeypatch):
+    poison = runtime.poison_isolated
+    (outcome,) = runtime.run_batch(FAULTY, batch(encode("@@raise@@")))
+    assert outcome.error_code == "POISON_INPUT" and runtime.poison_isolated == poison + 1
+    # Nothing else in the batch succeeded, so the probe decides; here it fails too.
+    monkeypatch.setattr(process, "PROBE", Request("probe", "encode", encode("@@raise@@")))
+    with pytest.raises(RuntimeUnhealthy, match="fails even on a known-good request"):
+        runtime.run_batch(FAULTY, batch(encode("@@raise@@ again")))
+    assert runtime.poison_isolated == poison + 1
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_an_external_kill_blames_nobody(runtime, size):
+    """SIGKILL mid-batch (like the OOM killer): after a restart every request succeeds."""
+    pid, restarts, poison = runtime.pid, runtime.restarts, runtime.poison_isolated
+    requests = batch(*(encode(f"t{i}", "@@slow@@" if i == 0 else "x") for i in range(size)))
+    done: list[list[Outcome]] = []
+    thread = threading.Thread(target=lambda: done.append(runtime.run_batch(FAULTY, requests)))
+    thread.start()
+    time.sleep(SLOW_S / 3)  # the batch is in the runtime, sleeping
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    assert done, "run_batch did not return"
+    assert_all_ok_but(done[0], bad=None)
+    assert runtime.pid != pid and runtime.restarts == restarts + 1
+    assert runtime.poison_isolated == poison
+
+
+def test_close_stops_the_child_even_mid_batch(catalog_dir):
+    runtime = ProcessRuntime(catalog_dir, [FAULTY], threads=1, start_timeout=60, env=CHILD_ENV)
+    pid = runtime.pid
+    assert pid is not None
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.run_batch(FAULTY, batch(encode("@@slow@@")))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(SLOW_S / 3)
+    runtime.close()  # from another thread than the batch's
+    thread.join(10)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], RuntimeClosed)
+    with pytest.raises(ProcessLookupError):  # gone and reaped: not even a zombie
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeClosed):
+        runtime.run_batch(FAULTY, batch(encode("x")))
+    runtime.close()  # twice is fine
+
+
+def test_a_failed_start_reports_the_child_output(catalog_dir):
+    with pytest.raises(RuntimeStartError) as err:
+        ProcessRuntime(catalog_dir, ["test/nope"], start_timeout=60)
+    message = str(err.value)
+    assert "exited during start-up (exit code 1)" in message
+    assert "CatalogError" in message and "not in the catalog" in message
+
+
+def test_the_faulty_adapter_needs_the_test_switch(catalog_dir, monkeypatch):
+    monkeypatch.delenv("SHOAL_ALLOW_TEST_ADAPTERS", raising=False)
+    with pytest.raises(AdapterRefused, match="SHOAL_ALLOW_TEST_ADAPTERS=1"):
+        ModelHost().load(Catalog.from_dir(catalog_dir).require([FAULTY]))
+
+
+def test_frames_round_trip_and_fail_clearly(monkeypatch):
+    a, b = socket.socketpair()
+    with a, b:
+        message = {"op": "run", "bytes": b"\x00\xff", "n": [1, 2.5, None], "ü": "✓"}
+        protocol.send_frame(a, message)
+        assert protocol.recv_frame(b) == message
+        a.sendall(b"\x00\x00\x00\x01\xc1")  # 0xc1 is never valid msgpack
+        with pytest.raises(protocol.ProtocolError, match="not msgpack"):
+            protocol.recv_frame(b)
+        monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 8)
+        with pytest.raises(protocol.FrameTooLarge, match="over the 8-byte limit"):
+            protocol.send_frame(a, "x" * 100)
+        a.sendall(b"\x00\x00\x01\x00")
+        with pytest.raises(protocol.FrameTooLarge, match="256-byte frame"):
+            protocol.recv_frame(b)
+        a.sendall(b"\x00\x00")
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(protocol.ConnectionClosed, match="middle of a frame"):
+            protocol.recv_frame(b)
+
+
+class _RaisingHost:
+    def __init__(self, device: str, error: Exception) -> None:
+        self.device, self.error = device, error
+
+    def run_batch(self, model_id, requests):
+        raise self.error
+
+
+@pytest.mark.parametrize("device,error,fatal", [
+    ("cuda", RuntimeError("CUDA error: device-side assert triggered"), True),
+    ("cuda:1", RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm"), True),
+    ("cuda", RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    ("cpu", RuntimeError("CUDA error: (a message, but no device to lose)"), False),
+    ("cuda", ValueError("bad shape"), False),
+])
+def test_the_server_exits_after_errors_that_leave_the_device_unusable(device, error, fatal):
+    frame = {"op": "run", "model": "m", "requests": [{"id": "a", "op": "encode", "kwargs": {}}]}
+    reply, exit_after = server.handle(_RaisingHost(device, error), frame)  # type: ignore[arg-type]
+    assert reply == {"failed": repr(error), "fatal": fatal} and exit_after == fatal
+
+
+def test_the_server_answers_malformed_frames_with_an_error():
+    host = _RaisingHost("cpu", RuntimeError())
+    assert server.handle(host, ["run"])[0] == {"error": "expected a map, got list"}  # type: ignore[arg-type]
+    assert "unknown op" in server.handle(host, {"op": "nope"})[0]["error"]  # type: ignore[arg-type]
+    assert "malformed" in server.handle(host, {"op": "run", "model": "m"})[0]["error"]  # type: ignore[arg-type]
+    assert server.handle(host, {"op": "ping"})[0] == {"pong": os.getpid()}  # type: ignore[arg-type]
