@@ -1,20 +1,36 @@
 """The batch former: picks the next batch from a worker's backlog.
 
-Rules (first version; the cost model and overflow return build on these):
+Rules:
 - the oldest request is always in the next batch, so nothing starves;
-- only requests of the same group (operation, LoRA, ...) run together;
-- further requests join in arrival order while the batch stays within the
-  padded-token budget (items x longest item) and the item cap;
+- only requests of the same group (operation, options that change the
+  forward pass, LoRA) run together;
+- requests of that group older than `max_wait_s` join first, oldest first:
+  they are due and must not keep losing their place to better-fitting ones;
+- the rest of the batch is filled with the requests whose longest item is
+  closest to the batch's current longest item, which cuts the padding a
+  padded runtime pays (items x longest) compared with arrival order;
+- a batch never exceeds the token budget or the item cap, nor (given a cost
+  model and a latency target) the predicted-latency target;
 - a request bigger than the whole budget still runs, alone;
 - an idle runtime starts at once; waiting up to `max_delay_s` for a fuller
   batch happens only under load (the runtime was busy a moment ago).
+
+The backlog is kept in arrival order (`received` never decreases along it):
+"oldest" and "older" below mean "earlier in the backlog".
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from batching.cost import BatchShape
+
+if TYPE_CHECKING:
+    from batching.cost import CostModel
 
 
 @dataclass(slots=True)
@@ -22,56 +38,175 @@ class Pending:
     """A request held by the worker, described by its annotations only."""
 
     handle: Any  # opaque to the former: the worker's message
-    group: Hashable
+    group: Hashable  # what must not be mixed: (op, forward-pass options, lora)
     items: int
     cost: int  # estimated real tokens of the request
     longest: int  # estimated tokens of its longest item
     received: float  # seconds, same clock as `now`
+    deadline: float | None = None  # seconds, same clock; None = none
+    deliveries: int = 1  # 1 + RabbitMQ's x-delivery-count header
 
 
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
-    max_tokens: int  # padded tokens: items x longest item
+    max_tokens: int  # token budget per batch (padded tokens when `padded`)
     max_items: int
     max_delay_s: float = 0.0
+    max_wait_s: float = 0.5  # a request older than this goes into the very next batch
+    padded: bool = True  # padded runtimes pay items x longest; unpadded pay real tokens
+    latency_target_s: float | None = None  # a batch predicted slower is not grown further
 
 
 def padded_tokens(items: int, longest: int) -> int:
     return items * longest
 
 
-def take_batch(backlog: list[Pending], limits: BatchLimits) -> list[Pending]:
-    """Remove and return the next batch from `backlog` (kept in arrival order)."""
+def batch_tokens(batch: Iterable[Pending], padded: bool) -> int:
+    """The tokens a batch costs against the budget.
+
+    A padded runtime computes every item at the length of the longest one, so
+    it pays items x longest; an unpadded (packed) one pays real tokens only.
+    """
+    items = longest = real = 0
+    for p in batch:
+        items += p.items
+        longest = max(longest, p.longest)
+        real += p.cost
+    return padded_tokens(items, longest) if padded else real
+
+
+@dataclass(slots=True)
+class _Forming:
+    """A batch being formed, with running totals so each fit check is O(1)."""
+
+    limits: BatchLimits
+    cost_model: CostModel | None
+    members: list[Pending] = field(default_factory=list)
+    items: int = 0
+    longest: int = 0
+    real: int = 0
+
+    def add(self, p: Pending) -> None:
+        self.members.append(p)
+        self.items += p.items
+        self.longest = max(self.longest, p.longest)
+        self.real += p.cost
+
+    def at_item_cap(self) -> bool:
+        return self.items >= self.limits.max_items
+
+    def fits(self, p: Pending) -> bool:
+        """Whether `p` can join without breaking the budget or the latency target."""
+        items = self.items + p.items
+        longest = max(self.longest, p.longest)
+        real = self.real + p.cost
+        if items > self.limits.max_items:
+            return False
+        tokens = padded_tokens(items, longest) if self.limits.padded else real
+        if tokens > self.limits.max_tokens:
+            return False
+        target = self.limits.latency_target_s
+        if target is None or self.cost_model is None:
+            return True
+        return self.cost_model.predict(BatchShape(items, longest, real)) <= target
+
+
+def is_due(pending: Pending, limits: BatchLimits, now: float) -> bool:
+    """Whether a request has waited past `max_wait_s` and must run next."""
+    return now - pending.received > limits.max_wait_s
+
+
+def take_batch(
+    backlog: list[Pending],
+    limits: BatchLimits,
+    cost_model: CostModel | None = None,
+    now: float | None = None,
+) -> list[Pending]:
+    """Remove and return the next batch from `backlog` (kept in arrival order).
+
+    The batch is returned in arrival order, so its first member is the oldest
+    request. Without `now` no request counts as due; without a cost model the
+    latency target is not checked.
+    """
     if not backlog:
         return []
     first = backlog[0]
-    chosen = [first]
-    items, longest = first.items, first.longest
-    for pending in backlog[1:]:
-        if pending.group != first.group:
-            continue
-        new_items = items + pending.items
-        new_longest = max(longest, pending.longest)
-        if new_items > limits.max_items:
-            continue
-        if padded_tokens(new_items, new_longest) > limits.max_tokens:
-            continue
-        chosen.append(pending)
-        items, longest = new_items, new_longest
-        if items >= limits.max_items:
-            break
-    taken = {id(p) for p in chosen}
+    forming = _Forming(limits, cost_model)
+    forming.add(first)
+    candidates = [p for p in backlog[1:] if p.group == first.group]
+    if now is not None:
+        candidates = _add_due(forming, candidates, now)
+    _fill_closest(forming, candidates)
+    taken = {id(p) for p in forming.members}
+    batch = [p for p in backlog if id(p) in taken]
     backlog[:] = [p for p in backlog if id(p) not in taken]
-    return chosen
+    return batch
+
+
+def _add_due(forming: _Forming, candidates: list[Pending], now: float) -> list[Pending]:
+    """Add the due candidates that fit, oldest first; return the candidates left."""
+    left: list[Pending] = []
+    for p in candidates:
+        if not forming.at_item_cap() and is_due(p, forming.limits, now) and forming.fits(p):
+            forming.add(p)
+        else:
+            left.append(p)
+    return left
+
+
+def _fill_closest(forming: _Forming, candidates: list[Pending]) -> None:
+    """Grow the batch with the candidates whose length is closest to its longest item.
+
+    Candidates are bucketed by length (each bucket oldest first). Two stacks
+    hold the bucket lengths below/at and above the batch's longest item, the
+    closest on top, so each step looks at two buckets only: O(n log n) in
+    all, which matters because `plan` forms every batch of the backlog.
+    On equal distance the shorter side wins (it does not raise the longest
+    item). A candidate that does not fit is dropped: the batch only grows,
+    so it would not fit later either.
+    """
+    buckets: dict[int, deque[Pending]] = {}
+    for p in candidates:
+        buckets.setdefault(p.longest, deque()).append(p)
+    lengths = sorted(buckets)
+    split = bisect_right(lengths, forming.longest)
+    below = lengths[:split]  # ascending: the closest is last
+    above = lengths[split:][::-1]  # descending: the closest is last
+    while (below or above) and not forming.at_item_cap():
+        from_above = bool(above) and (
+            not below or above[-1] - forming.longest < forming.longest - below[-1]
+        )
+        side = above if from_above else below
+        length = side[-1]
+        bucket = buckets[length]
+        p = bucket.popleft()
+        if not bucket:
+            side.pop()
+        if not forming.fits(p):
+            continue
+        forming.add(p)
+        if from_above and bucket:  # this length is now the batch's longest
+            above.pop()
+            below.append(length)
+
+
+def split_expired(backlog: list[Pending], now: float) -> list[Pending]:
+    """Remove and return the requests whose deadline has passed (deadline <= now).
+
+    Running them would waste the runtime on answers nobody waits for.
+    """
+    expired = [p for p in backlog if p.deadline is not None and p.deadline <= now]
+    if expired:
+        backlog[:] = [p for p in backlog if p.deadline is None or p.deadline > now]
+    return expired
 
 
 def is_full(batch: Iterable[Pending], limits: BatchLimits) -> bool:
     """Whether a batch has used at least half of its item or token budget."""
-    items = longest = 0
-    for p in batch:
-        items += p.items
-        longest = max(longest, p.longest)
-    return items * 2 >= limits.max_items or padded_tokens(items, longest) * 2 >= limits.max_tokens
+    batch = list(batch)
+    items = sum(p.items for p in batch)
+    tokens = batch_tokens(batch, limits.padded)
+    return items * 2 >= limits.max_items or tokens * 2 >= limits.max_tokens
 
 
 def seconds_to_wait(

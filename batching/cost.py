@@ -1,0 +1,228 @@
+"""A batch latency model: how long a runtime will take for a batch of a given shape.
+
+The former uses it to keep batches under a latency target, and the hold
+logic uses it to decide how much work a worker should keep (everything else
+goes back to the queue for an idler worker).
+
+Model: latency = a + b*T + c*T*L, where T is the tokens the runtime computes
+(items x longest when it pads, real tokens when it does not) and L is the
+longest item: a fixed per-batch overhead, a per-token cost, and the part of
+attention that grows with sequence length.
+
+Fitting (`CostModel.observe`) is an exponentially forgetting weighted least
+squares, kept recursively as decayed sufficient statistics (3x3 Gram matrix,
+moment vector, sample weight), with three safeguards:
+
+- errors are relative (each sample is divided by the current prediction), so
+  a 5 ms batch counts as much as a 2 s one and the fixed overhead `a` is
+  learnt as well as the slopes; a sample missing the prediction by more than
+  `_HUBER_K` (relative) gets its weight cut so its pull is no larger than
+  such a miss (Huber weights), so one stall (a first CUDA call, a GC pause)
+  cannot blow the model up. It keeps its true value, only lighter, so when
+  the seed itself is far off (a device much slower than tuned for) the early
+  samples agree with the later ones and the model converges quickly;
+- the catalog's seed is a ridge prior worth `prior_weight` samples; a miss
+  is blamed on the terms in proportion to their share of the seed's
+  prediction (so one slow big batch scales the model rather than inflating
+  the fixed overhead). The prior decays with the data but never below
+  `prior_weight * (1 - forgetting)`, which keeps the system well posed when
+  every batch has the same shape (the classic RLS "wind-up") while biasing a
+  converged fit by a few percent at most;
+- the coefficients are constrained to be non-negative (an exact 3-variable
+  NNLS), so predictions are never negative and grow with every dimension,
+  which the former relies on when it drops a request that does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import combinations
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batching.former import Pending
+
+_HUBER_K = 3.0  # relative misses beyond this (a batch 4x slower than predicted) are down-weighted
+_SHARE_FLOOR = 0.1  # the least prior variance a term gets, as a share of the total
+_MIN_WEIGHT = 1e-6  # samples that would weigh less than this are ignored
+_TINY = 1e-12  # seconds: a floor for the prediction a sample is divided by
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What the latency of a batch depends on."""
+
+    items: int
+    longest: int
+    tokens: int  # real tokens
+
+    @classmethod
+    def of(cls, batch: Iterable[Pending]) -> BatchShape:
+        items = longest = tokens = 0
+        for p in batch:
+            items += p.items
+            longest = max(longest, p.longest)
+            tokens += p.cost
+        return cls(items, longest, tokens)
+
+
+class CostModel:
+    """Predicted batch latency: a + b*T + c*T*L, T = padded tokens (items*longest)
+    if padded else real tokens, L = longest.
+
+    Seeded from the catalog's tuned profile, refined online from measured
+    batch times (recursive least squares with exponential forgetting, the
+    seed acting as a prior so a few noisy samples can't make it absurd).
+    Predictions are never negative.
+    """
+
+    __slots__ = ("_decay", "_gram", "_moment", "_seed", "_theta", "_weight", "forgetting",
+                 "padded", "prior_weight", "samples")
+
+    def __init__(
+        self,
+        a_s: float = 0.005,
+        b_s: float = 2e-5,
+        c_s: float = 0.0,
+        *,
+        padded: bool = True,
+        forgetting: float = 0.98,
+        prior_weight: float = 10.0,
+    ) -> None:
+        seed = (float(a_s), float(b_s), float(c_s))
+        if not all(math.isfinite(v) and v >= 0 for v in seed):
+            raise ValueError(f"seed coefficients must be finite and >= 0, got {seed}")
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if not prior_weight > 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        self.padded = padded
+        self.forgetting = float(forgetting)
+        self.prior_weight = float(prior_weight)
+        self.samples = 0  # observations so far
+        self._seed = seed
+        self._theta = seed
+        self._gram = [[0.0] * 3 for _ in range(3)]  # decayed sum of z z^T
+        self._moment = [0.0] * 3  # decayed sum of z * target
+        self._weight = 0.0  # decayed number of samples
+        self._decay = 1.0  # forgetting ** samples: how much of the prior is left
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """The current (a, b, c), in seconds, seconds/token, seconds/token^2."""
+        return self._theta
+
+    def features(self, shape: BatchShape) -> tuple[float, float, float]:
+        """The regressors (1, T, T*L) of a batch shape."""
+        tokens = shape.items * shape.longest if self.padded else shape.tokens
+        return 1.0, float(tokens), float(tokens) * shape.longest
+
+    def predict(self, shape: BatchShape) -> float:
+        """Predicted seconds for a batch of this shape (never negative)."""
+        a, b, c = self._theta
+        tokens = shape.items * shape.longest if self.padded else shape.tokens
+        return max(0.0, a + tokens * (b + c * shape.longest))
+
+    def observe(self, shape: BatchShape, seconds: float) -> None:
+        """Learn from one measured batch. Non-finite or negative times, absurd
+        ones and empty batches are ignored: they say nothing about the runtime."""
+        if not math.isfinite(seconds) or seconds < 0 or shape.items <= 0:
+            return
+        predicted = self.predict(shape)
+        # Relative to the prediction; a model that predicts nothing (a zero seed)
+        # has no scale yet, so the measurement itself is used.
+        scale = predicted if predicted > _TINY else max(seconds, _TINY)
+        target = seconds / scale  # the current prediction is 1 in these units
+        miss = abs(target - 1.0)
+        weight = min(1.0, _HUBER_K / miss) if miss > 0 else 1.0
+        if not math.isfinite(target) or weight < _MIN_WEIGHT:
+            return  # millions of times the prediction: a broken clock, not a batch
+        z = [v / scale for v in self.features(shape)]
+        lam = self.forgetting
+        for i in range(3):
+            self._moment[i] = lam * self._moment[i] + z[i] * (weight * target)
+            for j in range(3):
+                self._gram[i][j] = lam * self._gram[i][j] + weight * z[i] * z[j]
+        self._weight = lam * self._weight + weight
+        self._decay *= lam
+        self.samples += 1
+        self._theta = self._solve()
+
+    def _solve(self) -> tuple[float, float, float]:
+        """The non-negative coefficients minimising the decayed squared relative
+        error plus the prior, solved in coordinates where every feature has unit
+        mean square (so the 3x3 systems stay well conditioned)."""
+        norms = [math.sqrt(self._gram[k][k] / self._weight) or 1.0 for k in range(3)]
+        seed = [self._seed[k] * norms[k] for k in range(3)]  # each term's typical share
+        weight = self.prior_weight * max(self._decay, 1.0 - self.forgetting)
+        precision = _prior_precision(seed, weight)
+        matrix = [
+            [self._gram[i][j] / (norms[i] * norms[j]) + (precision[i] if i == j else 0.0)
+             for j in range(3)]
+            for i in range(3)
+        ]
+        vector = [self._moment[k] / norms[k] + precision[k] * seed[k] for k in range(3)]
+        phi = _nonnegative_quadratic_min(matrix, vector)
+        a, b, c = (phi[k] / norms[k] for k in range(3))
+        return a, b, c
+
+
+def _prior_precision(seed: list[float], weight: float) -> list[float]:
+    """How firmly the prior holds each coefficient, in normalised coordinates.
+
+    The prior's variance for a term is proportional to that term's share of
+    the seed's prediction (plus a floor, so a term the seed sets to zero can
+    still be learnt): when a sample says the runtime is slower than seeded,
+    the terms are blamed in proportion to what they contribute, not equally,
+    which would make the overhead `a` jump after one large batch.
+    """
+    total = sum(seed)
+    if total <= 0:
+        return [weight * len(seed)] * len(seed)
+    shares = [s + _SHARE_FLOOR * total for s in seed]
+    spread = sum(shares)
+    return [weight * spread / s for s in shares]
+
+
+def _nonnegative_quadratic_min(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """argmin x^T M x - 2 x^T v subject to x >= 0, for a small positive-definite M.
+
+    The optimum is the unconstrained optimum on some face {x_k = 0 for k not in
+    F}; with 3 variables trying all 8 faces is exact and cheap.
+    """
+    n = len(vector)
+    best, best_value = [0.0] * n, 0.0  # the empty face: x = 0, value 0
+    for size in range(1, n + 1):
+        for free in combinations(range(n), size):
+            sub = _solve_linear([[matrix[i][j] for j in free] for i in free],
+                                [vector[i] for i in free])
+            if sub is None or any(v < 0 for v in sub):
+                continue
+            value = -sum(x * vector[i] for x, i in zip(sub, free, strict=True))
+            if value < best_value:
+                best, best_value = [0.0] * n, value
+                for x, i in zip(sub, free, strict=True):
+                    best[i] = x
+    return best
+
+
+def _solve_linear(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(vector)
+    rows = [[*matrix[i], vector[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if rows[pivot][col] == 0:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            for k in range(col, n + 1):
+                rows[r][k] -= factor * rows[col][k]
+    solution = [0.0] * n
+    for r in reversed(range(n)):
+        known = sum(rows[r][k] * solution[k] for k in range(r + 1, n))
+        solution[r] = (rows[r][n] - known) / rows[r][r]
+    return solution
