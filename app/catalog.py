@@ -46,6 +46,13 @@ class BatchProfile(BaseModel):
     max_tokens: int = Field(16_384, ge=1, description="padded tokens per batch")
     max_items: int = Field(64, ge=1)
     max_delay_ms: float = Field(0.0, ge=0)
+    max_wait_ms: float = Field(500.0, gt=0, description="age after which a request runs next")
+    latency_target_ms: float | None = Field(None, gt=0, description="cap on a batch's latency")
+    # Seed of the cost model, latency = a + b*T + c*T*L (T padded tokens, L longest);
+    # the worker refines it from measured batches.
+    cost_a_ms: float = Field(5.0, ge=0)
+    cost_b_us: float = Field(20.0, ge=0, description="microseconds per padded token")
+    cost_c_ns: float = Field(0.0, ge=0, description="nanoseconds per padded token x length")
     measured: str | None = Field(None, description="the benchmark run this came from")
 
 
@@ -53,7 +60,9 @@ class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     id: str = Field(min_length=1, description="the Hugging Face id users know")
-    adapter: Literal["dense"]
+    # "dense-faulty" is the test-only runtimes.pytorch.faulty (refused at load
+    # unless SHOAL_ALLOW_TEST_ADAPTERS=1).
+    adapter: Literal["dense", "dense-faulty"]
     source: Source
     tasks: list[Literal["encode"]] = Field(default_factory=lambda: ["encode"])
     dims: int = Field(ge=1)

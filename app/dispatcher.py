@@ -7,27 +7,46 @@ which wakes the loop at once (no polling timer).
 
 Life of a message: delivered -> held in its model's backlog (body not
 decoded; headers carry the cost) -> taken into a batch -> result published
-to `reply_to` -> acked. A message whose deadline passed before it ran gets a
-DEADLINE_EXCEEDED failure and is acked without running.
+to `reply_to` -> acked. On the way it may instead be
+- expired: its deadline passed before it ran; it gets DEADLINE_EXCEEDED;
+- returned: the work held here would not start within the hold horizon while
+  other workers consume the queue; it goes back (reject + requeue) for them.
+The pure decisions (which batch, what to return, how much to prefetch) live
+in `batching/`; this module only applies them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from celery.app.task import Context
-
-from batching.former import BatchLimits, Pending, seconds_to_wait, take_batch
+from app import metrics
+from app.replies import Replier
+from batching.cost import BatchShape, CostModel
+from batching.former import (
+    BatchLimits,
+    Pending,
+    batch_tokens,
+    seconds_to_wait,
+    split_expired,
+    take_batch,
+)
+from batching.hold import HoldLimits, overflow, target_prefetch
 from runtimes.base import Outcome, Request, Runtime
 from tasks.envelope import Annotations, annotate, decode_body, now_ms, read_annotations
-from tasks.errors import ErrorCode, ShoalError
+from tasks.errors import ErrorCode
 from tasks.names import ENCODE
 
 log = logging.getLogger(__name__)
+
+# Re-consuming to change prefetch costs two round trips: only for real changes.
+PREFETCH_CHANGE_RATIO = 1.5
+# How long a count of the queue's consumers stays fresh (returns need peers).
+PEER_COUNT_TTL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -38,23 +57,54 @@ class Held:
     task_id: str
     task_name: str
     annotations: Annotations
-    received_ms: int
-    started: float = 0.0
+    started: float = 0.0  # epoch seconds when its batch started
+
+
+@dataclass(slots=True)
+class Lane:
+    """One served model: its backlog, batching limits, cost model and consumer."""
+
+    model: str
+    limits: BatchLimits
+    cost: CostModel
+    backlog: list[Pending] = field(default_factory=list)
+    consumer: Any = None  # kombu.Consumer of the model queue
+    prefetch: int = 0
+    count_peers: Callable[[], int] | None = None  # consumers of the queue, us included
+    peers: int = 1
+    peers_checked: float = float("-inf")
+
+
+@dataclass(slots=True)
+class Running:
+    lane: Lane
+    batch: list[Pending]
+    started: float  # monotonic
+    predicted_s: float
+    future: Future
 
 
 class Dispatcher:
-    def __init__(self, consumer: Any, runtime: Runtime, limits: dict[str, BatchLimits]) -> None:
+    def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
+                 hold: HoldLimits) -> None:
         self.c = consumer
-        self.app = consumer.app
         self.runtime = runtime
-        self.limits = limits
-        self.backlogs: dict[str, list[Pending]] = {model: [] for model in limits}
+        self.lanes = lanes
+        self.hold = hold
+        self.replier = Replier(consumer)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
-        self.running: Future | None = None
+        self.running: Running | None = None
         self.last_finished: float | None = None
         self._timer: Any = None
+        self._overrun_timer: Any = None
         self._schedule_queued = False
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
+
+    def attach(self, model: str, consumer: Any, prefetch: int,
+               count_peers: Callable[[], int]) -> None:
+        lane = self.lanes[model]
+        lane.consumer, lane.prefetch, lane.count_peers = consumer, prefetch, count_peers
+        metrics.PREFETCH.labels(model).set(prefetch)
 
     # --- delivery (loop thread) ---------------------------------------------------------
 
@@ -75,31 +125,35 @@ class Dispatcher:
             message.reject(requeue=False)
             return
         annotations = read_annotations(headers)
-        held = Held(message, task_id, task_name, annotations, now_ms())  # type: ignore[arg-type]
-        if annotations is None:
+        if annotations is None:  # a client that wrote no shoal headers
             try:
                 annotations = annotate(task_name, decode_body(message.body))
             except ValueError as exc:
-                self._reply_failure(held, ErrorCode.INVALID_REQUEST, str(exc))
+                self.replier.failure(message, task_id, ErrorCode.INVALID_REQUEST, str(exc))
                 return
-            held.annotations = annotations
-        self._send_event("task-received", held, name=task_name, args="()",
-                         kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
-                         parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
-                         eta=None, expires=headers.get("expires"))
-        backlog = self.backlogs.get(annotations.model)
-        if backlog is None:  # a message routed to the wrong queue
-            self._reply_failure(held, ErrorCode.MODEL_NOT_FOUND,
-                                f"this worker does not serve {annotations.model!r}")
+        held = Held(message, task_id, task_name, annotations)
+        self.replier.event("task-received", task_id, name=task_name, args="()",
+                           kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
+                           parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
+                           eta=None, expires=headers.get("expires"))
+        lane = self.lanes.get(annotations.model)
+        if lane is None:  # a message routed to the wrong queue
+            self.replier.failure(message, task_id, ErrorCode.MODEL_NOT_FOUND,
+                                 f"this worker does not serve {annotations.model!r}")
             return
-        backlog.append(Pending(
+        now = time.monotonic()
+        deadline = annotations.deadline_ms
+        lane.backlog.append(Pending(
             handle=held,
             group=(annotations.op, annotations.lora),
             items=annotations.items,
             cost=annotations.cost,
             longest=annotations.longest,
-            received=time.monotonic(),
+            received=now,
+            deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
+            deliveries=1 + int(headers.get("x-delivery-count") or 0),
         ))
+        metrics.HELD.labels(lane.model).set(len(lane.backlog))
         self._queue_schedule()
 
     def _queue_schedule(self) -> None:
@@ -113,56 +167,133 @@ class Dispatcher:
 
     def schedule(self) -> None:
         self._schedule_queued = False
-        if self.running is not None:
-            return
-        self._expire_overdue()
-        model = self._next_model()
-        if model is None:
-            return
-        backlog, limits = self.backlogs[model], self.limits[model]
         now = time.monotonic()
-        wait = seconds_to_wait(backlog, limits, now, self.last_finished)
-        if wait > 0:
-            if self._timer is None:
-                self._timer = self.c.hub.call_later(wait, self._on_timer)
-            return
-        batch = [p.handle for p in take_batch(backlog, limits)]
-        started = time.time()
-        for held in batch:
-            held.started = started
-            self._send_event("task-started", held)
-        self.running = self.executor.submit(self._run, model, batch)
-        generation = self.generation
-        self.running.add_done_callback(
-            lambda future: self.c.hub.call_soon(self._on_batch_done, generation, batch, future)
-        )
+        self._expire(now)
+        if self.running is None:
+            lane = self._next_lane()
+            if lane is not None:
+                wait = seconds_to_wait(lane.backlog, lane.limits, now, self.last_finished)
+                if wait <= 0:
+                    self._start(lane, now)
+                elif self._timer is None:
+                    self._timer = self.c.hub.call_later(wait, self._on_timer)
+        self._give_back(now)
 
     def _on_timer(self) -> None:
         self._timer = None
         self.schedule()
 
-    def _next_model(self) -> str | None:
-        """The model whose oldest held request has waited longest."""
-        oldest = None
-        for model, backlog in self.backlogs.items():
-            if backlog and (oldest is None or backlog[0].received < oldest[1]):
-                oldest = (model, backlog[0].received)
-        return oldest[0] if oldest else None
+    def _next_lane(self) -> Lane | None:
+        """The lane whose oldest held request has waited longest."""
+        waiting = [lane for lane in self.lanes.values() if lane.backlog]
+        return min(waiting, key=lambda lane: lane.backlog[0].received, default=None)
 
-    def _expire_overdue(self) -> None:
-        now = now_ms()
-        for backlog in self.backlogs.values():
-            overdue = [p for p in backlog if _deadline_passed(p.handle, now)]
-            if not overdue:
+    def _expire(self, now: float) -> None:
+        for lane in self.lanes.values():
+            for pending in split_expired(lane.backlog, now):
+                metrics.EXPIRED.labels(lane.model).inc()
+                held: Held = pending.handle
+                self.replier.failure(held.message, held.task_id, ErrorCode.DEADLINE_EXCEEDED,
+                                     "the request's deadline passed before a worker could run it")
+
+    def _start(self, lane: Lane, now: float) -> None:
+        batch = take_batch(lane.backlog, lane.limits, lane.cost, now)
+        shape = BatchShape.of(batch)
+        predicted = lane.cost.predict(shape)
+        started = time.time()
+        sent = [p.handle.annotations.sent_ms for p in batch]
+        for pending in batch:
+            pending.handle.started = started
+            self.replier.event("task-started", pending.handle.task_id)
+        for sent_ms in sent:
+            if sent_ms:
+                metrics.QUEUE_WAIT.labels(lane.model).observe(max(0.0, started - sent_ms / 1000))
+        tokens = batch_tokens(batch, lane.limits.padded)
+        metrics.BATCH_REQUESTS.labels(lane.model).observe(len(batch))
+        metrics.BATCH_ITEMS.labels(lane.model).observe(shape.items)
+        metrics.BATCH_TOKENS.labels(lane.model).observe(tokens)
+        metrics.BATCH_FILL.labels(lane.model).observe(min(1.0, tokens / lane.limits.max_tokens))
+        metrics.HELD.labels(lane.model).set(len(lane.backlog))
+
+        held = [p.handle for p in batch]
+        future = self.executor.submit(self._run, lane.model, held)
+        self.running = Running(lane, batch, now, predicted, future)
+        generation = self.generation
+        future.add_done_callback(
+            lambda f: self.c.hub.call_soon(self._on_batch_done, generation, f)
+        )
+        # If the batch overruns its prediction, look again at what we hold then.
+        self._overrun_timer = self.c.hub.call_later(
+            max(predicted * 1.5, 0.05), self._on_overrun, future)
+
+    def _on_overrun(self, future: Future) -> None:
+        running = self.running
+        if running is None or running.future is not future:
+            return
+        self._give_back(time.monotonic())
+        self._overrun_timer = self.c.hub.call_later(
+            max(running.predicted_s, 0.25), self._on_overrun, future)
+
+    def _running_left(self, now: float) -> float:
+        """Predicted seconds until the running batch ends (an overrun one: as long again)."""
+        running = self.running
+        if running is None:
+            return 0.0
+        elapsed = now - running.started
+        return max(running.predicted_s - elapsed, elapsed - running.predicted_s, 0.0)
+
+    # --- giving work back (loop thread) -------------------------------------------------
+
+    def _give_back(self, now: float) -> None:
+        running_left = self._running_left(now)
+        for lane in self.lanes.values():
+            if not lane.backlog or self._peers(lane, now) < 2:
+                continue  # nobody else would take it: returning would only loop back here
+            returned = overflow(lane.backlog, lane.limits, self.hold, lane.cost,
+                                running_left, now)
+            if not returned:
                 continue
-            backlog[:] = [p for p in backlog if not _deadline_passed(p.handle, now)]
-            for pending in overdue:
-                self._reply_failure(pending.handle, ErrorCode.DEADLINE_EXCEEDED,
-                                    "the request's deadline passed before a worker could run it")
+            ids = {id(p) for p in returned}
+            lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
+            # Shrink our credit first, so the broker offers them to the others.
+            self._set_prefetch(lane, max(self.hold.min_prefetch, len(lane.backlog)))
+            for pending in returned:
+                pending.handle.message.reject(requeue=True)
+            metrics.RETURNS.labels(lane.model).inc(len(returned))
+            metrics.HELD.labels(lane.model).set(len(lane.backlog))
+            log.info("returned %d requests of %s to the queue", len(returned), lane.model)
+
+    def _peers(self, lane: Lane, now: float) -> int:
+        if lane.count_peers is not None and now - lane.peers_checked > PEER_COUNT_TTL_S:
+            try:
+                lane.peers = lane.count_peers()
+            except Exception:
+                log.warning("could not count the consumers of %s", lane.model, exc_info=True)
+            lane.peers_checked = now
+        return lane.peers
+
+    def _set_prefetch(self, lane: Lane, prefetch: int) -> None:
+        """Re-consume with a new per-consumer prefetch (it applies to new consumers only)."""
+        consumer = lane.consumer
+        if consumer is None or prefetch == lane.prefetch:
+            return
+        consumer.cancel()
+        consumer.qos(prefetch_count=prefetch)
+        consumer.consume()
+        lane.prefetch = prefetch
+        metrics.PREFETCH.labels(lane.model).set(prefetch)
+
+    def _adapt_prefetch(self, lane: Lane) -> None:
+        target = target_prefetch(lane.backlog, lane.limits, self.hold, lane.cost,
+                                 default=lane.prefetch or self.hold.max_prefetch)
+        ratio = max(target, 1) / max(lane.prefetch, 1)
+        if ratio >= PREFETCH_CHANGE_RATIO or ratio <= 1 / PREFETCH_CHANGE_RATIO:
+            self._set_prefetch(lane, target)
 
     # --- the batch (runtime thread) ------------------------------------------------------
 
-    def _run(self, model: str, batch: list[Held]) -> list[Outcome]:
+    def _run(self, model: str, batch: list[Held]) -> tuple[list[Outcome], float]:
+        started = time.perf_counter()
         requests: list[Request] = []
         undecodable: dict[str, Outcome] = {}
         for held in batch:
@@ -175,94 +306,68 @@ class Dispatcher:
             requests.append(Request(held.task_id, held.annotations.op, kwargs))
         outcomes = {o.id: o for o in self.runtime.run_batch(model, requests)} if requests else {}
         outcomes.update(undecodable)
-        return [outcomes[held.task_id] for held in batch]
+        return [outcomes[held.task_id] for held in batch], time.perf_counter() - started
 
     # --- completion (loop thread) --------------------------------------------------------
 
-    def _on_batch_done(self, generation: int, batch: list[Held], future: Future) -> None:
+    def _on_batch_done(self, generation: int, future: Future) -> None:
+        running = self.running
+        if running is None or running.future is not future:
+            return
         self.running = None
         self.last_finished = time.monotonic()
+        if self._overrun_timer is not None:
+            self._overrun_timer.cancel()
+            self._overrun_timer = None
+        lane, batch = running.lane, [p.handle for p in running.batch]
         try:
-            outcomes = future.result()
+            outcomes, seconds = future.result()
+            lane.cost.observe(BatchShape.of(running.batch), seconds)
+            metrics.BATCH_SECONDS.labels(lane.model).observe(seconds)
         except Exception as exc:  # the runtime itself broke; every request gets an error
             log.exception("batch of %d failed", len(batch))
             outcomes = [Outcome(h.task_id, error_code=ErrorCode.INTERNAL,
                                 error_message=f"runtime failed: {exc!r}") for h in batch]
         if generation == self.generation:
+            self.replier.begin_batch()
             for held, outcome in zip(batch, outcomes, strict=True):
-                if outcome.ok:
-                    self._reply_success(held, outcome.result)
-                else:
-                    self._reply_failure(held, outcome.error_code, outcome.error_message)
+                self._answer(lane, held, outcome)
+            self.replier.end_batch()
+            self._adapt_prefetch(lane)
         # else: the connection was lost meanwhile; the messages are redelivered.
         self.schedule()
 
-    def _request_context(self, held: Held) -> Context:
-        props = held.message.properties
-        return Context(
-            id=held.task_id,
-            reply_to=props.get("reply_to"),
-            correlation_id=props.get("correlation_id") or held.task_id,
-            ignore_result=False,
-        )
-
-    def _reply_success(self, held: Held, result: dict[str, Any] | None) -> None:
+    def _answer(self, lane: Lane, held: Held, outcome: Outcome) -> None:
+        if not outcome.ok:
+            metrics.RESULTS.labels(lane.model, outcome.error_code or "error").inc()
+            self.replier.failure(held.message, held.task_id, outcome.error_code,
+                                 outcome.error_message)
+            return
+        result = outcome.result
         assert result is not None
-        now = now_ms()
         sent = held.annotations.sent_ms
         result["timing"] = {
             "queue_ms": max(0, int(held.started * 1000) - sent) if sent else None,
             "inference_ms": round(result.get("batch", {}).get("inference_ms", 0.0), 3),
         }
-        if not self._publish(held, lambda ctx: self.app.backend.mark_as_done(
-                held.task_id, result, request=ctx)):
-            return
-        held.message.ack()
-        self._send_event("task-succeeded", held, result=f"<{result.get('count')} vectors>",
-                         runtime=(now - held.started * 1000) / 1000 if held.started else 0.0)
-
-    def _reply_failure(self, held: Held, code: str | None, message: str | None) -> None:
-        error = ShoalError(code or ErrorCode.INTERNAL, message or "")
-        if not self._publish(held, lambda ctx: self.app.backend.mark_as_failure(
-                held.task_id, error, request=ctx, call_errbacks=False)):
-            return
-        held.message.ack()
-        self._send_event("task-failed", held, exception=repr(error), traceback="")
-
-    def _publish(self, held: Held, publish: Any) -> bool:
-        """Publish a result; False (message left unacked) if the broker refused it."""
-        ctx = self._request_context(held)
-        if not ctx.reply_to:
-            return True  # fire-and-forget: nobody waits for a result
-        try:
-            publish(ctx)
-        except Exception:
-            log.exception("could not publish the result of %s; it will be redelivered",
-                          held.task_id)
-            return False
-        return True
-
-    def _send_event(self, kind: str, held: Held, **fields: Any) -> None:
-        dispatcher = getattr(self.c, "event_dispatcher", None)
-        if dispatcher is not None and dispatcher.enabled:
-            dispatcher.send(kind, uuid=held.task_id, **fields)
+        result["worker"] = self.c.hostname
+        metrics.RESULTS.labels(lane.model, "ok").inc()
+        self.replier.success(held.message, held.task_id, result, time.time() - held.started)
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def drop_held(self) -> None:
         """Forget held messages after a connection loss (the broker redelivers them)."""
         self.generation += 1
-        for backlog in self.backlogs.values():
-            backlog.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for lane in self.lanes.values():
+            lane.backlog.clear()
+            lane.consumer = None
+            metrics.HELD.labels(lane.model).set(0)
+        for timer in (self._timer, self._overrun_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._overrun_timer = None
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.runtime.close()
-
-
-def _deadline_passed(held: Held, now: int) -> bool:
-    deadline = held.annotations.deadline_ms
-    return deadline is not None and deadline <= now

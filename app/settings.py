@@ -48,8 +48,14 @@ class Settings(BaseSettings):
     batch_max_delay_ms: float = Field(
         0.0, ge=0, description="wait for a fuller batch only while the runtime is busy"
     )
-    torch_threads: int = Field(0, ge=0, description="0 = one per core")
+    hold_horizon_batches: float = Field(
+        2.0, gt=0, description="predicted batches of work held beyond the running one"
+    )
+    torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
+    runtime_start_timeout_s: float = Field(300.0, gt=0)
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = Field(9540, ge=0, description="0 disables the worker's /metrics")
 
     @field_validator("models", mode="before")
     @classmethod

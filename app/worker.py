@@ -1,10 +1,11 @@
 """Worker wiring: a consumer bootstep that feeds the model queues to the dispatcher.
 
 Each served model's queue gets its own channel and consumer with its own
-prefetch (per-consumer QoS; quorum queues refuse global QoS). Models are
-loaded once, when the step is built: that is before the consumer opens its
-broker connection, whose heartbeats would otherwise go unanswered while the
-weights load. They stay loaded across broker reconnects.
+prefetch (per-consumer QoS; quorum queues refuse global QoS), and so does its
+dead-letter queue, whose messages are answered with an error. The model
+runtime is its own process, started when the step is built: before the
+consumer opens its broker connection, whose heartbeats would otherwise go
+unanswered while the weights load. It survives broker reconnects.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ from celery.worker import control
 from kombu import Consumer
 
 from app.catalog import ModelEntry, load_catalog
-from app.dispatcher import Dispatcher
+from app.deadletters import DeadLetterAnswerer
+from app.dispatcher import Dispatcher, Lane
+from app.metrics import POISON_ISOLATED, RUNTIME_RESTARTS, start_metrics_server
 from app.queues import kombu_queues
 from app.settings import Settings, get_settings
 from app.topology import queue_for
+from batching.cost import CostModel
 from batching.former import BatchLimits
+from batching.hold import HoldLimits
+from runtimes.process import ProcessRuntime
 
 log = logging.getLogger(__name__)
+
+DEAD_LETTER_PREFETCH = 16
 
 
 def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
@@ -39,52 +47,83 @@ def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
         max_items = settings.batch_max_items
     if "batch_max_delay_ms" in explicit:
         max_delay_ms = settings.batch_max_delay_ms
-    return BatchLimits(max_tokens=max_tokens, max_items=max_items, max_delay_s=max_delay_ms / 1000)
+    return BatchLimits(
+        max_tokens=max_tokens,
+        max_items=max_items,
+        max_delay_s=max_delay_ms / 1000,
+        max_wait_s=(profile.max_wait_ms if profile else 500) / 1000,
+        latency_target_s=(
+            profile.latency_target_ms / 1000 if profile and profile.latency_target_ms else None
+        ),
+    )
+
+
+def cost_model(entry: ModelEntry, settings: Settings) -> CostModel:
+    """A cost model seeded from the device's tuned profile (refined online)."""
+    profile = entry.profile(settings.device)
+    if profile is None:
+        return CostModel()
+    return CostModel(profile.cost_a_ms / 1000, profile.cost_b_us / 1e6, profile.cost_c_ns / 1e9)
 
 
 class ModelQueueConsumer(bootsteps.ConsumerStep):
-    """Consumes every served model's queue into the dispatcher."""
+    """Consumes every served model's queue (and dead-letter queue) into the dispatcher."""
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
-        self.settings = get_settings()
-        self.entries = load_catalog(self.settings.catalog_dir).require(self.settings.models)
-        self.limits = {e.id: batch_limits(e, self.settings) for e in self.entries}
-        self.runtime = self._runtime()
-        self.dispatcher: Dispatcher | None = None
-
-    def _runtime(self) -> Any:
-        # Imported here: torch loads only in worker processes, never in clients.
-        from runtimes.host import ModelHost
-
-        host = ModelHost(
-            device=self.settings.device,
-            threads=self.settings.torch_threads,
-            chunk_tokens=max(limit.max_tokens for limit in self.limits.values()),
+        self.settings = settings = get_settings()
+        # Results are confirmed asynchronously (app.replies); events need no
+        # confirms. Celery's blocking per-publish confirms stay on for clients.
+        options = dict(c.app.conf.broker_transport_options or {})
+        options.pop("confirm_publish", None)
+        c.app.conf.broker_transport_options = options
+        self.entries = load_catalog(settings.catalog_dir).require(settings.models)
+        self.lanes = {
+            e.id: Lane(e.id, batch_limits(e, settings), cost_model(e, settings))
+            for e in self.entries
+        }
+        self.hold = HoldLimits(
+            horizon_batches=settings.hold_horizon_batches,
+            delivery_limit=settings.queue_delivery_limit,
+            max_prefetch=max(settings.prefetch, 1),
         )
-        host.load(self.entries)
-        return host
+        start_metrics_server(settings.worker_metrics_host, settings.worker_metrics_port)
+        self.runtime = ProcessRuntime(
+            catalog_dir=settings.catalog_dir,
+            models=[e.id for e in self.entries],
+            device=settings.device,
+            threads=settings.torch_threads,
+            chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
+            start_timeout=settings.runtime_start_timeout_s,
+        )
+        RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
+        POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
+        self.dispatcher: Dispatcher | None = None
 
     def start(self, c: Any) -> None:
         if c.hub is None:
             raise RuntimeError("shoal's worker needs Celery's event loop (an AMQP broker)")
         if self.dispatcher is None:
-            self.dispatcher = Dispatcher(c, self.runtime, self.limits)
+            self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold)
+        self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
             queue, dead = kombu_queues(queue_for(entry.id, self.settings))
             channel = c.connection.channel()
-            dead.bind(channel).declare()
-            consumer = Consumer(
-                channel,
-                queues=[queue],
-                on_message=self.dispatcher.on_message,
-                prefetch_count=self.settings.prefetch,
-                accept=["msgpack", "json"],
-            )
+            consumer = Consumer(channel, queues=[queue], on_message=self.dispatcher.on_message,
+                                prefetch_count=self.settings.prefetch,
+                                accept=["msgpack", "json"])
             consumer.consume()
-            self.consumers.append(consumer)
-            log.info("consuming %s (prefetch %d)", queue.name, self.settings.prefetch)
+            self.dispatcher.attach(entry.id, consumer, self.settings.prefetch,
+                                   _consumer_counter(channel, queue.name))
+            dead_channel = c.connection.channel()
+            answerer = DeadLetterAnswerer(self.dispatcher.replier, entry.id)
+            dead_consumer = Consumer(dead_channel, queues=[dead], on_message=answerer.on_message,
+                                     prefetch_count=DEAD_LETTER_PREFETCH)
+            dead_consumer.consume()
+            self.consumers += [consumer, dead_consumer]
+            log.info("consuming %s (prefetch %d) and %s", queue.name, self.settings.prefetch,
+                     dead.name)
 
     def stop(self, c: Any) -> None:
         if self.dispatcher is not None:
@@ -98,6 +137,15 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         if self.dispatcher is not None:
             self.dispatcher.close()
             self.dispatcher = None
+        else:
+            self.runtime.close()
+
+
+def _consumer_counter(channel: Any, queue: str) -> Any:
+    def count() -> int:
+        return int(channel.queue_declare(queue=queue, passive=True).consumer_count)
+
+    return count
 
 
 @control.inspect_command()

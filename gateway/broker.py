@@ -24,7 +24,7 @@ from pamqp.commands import Basic
 from app.settings import Settings
 from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
-from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, decode_result
+from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, H_MULTI, decode_results
 from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -112,14 +112,17 @@ class Broker:
             future.cancel()
 
     def _on_reply(self, message: AbstractIncomingMessage) -> None:
-        future = self.pending.get(message.correlation_id or "")
-        if future is None or future.done():
-            self.duplicates += 1
-            return
         try:
-            future.set_result(decode_result(message.body))
-        except Exception as exc:  # a malformed reply must not kill the consumer
-            future.set_exception(exc)
+            results = decode_results(message.body, bool(message.headers.get(H_MULTI)))
+        except Exception:  # a malformed reply must not kill the consumer
+            log.exception("undecodable reply dropped")
+            return
+        for result in results:
+            future = self.pending.get(result.get("task_id") or message.correlation_id or "")
+            if future is None or future.done():
+                self.duplicates += 1
+            else:
+                future.set_result(result)
 
     async def call(
         self, model: str, task_id: str, body: bytes, headers: dict, timeout_s: float

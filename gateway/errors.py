@@ -14,6 +14,8 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.INPUT_TOO_LONG: 413,
     ErrorCode.UNSUPPORTED_OPERATION: 422,
+    # The input crashed or broke the model every time it ran: retrying won't help.
+    ErrorCode.POISON_INPUT: 422,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.BROKER_UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,

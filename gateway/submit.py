@@ -12,7 +12,7 @@ from starlette.requests import Request
 from app.catalog import ModelEntry
 from gateway.errors import ApiError, invalid
 from tasks.cost import estimate_texts
-from tasks.envelope import Annotations, now_ms, task_body, task_headers
+from tasks.envelope import H_REPLY_BATCH, Annotations, now_ms, task_body, task_headers
 from tasks.errors import ErrorCode
 from tasks.names import TASK_OF_OPERATION
 
@@ -76,6 +76,7 @@ async def call_model(
     task_id = str(uuid.uuid4())
     broker = request.app.state.broker
     headers = task_headers(task_id, TASK_OF_OPERATION[op], annotations, broker.origin)
+    headers[H_REPLY_BATCH] = 1
     reply = await broker.call(entry.id, task_id, task_body(kwargs), headers, budget_ms / 1000)
     if reply.get("status") != "SUCCESS":
         raise error_from_failure(reply.get("result"))
@@ -86,6 +87,8 @@ async def call_model(
         out_headers["X-Queue-Time-Ms"] = str(timing["queue_ms"])
     if timing.get("inference_ms") is not None:
         out_headers["X-Inference-Time-Ms"] = f"{timing['inference_ms']:.1f}"
+    if result.get("worker"):
+        out_headers["X-Worker"] = str(result["worker"])
     batch = result.get("batch") or {}
     if "requests" in batch:
         out_headers["X-Batch-Requests"] = str(batch["requests"])

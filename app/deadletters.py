@@ -1,0 +1,57 @@
+"""Answer dead-lettered requests, so a caller gets an error instead of a timeout.
+
+RabbitMQ dead-letters a model queue's message when it expired (its deadline
+passed while queued), when it was delivered `x-delivery-limit` times without
+being acked (it keeps killing workers, or keeps being returned), or when a
+worker rejected it as unreadable. Workers consume the dead-letter queues too,
+tell the waiting caller why, log it, and ack it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from app.metrics import DEAD_LETTERED
+from app.replies import Replier
+from tasks.errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+_ANSWERS = {
+    "expired": (ErrorCode.DEADLINE_EXCEEDED,
+                "the request's deadline passed while it waited in the queue"),
+    "delivery_limit": (ErrorCode.POISON_INPUT,
+                       "the request was delivered {count} times without completing; it may "
+                       "crash workers"),
+    "rejected": (ErrorCode.INVALID_REQUEST, "a worker could not read the request"),
+    "maxlen": (ErrorCode.QUEUE_FULL, "the queue was full"),
+}
+
+
+def death_reason(headers: dict[str, Any]) -> tuple[str, int]:
+    """(why the message was dead-lettered, how many times it was delivered)."""
+    deaths = headers.get("x-death") or []
+    first = deaths[0] if deaths and isinstance(deaths[0], dict) else {}
+    reason = headers.get("x-first-death-reason") or first.get("reason") or "unknown"
+    count = int(headers.get("x-delivery-count") or first.get("count") or 1)
+    return str(reason), count
+
+
+class DeadLetterAnswerer:
+    def __init__(self, replier: Replier, model: str) -> None:
+        self.replier = replier
+        self.model = model
+
+    def on_message(self, message: Any) -> None:
+        headers = message.headers or {}
+        reason, count = death_reason(headers)
+        DEAD_LETTERED.labels(self.model, reason).inc()
+        task_id = headers.get("id") or message.properties.get("correlation_id")
+        log.warning("dead-lettered request %s of %s: %s (delivered %d times)",
+                    task_id, self.model, reason, count)
+        if not task_id:
+            message.ack()  # nobody to answer
+            return
+        code, text = _ANSWERS.get(reason, (ErrorCode.INTERNAL, "the request was dead-lettered"))
+        self.replier.failure(message, task_id, code, text.format(count=count))

@@ -1,0 +1,46 @@
+"""Prometheus metrics of a worker (served by `start_metrics_server`)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+BATCH_REQUESTS = Histogram("shoal_batch_requests", "requests per batch", ["model"],
+                           buckets=_SIZE_BUCKETS)
+BATCH_ITEMS = Histogram("shoal_batch_items", "items per batch", ["model"], buckets=_SIZE_BUCKETS)
+BATCH_TOKENS = Histogram("shoal_batch_tokens", "estimated padded tokens per batch", ["model"],
+                         buckets=_TOKEN_BUCKETS)
+BATCH_FILL = Histogram("shoal_batch_fill_ratio", "batch tokens / token budget", ["model"],
+                       buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+BATCH_SECONDS = Histogram("shoal_batch_seconds", "wall time of a batch in the runtime",
+                          ["model"], buckets=_SECONDS)
+QUEUE_WAIT = Histogram("shoal_queue_wait_seconds", "from publish to batch start", ["model"],
+                       buckets=_SECONDS)
+RETURNS = Counter("shoal_returned_total", "messages given back to the queue", ["model"])
+EXPIRED = Counter("shoal_expired_total", "messages whose deadline passed before running",
+                  ["model"])
+DEAD_LETTERED = Counter("shoal_dead_lettered_total", "dead-lettered messages answered",
+                        ["model", "reason"])
+RESULTS = Counter("shoal_results_total", "requests answered", ["model", "outcome"])
+RUNTIME_RESTARTS = Gauge("shoal_runtime_restarts", "restarts of the model runtime process")
+POISON_ISOLATED = Gauge("shoal_poison_isolated", "requests isolated as poison by bisection")
+HELD = Gauge("shoal_held_messages", "unacked messages held by this worker", ["model"])
+PREFETCH = Gauge("shoal_prefetch", "current per-consumer prefetch", ["model"])
+
+
+def start_metrics_server(host: str, port: int) -> None:
+    """Serve /metrics on `port` (0 disables); a taken port only costs a warning."""
+    if port <= 0:
+        return
+    try:
+        start_http_server(port, addr=host)
+        log.info("worker metrics on http://%s:%d/metrics", host, port)
+    except OSError as exc:
+        log.warning("worker metrics not served: port %d: %s", port, exc)
