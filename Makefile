@@ -37,7 +37,7 @@ lint: install
 	$(BIN)/ruff check .
 
 bench: install services
-	$(BIN)/python -m bench.e2e
+	$(BIN)/python -m bench.e2e --start-stack
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

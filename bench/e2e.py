@@ -406,6 +406,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pids", type=int_list, default=[],
                    help="comma-separated PIDs (gateway, worker, broker) to account CPU for")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
+    p.add_argument("--start-stack", action="store_true",
+                   help="start a private worker + gateway for this run (ignores --url)")
     args = p.parse_args(argv)
     if args.inproc_reps < 1 or args.texts < 1 or args.duration <= 0 or args.warmup < 0:
         p.error("--inproc-reps and --texts must be >= 1, --duration > 0, --warmup >= 0")
@@ -414,6 +416,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.start_stack:
+        return run(args)
+    from bench.stack import bench_stack
+
+    print("starting a private stack...", file=sys.stderr)
+    with bench_stack(args.model) as stack:
+        args.url = stack.url
+        beam = [int(p) for p in os.popen("pgrep -f beam.smp").read().split()]
+        args.pids = [*stack.pids, *beam, *args.pids]
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     missing = [pid for pid in args.pids if not Path(f"/proc/{pid}/stat").exists()]
     if missing:
