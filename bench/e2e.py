@@ -24,13 +24,18 @@ import shlex
 import statistics
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
+import uvloop
+
+from bench.rawhttp import Connection, HttpError
 
 if TYPE_CHECKING:
     from runtimes.pytorch.dense import DenseEncoder
@@ -119,8 +124,10 @@ def process_label(pid: int) -> str:
         return str(pid)
     words = [a.decode(errors="replace") for a in argv if a]
     for i, word in enumerate(words):
-        if word.endswith("/shoal") or word == "shoal":
+        if word.endswith("/shoal") or word in ("shoal", "app.cli"):
             return f"{' '.join(['shoal', *words[i + 1 : i + 2]])} ({pid})"
+        if word == "runtimes.server":
+            return f"runtime ({pid})"
     name = Path(words[0]).name if words else "?"
     return f"{name} ({pid})"
 
@@ -169,30 +176,38 @@ class LevelResult:
 
 
 async def one_request(
-    client: httpx.AsyncClient, endpoint: str, text: str
+    connection: Connection, request: bytes, timeout: float
 ) -> tuple[str | None, int | None]:
     """(error kind or None, the x-batch-requests header as an int if present)."""
     try:
-        response = await client.post(endpoint, json={"items": [{"text": text}]})
-    except httpx.HTTPError as exc:
+        status, headers, _ = await asyncio.wait_for(connection.send(request), timeout)
+    except (HttpError, OSError, TimeoutError) as exc:
+        connection.writer = None  # reconnect for the next request
         return type(exc).__name__, None
-    if response.status_code != 200:
-        return f"HTTP {response.status_code}", None
-    header = response.headers.get("x-batch-requests")
+    if status != 200:
+        return f"HTTP {status}", None
+    header = headers.get("x-batch-requests")
     return None, int(header) if header and header.isdigit() else None
 
 
 async def client_loop(
-    client: httpx.AsyncClient, endpoint: str, texts: list[str], first: int, step: int,
+    endpoint: str, texts: list[str], first: int, step: int, timeout: float,
     window: Window, samples: Samples,
 ) -> None:
     """One closed-loop client: send, wait for the reply, send the next, until the window ends."""
+    connection = Connection(endpoint)
+    path = urlsplit(endpoint).path
+    requests = [
+        connection.request_bytes(path, json.dumps({"items": [{"text": t}]}).encode(),
+                                 "application/json")
+        for t in texts
+    ]
     index = first
     while time.perf_counter() < window.end:
-        text = texts[index % len(texts)]
+        request = requests[index % len(requests)]
         index += step
         started = time.perf_counter()
-        error, batch = await one_request(client, endpoint, text)
+        error, batch = await one_request(connection, request, timeout)
         ended = time.perf_counter()
         if ended < window.start:
             samples.warmup_errors += error is not None
@@ -205,26 +220,26 @@ async def client_loop(
         samples.latencies_ms.append((ended - started) * 1000)
         if batch is not None:
             samples.batch_requests.append(batch)
+    await connection.close()
 
 
 async def run_level(
     endpoint: str, texts: list[str], clients: int, warmup: float, duration: float,
     timeout: float, pids: list[int],
 ) -> LevelResult:
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     samples = Samples()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        now = time.perf_counter()
-        window = Window(now + warmup, now + warmup + duration)
-        tasks = [
-            asyncio.create_task(client_loop(client, endpoint, texts, k, clients, window, samples))
-            for k in range(clients)
-        ]
-        await asyncio.sleep(max(0.0, window.start - time.perf_counter()))
-        before, client_before = cpu_snapshot(pids), time.process_time()
-        await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
-        after, client_after = cpu_snapshot(pids), time.process_time()
-        await asyncio.gather(*tasks)
+    now = time.perf_counter()
+    window = Window(now + warmup, now + warmup + duration)
+    tasks = [
+        asyncio.create_task(
+            client_loop(endpoint, texts, k, clients, timeout, window, samples))
+        for k in range(clients)
+    ]
+    await asyncio.sleep(max(0.0, window.start - time.perf_counter()))
+    before, client_before = cpu_snapshot(pids), time.process_time()
+    await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
+    after, client_after = cpu_snapshot(pids), time.process_time()
+    await asyncio.gather(*tasks)
     return summarize(clients, duration, samples, before, after, client_after - client_before)
 
 
@@ -259,10 +274,12 @@ def summarize(
 def gateway_ready(url: str, timeout: float = 5.0) -> str | None:
     """None if GET /readyz answers 200, else why not."""
     try:
-        response = httpx.get(f"{url}/readyz", timeout=timeout)
-    except httpx.HTTPError as exc:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=timeout):
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
-    return None if response.status_code == 200 else f"HTTP {response.status_code}"
 
 
 # --------------------------------------------------------------------------- report
@@ -408,6 +425,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
     p.add_argument("--start-stack", action="store_true",
                    help="start a private worker + gateway for this run (ignores --url)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra environment for --start-stack (repeatable)")
     args = p.parse_args(argv)
     if args.inproc_reps < 1 or args.texts < 1 or args.duration <= 0 or args.warmup < 0:
         p.error("--inproc-reps and --texts must be >= 1, --duration > 0, --warmup >= 0")
@@ -421,9 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.stack import bench_stack
 
     print("starting a private stack...", file=sys.stderr)
-    with bench_stack(args.model) as stack:
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    with bench_stack(args.model, extra_env) as stack:
         args.url = stack.url
-        beam = [int(p) for p in os.popen("pgrep -f beam.smp").read().split()]
+        beam = [int(p) for p in os.popen("pgrep -x beam.smp").read().split()]
         args.pids = [*stack.pids, *beam, *args.pids]
         return run(args)
 
@@ -458,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     levels: list[LevelResult] = []
     for clients in args.clients:
         print(f"HTTP load, {clients} clients...", file=sys.stderr)
-        level = asyncio.run(run_level(endpoint, texts, clients, args.warmup, args.duration,
+        level = uvloop.run(run_level(endpoint, texts, clients, args.warmup, args.duration,
                                       args.timeout, args.pids))
         print(f"  {level.req_per_s:.1f} req/s, {level.errors} errors", file=sys.stderr)
         levels.append(level)

@@ -46,6 +46,13 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def _is_runtime(pid: int) -> bool:
+    try:
+        return b"runtimes.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -88,7 +95,8 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None) -> Iterator
 
         _wait(served, 300, "the worker")
         worker = procs["worker"].pid
-        pids = [procs["gateway"].pid, worker, *_children(worker)]
+        runtimes = [pid for pid in _children(worker) if _is_runtime(pid)]
+        pids = [procs["gateway"].pid, worker, *runtimes]
         yield BenchStack(url, pids, log_dir)
     finally:
         for proc in procs.values():
