@@ -319,6 +319,9 @@ class Dispatcher:
         if self._overrun_timer is not None:
             self._overrun_timer.cancel()
             self._overrun_timer = None
+        # Start the next batch before answering this one: the runtime computes
+        # while the loop publishes results, instead of idling until they are out.
+        self.schedule()
         lane, batch = running.lane, [p.handle for p in running.batch]
         try:
             outcomes, seconds = future.result()
@@ -335,7 +338,6 @@ class Dispatcher:
             self.replier.end_batch()
             self._adapt_prefetch(lane)
         # else: the connection was lost meanwhile; the messages are redelivered.
-        self.schedule()
 
     def _answer(self, lane: Lane, held: Held, outcome: Outcome) -> None:
         if not outcome.ok:

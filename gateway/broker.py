@@ -24,6 +24,7 @@ from pamqp.commands import Basic
 from app.settings import Settings
 from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
+from gateway.metrics import DUPLICATE_REPLIES
 from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, H_MULTI, decode_results
 from tasks.errors import ErrorCode
 
@@ -38,7 +39,6 @@ class Broker:
         self.reply_to = f"{settings.queue_prefix}.reply.{uuid.uuid4().hex}"
         self.origin = f"gateway@{socket.gethostname()}:{os.getpid()}"
         self.pending: dict[str, asyncio.Future] = {}
-        self.duplicates = 0
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self._ready = False
@@ -120,7 +120,7 @@ class Broker:
         for result in results:
             future = self.pending.get(result.get("task_id") or message.correlation_id or "")
             if future is None or future.done():
-                self.duplicates += 1
+                DUPLICATE_REPLIES.inc()
             else:
                 future.set_result(result)
 

@@ -7,6 +7,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 REQUESTS = Counter("shoal_gateway_requests_total", "HTTP requests", ["route", "status"])
+DUPLICATE_REPLIES = Counter(
+    "shoal_gateway_duplicate_replies_total",
+    "replies for requests already answered or given up (redeliveries, late results)",
+)
 LATENCY = Histogram(
     "shoal_gateway_request_seconds", "HTTP request latency", ["route"],
     buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
