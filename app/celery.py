@@ -1,7 +1,8 @@
 """The Celery app: `celery -A app worker` finds it here.
 
 msgpack and JSON only (never pickle), the rpc result backend (results go to
-the caller's `reply_to`), publisher confirms, task events on. shoal tasks are
+the caller's `reply_to`), publisher confirms for clients (a worker confirms
+its results asynchronously instead, see app.replies), task events on. shoal tasks are
 routed to the queue of the model named in their kwargs.
 """
 
