@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
     runtime_start_timeout_s: float = Field(300.0, gt=0)
+    runtime_batch_timeout_s: float = Field(
+        600.0, gt=0, description="a batch running longer is killed and bisected like a crash"
+    )
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(9540, ge=0, description="0 disables the worker's /metrics")
 

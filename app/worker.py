@@ -95,6 +95,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             threads=settings.torch_threads,
             chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
             start_timeout=settings.runtime_start_timeout_s,
+            batch_timeout=settings.runtime_batch_timeout_s,
         )
         RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)

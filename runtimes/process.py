@@ -74,7 +74,7 @@ class RuntimeUnhealthy(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class _Failure:
-    kind: Literal["crash", "exception"]
+    kind: Literal["crash", "hang", "exception"]
     detail: str
 
 
@@ -198,9 +198,13 @@ class ProcessRuntime:
         chunk_tokens: int = 16_384,
         start_timeout: float = 300.0,
         env: Mapping[str, str] | None = None,
+        batch_timeout: float | None = None,
     ) -> None:
         self.models = list(models)
         self.start_timeout = start_timeout
+        # A model that hangs (a deadlocked kernel, a stuck device) is killed
+        # after this long and treated like a crash: restart, then bisect.
+        self.batch_timeout = batch_timeout
         self.restarts = 0
         self.poison_isolated = 0
         self._argv = [
@@ -293,6 +297,8 @@ class ProcessRuntime:
         self.poison_isolated += 1
         if failure.kind == "crash":
             message = f"this request crashed the model runtime ({failure.detail})"
+        elif failure.kind == "hang":
+            message = f"this request hung the model runtime ({failure.detail})"
         else:
             message = f"inference failed on this request: {failure.detail}"
         log.error("request %s for %s isolated as poison: %s", request.id, model, message)
@@ -314,8 +320,13 @@ class ProcessRuntime:
             return _Failure("exception", str(exc))
         assert child.sock is not None
         try:
+            child.sock.settimeout(self.batch_timeout)
             child.sock.sendall(payload)
             reply = recv_frame(child.sock)
+        except TimeoutError:
+            why = f"no answer within the {self.batch_timeout:g}s batch timeout"
+            self._replace_dead(child, why)
+            return _Failure("hang", why)
         except (OSError, EOFError, ProtocolError) as exc:
             return _Failure("crash", self._replace_dead(child, f"connection lost: {exc}"))
         if isinstance(reply, dict) and "outcomes" in reply:

@@ -186,6 +186,17 @@ def test_close_stops_the_child_even_mid_batch(catalog_dir):
     runtime.close()  # twice is fine
 
 
+def test_a_hung_request_is_killed_after_the_batch_timeout_and_isolated(catalog_dir):
+    with ProcessRuntime(catalog_dir, [FAULTY], threads=1, start_timeout=60, env=CHILD_ENV,
+                        batch_timeout=SLOW_S / 2) as runtime:
+        pid = runtime.pid
+        hung, fine = runtime.run_batch(FAULTY, batch(encode("@@slow@@"), encode("fine")))
+        assert hung.error_code == "POISON_INPUT"
+        assert "batch timeout" in hung.error_message
+        assert fine.ok and vectors(fine).shape == (1, 32)
+        assert runtime.pid != pid and runtime.restarts >= 1
+
+
 def test_a_failed_start_reports_the_child_output(catalog_dir):
     with pytest.raises(RuntimeStartError) as err:
         ProcessRuntime(catalog_dir, ["test/nope"], start_timeout=60)
