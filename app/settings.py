@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     queue_prefix: str = "shoal"
     queue_max_length: int = Field(10_000, ge=1, description="messages per model queue")
     queue_delivery_limit: int = Field(20, ge=2)
+    queue_type: Literal["quorum", "classic"] = Field(
+        "quorum", description="classic: less broker CPU, but no delivery limit nor replication"
+    )
 
     # --- models ---
     catalog_dir: Path = REPO_ROOT / "models"

@@ -40,23 +40,28 @@ def dead_letter_exchange(prefix: str) -> str:
 
 
 def model_queue(
-    model_id: str, *, prefix: str, max_length: int, delivery_limit: int
+    model_id: str, *, prefix: str, max_length: int, delivery_limit: int,
+    queue_type: str = "quorum",
 ) -> ModelQueue:
+    """A model's queue. `classic` trades the delivery limit (poison messages that
+    kill workers are never dead-lettered) and replication for less broker CPU."""
     name = f"{prefix}.model.{model_slug(model_id)}"
     dlx = dead_letter_exchange(prefix)
+    arguments: dict[str, Any] = {
+        "x-queue-type": queue_type,
+        "x-dead-letter-exchange": dlx,
+        "x-dead-letter-routing-key": name,
+        "x-max-length": max_length,
+        "x-overflow": "reject-publish",
+    }
+    if queue_type == "quorum":
+        arguments["x-delivery-limit"] = delivery_limit
     return ModelQueue(
         name=name,
         exchange=task_exchange(prefix),
         dead_letter_exchange=dlx,
         dead_letter_queue=f"{name}.dead",
-        arguments={
-            "x-queue-type": "quorum",
-            "x-dead-letter-exchange": dlx,
-            "x-dead-letter-routing-key": name,
-            "x-delivery-limit": delivery_limit,
-            "x-max-length": max_length,
-            "x-overflow": "reject-publish",
-        },
+        arguments=arguments,
     )
 
 
@@ -70,4 +75,5 @@ def queue_for(model_id: str, settings: Any) -> ModelQueue:
         prefix=settings.queue_prefix,
         max_length=settings.queue_max_length,
         delivery_limit=settings.queue_delivery_limit,
+        queue_type=settings.queue_type,
     )

@@ -20,3 +20,10 @@ def test_model_queue_is_a_bounded_quorum_queue_with_dead_lettering():
         "x-max-length": 5,
         "x-overflow": "reject-publish",
     }
+
+
+def test_classic_queue_has_no_delivery_limit():
+    mq = model_queue("a/b", prefix="p", max_length=5, delivery_limit=7, queue_type="classic")
+    assert mq.arguments["x-queue-type"] == "classic"
+    assert "x-delivery-limit" not in mq.arguments
+    assert mq.arguments["x-overflow"] == "reject-publish"
