@@ -55,7 +55,6 @@ class Held:
 
     message: Any  # kombu.Message
     task_id: str
-    task_name: str
     annotations: Annotations
     started: float = 0.0  # epoch seconds when its batch started
 
@@ -131,7 +130,7 @@ class Dispatcher:
             except ValueError as exc:
                 self.replier.failure(message, task_id, ErrorCode.INVALID_REQUEST, str(exc))
                 return
-        held = Held(message, task_id, task_name, annotations)
+        held = Held(message, task_id, annotations)
         self.replier.event("task-received", task_id, name=task_name, args="()",
                            kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
                            parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),

@@ -54,9 +54,6 @@ class ModelHost:
             )
             log.info("loaded %s in %.1fs", entry.id, time.perf_counter() - started)
 
-    def encoder(self, model_id: str) -> DenseEncoder:
-        return self._models[model_id]
-
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
         encoder = self._models.get(model_id)
         if encoder is None:
