@@ -234,7 +234,8 @@ class Dispatcher:
             max(running.predicted_s, 0.25), self._on_overrun, future)
 
     def _running_left(self, now: float) -> float:
-        """Predicted seconds until the running batch ends (an overrun one: as long again)."""
+        """Predicted seconds until the running batch ends; past its prediction, assume it
+        overruns by as much again as it already has."""
         running = self.running
         if running is None:
             return 0.0
