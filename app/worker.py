@@ -17,7 +17,7 @@ from celery import bootsteps
 from celery.worker import control
 from kombu import Consumer
 
-from app.catalog import ModelEntry, load_catalog
+from app.catalog import BatchProfile, ModelEntry, load_catalog
 from app.deadletters import DeadLetterAnswerer
 from app.dispatcher import Dispatcher, Lane
 from app.metrics import POISON_ISOLATED, RUNTIME_RESTARTS, start_metrics_server
@@ -34,13 +34,17 @@ log = logging.getLogger(__name__)
 DEAD_LETTER_PREFETCH = 16
 
 
+def device_profile(entry: ModelEntry, settings: Settings) -> BatchProfile:
+    """The catalog's tuned profile for this device, or the profile defaults."""
+    return entry.profile(settings.device) or BatchProfile()
+
+
 def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
-    """The catalog's tuned profile for this device, overridden by SHOAL_BATCH_* if set."""
-    profile = entry.profile(settings.device)
+    """The device's profile, overridden by SHOAL_BATCH_* where those are set."""
+    profile = device_profile(entry, settings)
     explicit = settings.model_fields_set
-    max_tokens = profile.max_tokens if profile else settings.batch_max_tokens
-    max_items = profile.max_items if profile else settings.batch_max_items
-    max_delay_ms = profile.max_delay_ms if profile else settings.batch_max_delay_ms
+    max_tokens, max_items = profile.max_tokens, profile.max_items
+    max_delay_ms = profile.max_delay_ms
     if "batch_max_tokens" in explicit:
         max_tokens = settings.batch_max_tokens
     if "batch_max_items" in explicit:
@@ -51,18 +55,16 @@ def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
         max_tokens=max_tokens,
         max_items=max_items,
         max_delay_s=max_delay_ms / 1000,
-        max_wait_s=(profile.max_wait_ms if profile else 500) / 1000,
+        max_wait_s=profile.max_wait_ms / 1000,
         latency_target_s=(
-            profile.latency_target_ms / 1000 if profile and profile.latency_target_ms else None
+            profile.latency_target_ms / 1000 if profile.latency_target_ms else None
         ),
     )
 
 
 def cost_model(entry: ModelEntry, settings: Settings) -> CostModel:
     """A cost model seeded from the device's tuned profile (refined online)."""
-    profile = entry.profile(settings.device)
-    if profile is None:
-        return CostModel()
+    profile = device_profile(entry, settings)
     return CostModel(profile.cost_a_ms / 1000, profile.cost_b_us / 1e6, profile.cost_c_ns / 1e9)
 
 

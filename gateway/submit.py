@@ -12,12 +12,16 @@ from starlette.requests import Request
 from app.catalog import ModelEntry
 from gateway.errors import ApiError, invalid
 from tasks.cost import estimate_texts
-from tasks.envelope import H_REPLY_BATCH, Annotations, now_ms, task_body, task_headers
+from tasks.envelope import (
+    DEFAULT_MAX_TOKENS,
+    H_REPLY_BATCH,
+    Annotations,
+    now_ms,
+    task_body,
+    task_headers,
+)
 from tasks.errors import ErrorCode
 from tasks.names import TASK_OF_OPERATION
-
-# Without max_seq_length in the catalog, cap estimates at a common limit.
-FALLBACK_MAX_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -70,7 +74,7 @@ async def call_model(
 ) -> Reply:
     started = time.perf_counter()
     budget_ms = timeout_ms(request)
-    cost, longest = estimate_texts(texts, entry.max_seq_length or FALLBACK_MAX_TOKENS)
+    cost, longest = estimate_texts(texts, entry.max_seq_length or DEFAULT_MAX_TOKENS)
     sent = now_ms()
     annotations = Annotations(entry.id, op, len(texts), cost, longest, sent + budget_ms, sent)
     task_id = str(uuid.uuid4())

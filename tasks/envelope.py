@@ -34,7 +34,8 @@ H_REPLY_BATCH = "shoal_reply_batch"
 H_MULTI = "shoal_multi"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-# Without a catalog at hand (a plain Celery client), cap estimates here.
+# Where no max_seq_length is known (a plain Celery client, a catalog entry
+# without one), cap cost estimates here.
 DEFAULT_MAX_TOKENS = 512
 
 
