@@ -9,10 +9,22 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
+from tasks.cost import DEFAULT_IMAGE_TOKENS
+from tasks.errors import ShoalError
+from tasks.schema import parse_options
 
 
 class CatalogError(ValueError):
@@ -56,26 +68,70 @@ class BatchProfile(BaseModel):
     measured: str | None = Field(None, description="the benchmark run this came from")
 
 
+class Prompts(BaseModel):
+    """Text put before each input, e.g. e5's "query: " and "passage: "."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = ""
+    document: str = ""
+
+
 class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     id: str = Field(min_length=1, description="the Hugging Face id users know")
-    # "dense-faulty" is the test-only runtimes.pytorch.faulty (refused at load
-    # unless SHOAL_ALLOW_TEST_ADAPTERS=1).
-    adapter: Literal["dense", "dense-faulty"]
+    adapter: str = Field(description="the model family; see `shoal models adapters`")
+    description: str = ""
     source: Source
-    tasks: list[Literal["encode"]] = Field(default_factory=lambda: ["encode"])
-    dims: int = Field(ge=1)
+    tasks: list[str] | None = Field(None, description="default: the adapter's operation")
+    dims: int | None = Field(None, ge=1, description="width of the output vectors")
     max_seq_length: int | None = Field(
-        None, ge=1, description="default: read from the sentence-transformers files"
+        None, ge=1, description="default: read from the model's files"
     )
     pooling: Literal["mean", "cls", "lasttoken"] | None = Field(
-        None, description="default: read from the sentence-transformers files"
+        None, description="dense: default read from the sentence-transformers files"
     )
     normalize: bool | None = Field(
         None, description="default: true when the model ships a Normalize module"
     )
+    prompts: Prompts = Field(default_factory=Prompts)
+    image_tokens: int = Field(DEFAULT_IMAGE_TOKENS, ge=1, description="cost of one image")
+    defaults: dict[str, Any] = Field(
+        default_factory=dict, description="request options used where the caller gives none"
+    )
     profiles: dict[str, BatchProfile] = Field(default_factory=dict)
+
+    @field_validator("adapter")
+    @classmethod
+    def _known_adapter(cls, value: str) -> str:
+        if value not in ADAPTERS:
+            raise ValueError(f"unknown adapter {value!r}; allowed: {sorted(ADAPTERS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _fits_adapter(self) -> ModelEntry:
+        contract = self.contract
+        if self.tasks is None:
+            self.tasks = [contract.operation]
+        elif self.tasks != [contract.operation]:
+            raise ValueError(f"tasks: adapter {self.adapter!r} serves {[contract.operation]}, "
+                             f"not {self.tasks} (allowed operations: {list(OPERATIONS)})")
+        if contract.has_dims and self.dims is None:
+            raise ValueError(f"dims: adapter {self.adapter!r} needs the width of its vectors")
+        try:
+            parse_options(contract.operation, {}, self.defaults)
+        except ShoalError as exc:
+            raise ValueError(f"defaults: {exc.message}") from None
+        return self
+
+    @property
+    def contract(self) -> AdapterContract:
+        return ADAPTERS[self.adapter]
+
+    @property
+    def operation(self) -> str:
+        return self.contract.operation
 
     def profile(self, device: str) -> BatchProfile | None:
         """The tuned profile for a device type ('cpu', 'l4', 'h100', ...), if any."""

@@ -12,128 +12,85 @@ outcomes here.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
-import numpy as np
 import torch
 
 from app.catalog import ModelEntry
 from runtimes.base import Outcome, Request
-from runtimes.pytorch.dense import DenseEncoder, normalize_rows
+from runtimes.pytorch.adapter import Adapter
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode, ShoalError
-from tasks.schema import EncodeRequest, parse_encode
 
 log = logging.getLogger(__name__)
 
 
+def adapter_class(entry: ModelEntry) -> type[Adapter]:
+    """The class that implements the entry's adapter (imported only when needed)."""
+    module, _, name = entry.contract.implementation.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class ModelHost:
-    """Holds loaded models by id and runs encode batches on them."""
+    """Holds loaded models by id and runs batches on them."""
 
     def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384) -> None:
         self.device = device
         self.chunk_tokens = chunk_tokens
         if threads > 0:
             torch.set_num_threads(threads)
-        self._models: dict[str, DenseEncoder] = {}
+        self._models: dict[str, Adapter] = {}
 
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
             started = time.perf_counter()
             ref, local = resolve_source(entry.source)
-            self._models[entry.id] = _encoder_class(entry.adapter)(
-                ref,
-                local=local,
-                device=self.device,
-                pooling=entry.pooling,
-                normalize=entry.normalize,
-                max_seq_length=entry.max_seq_length,
-                chunk_tokens=self.chunk_tokens,
+            self._models[entry.id] = adapter_class(entry)(
+                entry, ref, local=local, device=self.device, chunk_tokens=self.chunk_tokens
             )
-            log.info("loaded %s in %.1fs", entry.id, time.perf_counter() - started)
+            log.info("loaded %s (%s) in %.1fs", entry.id, entry.adapter,
+                     time.perf_counter() - started)
+
+    def adapter(self, model_id: str) -> Adapter | None:
+        return self._models.get(model_id)
 
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
-        encoder = self._models.get(model_id)
-        if encoder is None:
-            return [_failed(r.id, ErrorCode.MODEL_NOT_FOUND, f"this worker does not serve "
-                            f"{model_id}") for r in requests]
+        adapter = self._models.get(model_id)
+        if adapter is None:
+            return [_failed(r.id, ErrorCode.MODEL_NOT_FOUND,
+                            f"this worker does not serve {model_id}") for r in requests]
         outcomes: dict[str, Outcome] = {}
-        runnable: list[tuple[Request, EncodeRequest]] = []
+        runnable: list[tuple[Request, Any]] = []
         for request in requests:
             try:
-                if not isinstance(request.kwargs, dict):
-                    raise ShoalError(ErrorCode.VALIDATION_ERROR, "task kwargs must be an object")
-                if request.op != "encode":
-                    raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION,
-                                     f"{model_id} does not support '{request.op}'")
-                parsed = parse_encode(request.kwargs, encoder.dims)
-                if not parsed.truncate:
-                    _check_lengths(encoder, parsed.texts)
-                runnable.append((request, parsed))
+                if request.op != adapter.operation:
+                    raise ShoalError(
+                        ErrorCode.UNSUPPORTED_OPERATION,
+                        f"{model_id} serves '{adapter.operation}', not '{request.op}'",
+                    )
+                runnable.append((request, adapter.prepare(request.kwargs)))
             except ShoalError as exc:
                 outcomes[request.id] = _failed(request.id, exc.code, exc.message)
         if runnable:
-            outcomes.update(self._encode(encoder, model_id, runnable))
+            started = time.perf_counter()
+            results = adapter.run([prepared for _, prepared in runnable])
+            stats = {
+                "requests": len(runnable),
+                "items": sum(len(r.kwargs.get("items") or ()) for r, _ in runnable),
+                "inference_ms": (time.perf_counter() - started) * 1000,
+            }
+            for (request, _), result in zip(runnable, results, strict=True):
+                result["model"] = model_id
+                result["batch"] = stats
+                outcomes[request.id] = Outcome(request.id, result=result)
         return [outcomes[r.id] for r in requests]
-
-    def _encode(
-        self, encoder: DenseEncoder, model_id: str, batch: list[tuple[Request, EncodeRequest]]
-    ) -> dict[str, Outcome]:
-        started = time.perf_counter()
-        texts = [t for _, parsed in batch for t in parsed.texts]
-        tokens = encoder.tokenize(texts)
-        vectors = encoder.embed(tokens)
-        inference_ms = (time.perf_counter() - started) * 1000
-        outcomes: dict[str, Outcome] = {}
-        stats = {"requests": len(batch), "items": len(texts), "inference_ms": inference_ms}
-        offset = 0
-        for request, parsed in batch:
-            n = len(parsed.texts)
-            rows = vectors[offset : offset + n]
-            used_tokens = sum(len(ids) for ids in tokens.input_ids[offset : offset + n])
-            offset += n
-            if parsed.dimensions is not None:
-                rows = rows[:, : parsed.dimensions]
-            if encoder.normalize if parsed.normalize is None else parsed.normalize:
-                rows = normalize_rows(rows)
-            rows = np.ascontiguousarray(rows, dtype="<f4")
-            outcomes[request.id] = Outcome(
-                request.id,
-                result={
-                    "model": model_id,
-                    "dims": int(rows.shape[1]),
-                    "count": n,
-                    "dtype": "float32",
-                    "embeddings": rows.tobytes(),
-                    "usage": {"tokens": used_tokens},
-                    "batch": stats,
-                },
-            )
-        return outcomes
 
     def close(self) -> None:
         self._models.clear()
-
-
-def _encoder_class(adapter: str) -> type[DenseEncoder]:
-    if adapter == "dense-faulty":
-        # Imported only when asked for: it exists to crash processes in tests.
-        from runtimes.pytorch.faulty import FaultyDenseEncoder
-
-        return FaultyDenseEncoder
-    return DenseEncoder
-
-
-def _check_lengths(encoder: DenseEncoder, texts: list[str]) -> None:
-    for i, length in enumerate(encoder.untruncated_lengths(texts)):
-        if length > encoder.max_seq_length:
-            raise ShoalError(
-                ErrorCode.INPUT_TOO_LONG,
-                f"items[{i}] has {length} tokens, over the model's {encoder.max_seq_length}; "
-                "shorten it or set options.truncate to true",
-            )
 
 
 def _failed(request_id: str, code: str, message: str) -> Outcome:

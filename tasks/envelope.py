@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-from tasks.cost import estimate_texts
+from tasks.cost import estimate_request
 from tasks.names import OPERATION_OF_TASK
 
 CONTENT_TYPE = "application/x-msgpack"
@@ -73,25 +73,16 @@ class Annotations:
         return headers
 
 
-def item_texts(kwargs: dict[str, Any]) -> list[str]:
-    """The texts of an encode request's `items` (anything but a text counts as empty)."""
-    items = kwargs.get("items")
-    if not isinstance(items, list):
-        return []
-    texts = [i.get("text") if isinstance(i, dict) else None for i in items]
-    return [t if isinstance(t, str) else "" for t in texts]
-
-
 def annotate(task_name: str, kwargs: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,
              deadline_ms: int | None = None) -> Annotations:
     """Annotations computed from a request's kwargs (for clients without a gateway)."""
-    texts = item_texts(kwargs)
-    cost, longest = estimate_texts(texts, max_tokens)
+    op = OPERATION_OF_TASK.get(task_name, "unknown")
+    items, cost, longest = estimate_request(op, kwargs, max_tokens)
     options = kwargs.get("options") or {}
     return Annotations(
         model=str(kwargs.get("model", "")),
-        op=OPERATION_OF_TASK.get(task_name, "unknown"),
-        items=len(texts),
+        op=op,
+        items=items,
         cost=cost,
         longest=longest,
         deadline_ms=deadline_ms,

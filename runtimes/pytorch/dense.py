@@ -1,21 +1,34 @@
 """Dense text embeddings: a transformer encoder, pooling, optional normalisation.
 
-Matches `sentence_transformers.SentenceTransformer.encode` on the same
-weights: same truncation, same pooling, same normalisation. Texts are
-sorted by token length and run in chunks bounded by padded tokens, so one
-long text does not pad a whole batch.
+`DenseEncoder` matches `sentence_transformers.SentenceTransformer.encode` on
+the same weights: same truncation, same pooling, same normalisation. Texts
+are sorted by token length and run in chunks bounded by padded tokens, so one
+long text does not pad a whole batch. `DenseAdapter` serves it: prompts,
+Matryoshka dimensions and output dtypes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel
 
+from app.catalog import ModelEntry
+from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.st_config import read_st_config
+from runtimes.pytorch.text import (
+    check_lengths,
+    encoder_inputs,
+    length_chunks,
+    load_tokenizer,
+    max_length,
+)
+from runtimes.pytorch.vectors import dense_result, normalize_rows
+from tasks.schema import ParsedRequest, invalid
 
 
 @dataclass(frozen=True)
@@ -39,23 +52,16 @@ class DenseEncoder:
         chunk_tokens: int = 16_384,
     ) -> None:
         st = read_st_config(Path(model_ref)) if local else read_st_config(Path("/nonexistent"))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_ref, local_files_only=local)
+        self.tokenizer = load_tokenizer(model_ref, local)
         self.model = AutoModel.from_pretrained(model_ref, local_files_only=local)
         self.model.eval().to(device)
         self.device = device
         self.pooling = pooling or st.pooling or "mean"
         self.normalize = st.normalize if normalize is None else normalize
         self.do_lower_case = st.do_lower_case
-        # The catalog wins, then the sentence-transformers files, then the
-        # tokenizer's own limit (huge sentinel values mean "none").
-        tokenizer_limit = self.tokenizer.model_max_length
-        wanted = max_seq_length or st.max_seq_length or (
-            tokenizer_limit if tokenizer_limit < 1_000_000 else None
-        )
-        limits = [
-            n for n in (wanted, getattr(self.model.config, "max_position_embeddings", None)) if n
-        ]
-        self.max_seq_length = min(limits) if limits else 512
+        # The catalog wins, then the sentence-transformers files, then the tokenizer.
+        self.max_seq_length = max_length(self.tokenizer, self.model.config, max_seq_length,
+                                         st.max_seq_length)
         self.dims = int(self.model.config.hidden_size)
         self.chunk_tokens = chunk_tokens
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -76,28 +82,6 @@ class DenseEncoder:
         encoded = self.tokenizer(self._prepare(texts), truncation=False, padding=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
-    def _chunks(self, lengths: list[int]) -> list[list[int]]:
-        """Indices sorted by length, cut so each chunk's padded size fits the budget."""
-        order = sorted(range(len(lengths)), key=lengths.__getitem__)
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        for i in order:
-            # Sorted ascending, so the newcomer is the chunk's longest.
-            if current and (len(current) + 1) * lengths[i] > self.chunk_tokens:
-                chunks.append(current)
-                current = []
-            current.append(i)
-        if current:
-            chunks.append(current)
-        return chunks
-
-    def _pad(self, rows: list[list[int]], value: int) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), value, dtype=torch.long)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return out
-
     def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.pooling == "cls":
             return hidden[:, 0]
@@ -113,16 +97,15 @@ class DenseEncoder:
         n = len(tokens.input_ids)
         out = np.empty((n, self.dims), dtype=np.float32)
         lengths = [len(ids) for ids in tokens.input_ids]
-        for chunk in self._chunks(lengths):
-            ids = self._pad([tokens.input_ids[i] for i in chunk], self.pad_id)
-            mask = self._pad([[1] * lengths[i] for i in chunk], 0)
-            inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
-            if tokens.token_type_ids is not None:
-                types = self._pad([tokens.token_type_ids[i] for i in chunk], 0)
-                inputs["token_type_ids"] = types.to(self.device)
+        for chunk in length_chunks(lengths, self.chunk_tokens):
+            types = tokens.token_type_ids
+            inputs = encoder_inputs(
+                [tokens.input_ids[i] for i in chunk],
+                None if types is None else [types[i] for i in chunk],
+                self.pad_id, self.device,
+            )
             hidden = self.model(**inputs).last_hidden_state
-            pooled = self._pool(hidden, inputs["attention_mask"]).float().cpu().numpy()
-            out[chunk] = pooled
+            out[chunk] = self._pool(hidden, inputs["attention_mask"]).float().cpu().numpy()
         return out
 
     def encode(self, texts: list[str], *, normalize: bool | None = None) -> np.ndarray:
@@ -132,6 +115,45 @@ class DenseEncoder:
         return vectors
 
 
-def normalize_rows(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)
+class DenseAdapter(Adapter):
+    """Catalog `adapter: dense`: the entry's prompts go before each text."""
+
+    encoder_class: type[DenseEncoder] = DenseEncoder
+
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        self.encoder = self.encoder_class(
+            ref, local=kwargs.get("local", True), device=self.device, pooling=entry.pooling,
+            normalize=entry.normalize, max_seq_length=entry.max_seq_length,
+            chunk_tokens=self.chunk_tokens,
+        )
+        self.dims = self.encoder.dims
+
+    def _texts(self, parsed: ParsedRequest) -> list[str]:
+        prompts = self.entry.prompts
+        prompt = prompts.query if parsed.options.is_query else prompts.document
+        return [prompt + t for t in parsed.texts]
+
+    def check(self, parsed: ParsedRequest) -> ParsedRequest:
+        if parsed.options.output not in (None, "dense"):
+            raise invalid(f"{self.entry.id} gives dense embeddings, not "
+                          f"{parsed.options.output}")
+        if parsed.options.dimensions is not None and parsed.options.dimensions > self.dims:
+            raise invalid(f"options.dimensions must be an integer from 1 to {self.dims}")
+        if not parsed.options.truncate:
+            check_lengths(self.encoder.untruncated_lengths(self._texts(parsed)),
+                          self.encoder.max_seq_length)
+        return parsed
+
+    def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
+        texts = [t for parsed in prepared for t in self._texts(parsed)]
+        tokens = self.encoder.tokenize(texts)
+        vectors = self.encoder.embed(tokens)
+        results, offset = [], 0
+        for parsed in prepared:
+            n = len(parsed.items)
+            used = sum(len(ids) for ids in tokens.input_ids[offset : offset + n])
+            results.append(dense_result(vectors[offset : offset + n], parsed.options,
+                                        self.encoder.normalize, used))
+            offset += n
+        return results

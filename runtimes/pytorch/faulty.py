@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtimes.pytorch.dense import DenseEncoder, Tokenized
+from runtimes.pytorch.dense import DenseAdapter, DenseEncoder, Tokenized
 
 ALLOW_ENV = "SHOAL_ALLOW_TEST_ADAPTERS"
 CRASH, RAISE, SLOW = "@@crash@@", "@@raise@@", "@@slow@@"
@@ -36,14 +36,19 @@ class _MarkedTokens(Tokenized):
     markers: frozenset[str] = frozenset()
 
 
+def refuse_unless_allowed() -> None:
+    if os.environ.get(ALLOW_ENV) != "1":
+        raise AdapterRefused(
+            "adapter 'dense-faulty' crashes its process on purpose and exists for tests "
+            f"only; set {ALLOW_ENV}=1 to load it"
+        )
+
+
 class FaultyDenseEncoder(DenseEncoder):
     def __init__(self, model_ref: str, **kwargs) -> None:
-        if os.environ.get(ALLOW_ENV) != "1":
-            raise AdapterRefused(
-                "adapter 'dense-faulty' crashes its process on purpose and exists for tests "
-                f"only; set {ALLOW_ENV}=1 to load it"
-            )
+        refuse_unless_allowed()
         super().__init__(model_ref, **kwargs)
+
 
     def tokenize(self, texts: list[str]) -> Tokenized:
         tokens = super().tokenize(texts)
@@ -59,3 +64,7 @@ class FaultyDenseEncoder(DenseEncoder):
         if SLOW in markers:
             time.sleep(float(os.environ.get("SHOAL_FAULTY_SLOW_S", "3")))
         return super().embed(tokens)
+
+
+class FaultyDenseAdapter(DenseAdapter):
+    encoder_class = FaultyDenseEncoder

@@ -1,0 +1,46 @@
+"""The adapter contract on the runtime side: check one request, run a batch.
+
+An adapter is one loaded model of one family (`tasks.adapters` declares what
+each family serves). The host calls `prepare` on every request of a batch
+(a ShoalError there fails that request only) and then `run` once on the
+requests that passed; an exception from `run` fails the batch and the
+process runtime bisects it to find the request to blame.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from app.catalog import ModelEntry
+from tasks.schema import ParsedRequest, parse_request
+
+
+class Adapter(ABC):
+    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
+                 chunk_tokens: int = 16_384) -> None:
+        """`ref` is what from_pretrained takes; `local` says it is a directory."""
+        self.entry = entry
+        self.contract = entry.contract
+        self.device = device
+        self.chunk_tokens = chunk_tokens
+
+    @property
+    def operation(self) -> str:
+        return self.contract.operation
+
+    def parse(self, kwargs: Any) -> ParsedRequest:
+        return parse_request(self.operation, kwargs, self.contract.inputs, self.entry.defaults,
+                             self.entry.id)
+
+    def prepare(self, kwargs: Any) -> Any:
+        """What `run` needs for one request; ShoalError if this model cannot serve it."""
+        return self.check(self.parse(kwargs))
+
+    def check(self, parsed: ParsedRequest) -> Any:
+        """Model-specific checks (lengths, labels, images); returns what `run` takes."""
+        return parsed
+
+    @abstractmethod
+    def run(self, prepared: list[Any]) -> list[dict[str, Any]]:
+        """One result per request, in order; each has `usage: {"tokens": n}`."""

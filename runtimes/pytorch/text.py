@@ -1,0 +1,87 @@
+"""Text helpers every PyTorch adapter uses: length limits, padding, chunking."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tasks.errors import ErrorCode, ShoalError
+
+# Tokenizers without a limit report a huge sentinel (int(1e30)).
+_NO_LIMIT = 1_000_000
+
+
+def load_tokenizer(ref: str, local: bool) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(ref, local_files_only=local)
+
+
+def max_length(tokenizer: PreTrainedTokenizerBase, model_config: object,
+               *wanted: int | None) -> int:
+    """The sequence limit: the first of `wanted` given (catalog, model files), then the
+    tokenizer's own, never over the model's position embeddings."""
+    limit = next((n for n in wanted if n), None)
+    if limit is None and tokenizer.model_max_length < _NO_LIMIT:
+        limit = tokenizer.model_max_length
+    positions = getattr(model_config, "max_position_embeddings", None)
+    limits = [n for n in (limit, positions) if n]
+    return min(limits) if limits else 512
+
+
+def too_long(index: int, length: int, limit: int, what: str = "items") -> ShoalError:
+    return ShoalError(
+        ErrorCode.INPUT_TOO_LONG,
+        f"{what}[{index}] has {length} tokens, over the model's {limit}; shorten it or set "
+        "options.truncate to true",
+    )
+
+
+def check_lengths(lengths: Sequence[int], limit: int, what: str = "items") -> None:
+    """INPUT_TOO_LONG for the first of `lengths` (untruncated, in tokens) over `limit`."""
+    for i, length in enumerate(lengths):
+        if length > limit:
+            raise too_long(i, length, limit, what)
+
+
+def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
+    """A (len(rows), longest) long tensor, padded with `value` on the right (or left)."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            if left:
+                out[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            else:
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def length_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices sorted by length, cut so each chunk's padded size (count x longest) fits
+    `budget`; one long sequence then does not pad a whole batch."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        # Sorted ascending, so the newcomer is the chunk's longest.
+        if current and (len(current) + 1) * lengths[i] > budget:
+            chunks.append(current)
+            current = []
+        current.append(i)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def encoder_inputs(input_ids: Sequence[Sequence[int]],
+                   token_type_ids: Sequence[Sequence[int]] | None, pad_id: int,
+                   device: str) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask (and token_type_ids) on `device`."""
+    inputs = {
+        "input_ids": pad(input_ids, pad_id),
+        "attention_mask": pad([[1] * len(ids) for ids in input_ids], 0),
+    }
+    if token_type_ids is not None:
+        inputs["token_type_ids"] = pad(token_type_ids, 0)
+    return {k: v.to(device) for k, v in inputs.items()}
