@@ -157,8 +157,10 @@ def load_entry(path: Path) -> ModelEntry:
 class Catalog:
     """All entries of a catalog directory, by model id."""
 
-    def __init__(self, entries: dict[str, ModelEntry]) -> None:
+    def __init__(self, entries: dict[str, ModelEntry],
+                 origins: dict[str, Path] | None = None) -> None:
         self._entries = entries
+        self._origins = origins or {}
 
     @classmethod
     def from_dir(cls, directory: Path) -> Catalog:
@@ -172,7 +174,11 @@ class Catalog:
                 raise CatalogError(f"{path}: id '{entry.id}' is also defined in {origin[entry.id]}")
             entries[entry.id] = entry
             origin[entry.id] = path
-        return cls(entries)
+        return cls(entries, origin)
+
+    def origin(self, model_id: str) -> Path | None:
+        """The file an entry was read from."""
+        return self._origins.get(model_id)
 
     def get(self, model_id: str) -> ModelEntry | None:
         return self._entries.get(model_id)

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from app import models_cli
+
 
 def _gateway(args: argparse.Namespace) -> int:
     import uvicorn
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
+    models_cli.add_parser(sub)
 
     args = parser.parse_args(argv)
     return args.run(args)

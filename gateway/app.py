@@ -18,11 +18,12 @@ from app.catalog import load_catalog
 from app.settings import Settings, get_settings
 from gateway.broker import Broker
 from gateway.codecs import encode_response
+from gateway.completions import create_chat_completion, create_completion
 from gateway.embeddings import create_embeddings
-from gateway.encode import encode
 from gateway.errors import ApiError
 from gateway.health import healthz, list_models, readyz
 from gateway.metrics import LATENCY, REQUESTS, metrics
+from gateway.native import classify, encode, extract, score
 from tasks.errors import ErrorCode, ShoalError
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,19 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
                                              "gateway's log"))
 
 
-_FIXED_ROUTES = {"/v1/embeddings", "/v1/models", "/healthz", "/readyz", "/metrics"}
+_FIXED_ROUTES = {"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models",
+                 "/healthz", "/readyz", "/metrics"}
+_MODEL_ROUTES = ("encode", "score", "extract", "classify")
 
 
 def _route_label(path: str) -> str:
     """A bounded metrics label: the route template, never a caller's path."""
     if path in _FIXED_ROUTES:
         return path
-    return "/v1/encode/{model}" if path.startswith("/v1/encode/") else "other"
+    for op in _MODEL_ROUTES:
+        if path.startswith(f"/v1/{op}/"):
+            return f"/v1/{op}/{{model}}"
+    return "other"
 
 
 class RequestIdMiddleware:
@@ -118,6 +124,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
         routes=[
             Route("/v1/embeddings", create_embeddings, methods=["POST"]),
             Route("/v1/encode/{model:path}", encode, methods=["POST"]),
+            Route("/v1/score/{model:path}", score, methods=["POST"]),
+            Route("/v1/extract/{model:path}", extract, methods=["POST"]),
+            Route("/v1/classify/{model:path}", classify, methods=["POST"]),
+            Route("/v1/completions", create_completion, methods=["POST"]),
+            Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),

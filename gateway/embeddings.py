@@ -10,7 +10,8 @@ from starlette.responses import Response
 
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
-from gateway.submit import call_model, check_texts, served_model
+from gateway.submit import call_model, check_items, served_model
+from tasks.adapters import DENSE, ENCODE
 from tasks.results import embedding_arrays
 from tasks.schema import parse_encode
 
@@ -32,18 +33,23 @@ async def create_embeddings(request: Request) -> Response:
     body = await read_body(request, request.app.state.settings.max_body_bytes)
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
-    entry = served_model(request, body.get("model"))
+    entry = served_model(request, body.get("model"), ENCODE)
+    if entry.contract.outputs[0] != DENSE:
+        raise invalid(f"{entry.id} gives {entry.contract.outputs[0]} embeddings; "
+                      f"use POST /v1/encode/{entry.id}")
     texts = _input_texts(body.get("input"))
-    check_texts(request, texts)
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
         raise invalid(f"'encoding_format' must be one of {list(ENCODING_FORMATS)}")
-    options: dict[str, Any] = {}
+    # OpenAI's float and base64 formats are both float32, whatever the entry's default.
+    options: dict[str, Any] = {"dtype": "float32"}
     if body.get("dimensions") is not None:
         options["dimensions"] = body["dimensions"]
     kwargs = {"model": entry.id, "items": [{"text": t} for t in texts], "options": options}
-    parse_encode(kwargs, entry.dims)  # 422 before anything is published
-    reply = await call_model(request, entry, "encode", kwargs, texts)
+    # 422 before anything is published; the entry's defaults (prompts, dims) apply.
+    check_items(request, parse_encode(kwargs, entry.dims, defaults=entry.defaults,
+                                      model=entry.id))
+    reply = await call_model(request, entry, kwargs)
     result = reply.result
     data = []
     for index, row in enumerate(embedding_arrays(result)):

@@ -28,9 +28,12 @@ async def list_models(request: Request) -> Response:
             "object": "model",
             "owned_by": "shoal",
             "adapter": entry.adapter,
-            "tasks": list(entry.tasks),
+            "tasks": list(entry.tasks or ()),
+            "inputs": sorted(entry.contract.inputs),
+            "outputs": list(entry.contract.outputs),
             "dims": entry.dims,
             "max_seq_length": entry.max_seq_length,
+            "description": entry.description,
         }
         for entry in request.app.state.served.values()
     ]

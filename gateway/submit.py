@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from app.catalog import ModelEntry
 from gateway.errors import ApiError, invalid
-from tasks.cost import estimate_texts
+from tasks.cost import estimate_request
 from tasks.envelope import (
     DEFAULT_MAX_TOKENS,
     H_REPLY_BATCH,
@@ -22,6 +22,7 @@ from tasks.envelope import (
 )
 from tasks.errors import ErrorCode
 from tasks.names import TASK_OF_OPERATION
+from tasks.schema import GenerateOptions, ParsedRequest
 
 
 @dataclass(slots=True)
@@ -46,7 +47,17 @@ def timeout_ms(request: Request) -> int:
     return value
 
 
-def served_model(request: Request, model: Any) -> ModelEntry:
+ROUTE_OF_OPERATION = {
+    "encode": "POST /v1/encode/{model} or /v1/embeddings",
+    "score": "POST /v1/score/{model}",
+    "extract": "POST /v1/extract/{model}",
+    "classify": "POST /v1/classify/{model}",
+    "generate": "POST /v1/completions or /v1/chat/completions",
+}
+
+
+def served_model(request: Request, model: Any, op: str) -> ModelEntry:
+    """The entry of a served model that performs `op`; 404 or 422 otherwise."""
     if not isinstance(model, str) or not model:
         raise invalid("'model' must be a non-empty string")
     entry = request.app.state.served.get(model)
@@ -54,29 +65,52 @@ def served_model(request: Request, model: Any) -> ModelEntry:
         served = sorted(request.app.state.served)
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,
                        f"model {model!r} is not served here; served models: {served}")
+    if entry.operation != op:
+        raise ApiError(ErrorCode.UNSUPPORTED_OPERATION,
+                       f"{model} does not {op}: it serves '{entry.operation}' "
+                       f"({ROUTE_OF_OPERATION[entry.operation]})")
     return entry
 
 
-def check_texts(request: Request, texts: list[str]) -> None:
+def check_items(request: Request, parsed: ParsedRequest) -> None:
+    """413 for more items, or longer texts, than this gateway accepts."""
     settings = request.app.state.settings
-    if len(texts) > settings.max_items:
-        raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
-                       f"{len(texts)} items is over the limit of {settings.max_items} per request")
-    for i, text in enumerate(texts):
-        if len(text) > settings.max_text_chars:
+    if len(parsed.items) > settings.max_items:
+        raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE, f"{len(parsed.items)} items is over the "
+                       f"limit of {settings.max_items} per request")
+    for i, item in enumerate(parsed.items):
+        chars = len(item.text) if item.text is not None else sum(
+            len(content) for _, content in item.messages or ())
+        if chars > settings.max_text_chars:
             raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
-                           f"item {i} has {len(text)} characters, over the limit of "
+                           f"item {i} has {chars} characters, over the limit of "
                            f"{settings.max_text_chars}")
 
 
-async def call_model(
-    request: Request, entry: ModelEntry, op: str, kwargs: dict[str, Any], texts: list[str]
-) -> Reply:
+def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:
+    """Items as they travel: images as raw bytes (msgpack bin), never base64."""
+    out: list[dict[str, Any]] = []
+    for item in parsed.items:
+        if item.image is not None:
+            out.append({"image": item.image})
+        elif item.messages is not None:
+            out.append({"messages": [{"role": r, "content": c} for r, c in item.messages]})
+        else:
+            out.append({"text": item.text})
+    return out
+
+
+async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]) -> Reply:
+    """Publish the entry's operation with `kwargs` (already checked) and await the result."""
     started = time.perf_counter()
     budget_ms = timeout_ms(request)
-    cost, longest = estimate_texts(texts, entry.max_seq_length or DEFAULT_MAX_TOKENS)
+    op = entry.operation
+    items, cost, longest = estimate_request(
+        op, kwargs, entry.max_seq_length or DEFAULT_MAX_TOKENS, entry.image_tokens,
+        entry.defaults.get("max_tokens", GenerateOptions.max_tokens),
+    )
     sent = now_ms()
-    annotations = Annotations(entry.id, op, len(texts), cost, longest, sent + budget_ms, sent)
+    annotations = Annotations(entry.id, op, items, cost, longest, sent + budget_ms, sent)
     task_id = str(uuid.uuid4())
     broker = request.app.state.broker
     headers = task_headers(task_id, TASK_OF_OPERATION[op], annotations, broker.origin)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from app.celery import app
 from tasks import errors  # noqa: F401  (lets AsyncResult.get() re-raise ShoalError)
-from tasks.names import ENCODE, EXTRACT, GENERATE, SCORE
-from tasks.results import embedding_rows
+from tasks.names import CLASSIFY, ENCODE, EXTRACT, GENERATE, SCORE
+from tasks.results import embedding_rows, multivector_rows, ranked
 
 encode = app.signature(ENCODE)
 score = app.signature(SCORE)
 extract = app.signature(EXTRACT)
+classify = app.signature(CLASSIFY)
 generate = app.signature(GENERATE)
 
-__all__ = ["app", "embedding_rows", "encode", "extract", "generate", "score"]
+__all__ = ["app", "classify", "embedding_rows", "encode", "extract", "generate",
+           "multivector_rows", "ranked", "score"]
