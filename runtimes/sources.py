@@ -31,4 +31,22 @@ def resolve_source(source: Source) -> tuple[str, bool]:
             raise SourceError(f"package '{source.package}' has no directory {source.subdir!r}")
         return str(path), True
     assert source.hub
-    return source.hub, False
+    return download(source.hub, source.revision), True
+
+
+def download(repo_id: str, revision: str | None) -> str:
+    """A local snapshot of a hub repository (cached; offline mode reads the cache only).
+
+    Adapters then read every file the same way for all sources (sentence-transformers
+    configs, a ColBERT projection), instead of each asking the hub on its own.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id=repo_id, revision=revision)
+    except LocalEntryNotFoundError as exc:
+        raise SourceError(f"{repo_id} is not in the local Hugging Face cache and the hub "
+                          f"cannot be reached (offline?): {exc}") from exc
+    except HfHubHTTPError as exc:
+        raise SourceError(f"cannot download {repo_id} from the hub: {exc}") from exc
