@@ -1,0 +1,188 @@
+"""SPLADE sparse embeddings: a masked-LM's logits pooled into one weight per vocabulary term.
+
+A term's weight is the max over the text's real tokens of log(1 + relu(logit)),
+which is what sentence-transformers' `SparseEncoder` (MLM transformer +
+`SpladePooling(max, relu)`) computes on the same weights. A sentence-transformers
+save may ask for sum pooling or the `log1p_relu` activation instead; both are
+read from its files. Results keep only the non-zero terms, so a vector costs
+what the text says, not the vocabulary's size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForMaskedLM
+from transformers.utils import cached_file
+
+from app.catalog import ModelEntry
+from runtimes.pytorch.adapter import Adapter
+from runtimes.pytorch.st_config import read_st_config
+from runtimes.pytorch.text import (
+    check_lengths,
+    encoder_inputs,
+    length_chunks,
+    load_tokenizer,
+    max_length,
+)
+from tasks.schema import ParsedRequest, invalid
+
+# Each forward pass holds (tokens x vocabulary) float logits; this caps them at
+# 512 MiB whatever the batch's token budget (30k-term vocabularies: ~4k tokens).
+LOGITS_BUDGET = 1 << 27
+
+_POOLINGS = ("max", "sum")
+_ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclass(frozen=True)
+class SpladeConfig:
+    """What a sentence-transformers SparseEncoder save says; the defaults are SPLADE v2+."""
+
+    pooling: str = "max"
+    activation: str = "relu"
+    encoder_dir: str = ""  # the MLM transformer's folder inside the model
+
+
+def model_file(ref: str, name: str, local: bool) -> Path | None:
+    """A file of the model, or None if it has none (a hub model's file comes from the cache
+    or is downloaded like the weights are)."""
+    if local:
+        path = Path(ref) / name
+        return path if path.is_file() else None
+    found = cached_file(ref, name, _raise_exceptions_for_missing_entries=False,
+                        _raise_exceptions_for_connection_errors=False)
+    return Path(found) if found else None
+
+
+def read_splade_config(ref: str, local: bool) -> SpladeConfig:
+    modules_file = model_file(ref, "modules.json", local)
+    if modules_file is None:
+        return SpladeConfig()
+    config = SpladeConfig()
+    for module in json.loads(modules_file.read_text()):
+        kind = module.get("type", "")
+        path = module.get("path", "")
+        if kind.endswith(".SpladePooling"):
+            pooling_file = model_file(ref, f"{path}/config.json", local)
+            raw = json.loads(pooling_file.read_text()) if pooling_file else {}
+            config = SpladeConfig(raw.get("pooling_strategy", "max"),
+                                  raw.get("activation_function", "relu"), config.encoder_dir)
+        elif kind.endswith("Transformer"):  # Transformer (v6) or MLMTransformer (v5)
+            config = SpladeConfig(config.pooling, config.activation, path)
+        else:
+            # Inference-free (static query) and auto-encoder sparse models compute
+            # something else; serving them as SPLADE would be silently wrong.
+            raise ValueError(f"{ref}: sparse module {kind!r} is not supported; the sparse "
+                             "adapter serves an MLM transformer with SPLADE pooling")
+    if config.pooling not in _POOLINGS or config.activation not in _ACTIVATIONS:
+        raise ValueError(f"{ref}: SPLADE pooling {config.pooling!r} with activation "
+                         f"{config.activation!r} is not supported; supported: pooling "
+                         f"{list(_POOLINGS)}, activation {list(_ACTIVATIONS)}")
+    return config
+
+
+class SparseAdapter(Adapter):
+    """Catalog `adapter: sparse`: SPLADE vectors over the model's vocabulary."""
+
+    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
+                 chunk_tokens: int = 16_384) -> None:
+        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
+        self.splade = read_splade_config(ref, local)
+        model_ref = ref
+        if self.splade.encoder_dir:
+            if not local:
+                raise ValueError(f"{ref}: its MLM transformer is in the subfolder "
+                                 f"{self.splade.encoder_dir!r}; serve it from a local directory")
+            model_ref = str(Path(ref) / self.splade.encoder_dir)
+        st = read_st_config(Path(model_ref) if local else Path("/nonexistent"))
+        self.tokenizer = load_tokenizer(model_ref, local)
+        self.model = AutoModelForMaskedLM.from_pretrained(model_ref, local_files_only=local)
+        self.model.eval().to(device)
+        self.do_lower_case = st.do_lower_case
+        self.max_seq_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
+                                         st.max_seq_length)
+        self.vocab_size = int(self.model.config.vocab_size)
+        if entry.dims is not None and entry.dims != self.vocab_size:
+            raise ValueError(f"{entry.id}: its sparse vectors span the {self.vocab_size}-term "
+                             f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
+                             f"to {self.vocab_size} or leave it out")
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.forward_tokens = max(1, min(chunk_tokens, LOGITS_BUDGET // self.vocab_size))
+
+    def _texts(self, parsed: ParsedRequest) -> list[str]:
+        prompts = self.entry.prompts
+        prompt = prompts.query if parsed.options.is_query else prompts.document
+        texts = [prompt + t for t in parsed.texts]
+        return [t.lower() for t in texts] if self.do_lower_case else texts
+
+    def check(self, parsed: ParsedRequest) -> ParsedRequest:
+        options = parsed.options
+        model = self.entry.id
+        if options.output not in (None, "sparse"):
+            raise invalid(f"options.output: {model} gives sparse embeddings, not "
+                          f"{options.output}; leave output unset or 'sparse'")
+        if options.dtype != "float32":
+            raise invalid(f"options.dtype: {model} gives sparse float weights; leave dtype unset "
+                          "or 'float32'")
+        if options.dimensions is not None:
+            raise invalid(f"options.dimensions: {model} gives one weight per vocabulary term "
+                          "and cannot be shortened; leave dimensions unset")
+        if options.normalize:
+            raise invalid(f"options.normalize: {model}'s sparse weights are not normalised "
+                          "(their scale is what dot-product scoring compares); leave "
+                          "normalize unset or false")
+        if not options.truncate:
+            encoded = self.tokenizer(self._texts(parsed), truncation=False, padding=False)
+            check_lengths([len(ids) for ids in encoded["input_ids"]], self.max_seq_length)
+        return parsed
+
+    def _pool(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = logits.float().relu_().log1p_()
+        if self.splade.activation == "log1p_relu":
+            weights = weights.log1p_()
+        # Weights are >= 0, so zeroing the padding keeps it out of a max as well as a sum.
+        weights.mul_(mask.unsqueeze(-1).to(weights.dtype))
+        return weights.amax(dim=1) if self.splade.pooling == "max" else weights.sum(dim=1)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: list[list[int]],
+              token_type_ids: list[list[int]] | None) -> list[dict[str, list]]:
+        """One `{"indices", "values"}` per text (its non-zero terms, ascending), in order."""
+        out: list[dict[str, list]] = [{}] * len(input_ids)
+        lengths = [len(ids) for ids in input_ids]
+        for chunk in length_chunks(lengths, self.forward_tokens):
+            inputs = encoder_inputs(
+                [input_ids[i] for i in chunk],
+                None if token_type_ids is None else [token_type_ids[i] for i in chunk],
+                self.pad_id, self.device,
+            )
+            logits = self.model(**inputs).logits
+            pooled = self._pool(logits, inputs["attention_mask"]).cpu()
+            for row, i in zip(pooled, chunk, strict=True):
+                indices = row.nonzero().squeeze(1)
+                out[i] = {"indices": indices.tolist(), "values": row[indices].tolist()}
+        return out
+
+    def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
+        texts = [t for parsed in prepared for t in self._texts(parsed)]
+        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_seq_length,
+                                 padding=False)
+        input_ids = encoded["input_ids"]
+        vectors = self.embed(input_ids, encoded.get("token_type_ids"))
+        results, offset = [], 0
+        for parsed in prepared:
+            n = len(parsed.items)
+            results.append({
+                "output": "sparse",
+                "count": n,
+                "vocab_size": self.vocab_size,
+                "embeddings": vectors[offset : offset + n],
+                "usage": {"tokens": sum(len(ids) for ids in input_ids[offset : offset + n])},
+            })
+            offset += n
+        return results
