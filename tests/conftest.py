@@ -20,12 +20,25 @@ UNSERVED = "test/unserved"  # in the catalog and the gateway, but no worker serv
 RESTART = "test/restart"  # served only by workers a test starts and kills
 FAULTY = "test/faulty"  # tiny model that crashes, raises or stalls on marker texts
 DLQ = "test/dlq"  # tiny model whose worker a test starts after dead-lettering
+# One tiny random model per adapter family, served by the `families` worker.
+SPLADE = "test/tiny-splade"
+COLBERT = "test/tiny-colbert"
+CLIP = "test/tiny-clip"
+RERANKER = "test/tiny-reranker"
+NER = "test/tiny-ner"
+SENTIMENT = "test/tiny-sentiment"
+NLI = "test/tiny-nli"
+LLAMA = "test/tiny-llama"
+FAMILY_ADAPTERS = {SPLADE: "sparse", COLBERT: "multivector", CLIP: "clip",
+                   RERANKER: "cross-encoder", NER: "token-classification",
+                   SENTIMENT: "sequence-classification", NLI: "zero-shot", LLAMA: "causal-lm"}
 
 # Settings for every process of this session, the test process included (it
 # imports the Celery app as a client), so they are set before any import of app.*.
 PREFIX = f"shoal-test-{uuid.uuid4().hex[:8]}"
 WORK_DIR = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
 CATALOG_DIR = WORK_DIR / "catalog"
+FAMILIES_DIR = WORK_DIR / "families"
 HEARTBEAT_S = 2
 os.environ.update(
     SHOAL_QUEUE_PREFIX=PREFIX,
@@ -59,8 +72,42 @@ def _write_catalog() -> None:
                    "dims": 32},
         "dlq": {"id": DLQ, "adapter": "dense", "source": {"path": str(tiny)}, "dims": 32},
     }
+    # The family models' weights are built only when a test asks for them (`families`).
+    for model, adapter in FAMILY_ADAPTERS.items():
+        entry = {"id": model, "adapter": adapter, "source": {"path": str(family_dir(model))}}
+        entry.update(FAMILY_EXTRAS.get(model, {}))
+        entries[model.split("/")[1]] = entry
     for name, entry in entries.items():
         (CATALOG_DIR / f"{name}.yaml").write_text(yaml.safe_dump(entry))
+
+
+FAMILY_EXTRAS = {
+    COLBERT: {"dims": 16},
+    CLIP: {"dims": 16, "image_tokens": 17},
+    LLAMA: {"defaults": {"max_tokens": 8}},
+}
+
+
+def family_dir(model: str) -> Path:
+    return FAMILIES_DIR / model.split("/")[1]
+
+
+def _build_family_models() -> None:
+    from tests.tiny_classifiers import (
+        build_tiny_cross_encoder,
+        build_tiny_ner,
+        build_tiny_nli,
+        build_tiny_sentiment,
+    )
+    from tests.tiny_clip import build_tiny_clip
+    from tests.tiny_encoders import build_tiny_colbert_st, build_tiny_splade
+    from tests.tiny_lm import build_tiny_llama
+
+    builders = {SPLADE: build_tiny_splade, COLBERT: build_tiny_colbert_st,
+                CLIP: build_tiny_clip, RERANKER: build_tiny_cross_encoder, NER: build_tiny_ner,
+                SENTIMENT: build_tiny_sentiment, NLI: build_tiny_nli, LLAMA: build_tiny_llama}
+    for model, build in builders.items():
+        build(family_dir(model))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -93,7 +140,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     stack = Stack(dict(os.environ), logs)
     port = free_port()
     worker = stack.worker("main", [MINILM, TINY_CLS])
-    stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ])
+    stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
+                                     *FAMILY_ADAPTERS])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready")
@@ -108,6 +156,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     finally:
         stack.stop_all()
         names = []
-        for model in (MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ):
+        for model in (MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ, *FAMILY_ADAPTERS):
             names += [queue_name(model), queue_name(model) + ".dead"]
         delete_queues(names)
+
+
+@pytest.fixture(scope="session")
+def families(stack: Live) -> Live:
+    """A worker serving one tiny model of every adapter family, behind the session gateway."""
+    _build_family_models()
+    stack.stack.worker("families", list(FAMILY_ADAPTERS))
+    for model in FAMILY_ADAPTERS:
+        wait_for(lambda m=model: queue_counts(queue_name(m))[1] >= 1, 120,
+                 f"a worker to consume {model}")
+    return stack
