@@ -29,6 +29,11 @@ class Adapter(ABC):
     def operation(self) -> str:
         return self.contract.operation
 
+    def prompt(self, parsed: ParsedRequest) -> str:
+        """The entry's text to put before each input: its query or its document prompt."""
+        prompts = self.entry.prompts
+        return prompts.query if parsed.options.is_query else prompts.document
+
     def parse(self, kwargs: Any) -> ParsedRequest:
         return parse_request(self.operation, kwargs, self.contract.inputs, self.entry.defaults,
                              self.entry.id)

@@ -146,8 +146,7 @@ class ClipAdapter(Adapter):
         self.normalize = entry.normalize is not False
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompts = self.entry.prompts
-        prompt = prompts.query if parsed.options.is_query else prompts.document
+        prompt = self.prompt(parsed)
         return [prompt + (item.text or "") for item in parsed.items if item.image is None]
 
     def _tokenize(self, parsed: ParsedRequest) -> list[list[int]]:

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from app.catalog import ModelEntry
-from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.sequence_classification import SequenceClassifier, Tokens
+from runtimes.pytorch.sequence_classification import ClassifierAdapter, Tokens
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest, invalid
 
@@ -28,15 +27,11 @@ class _Prepared:
     tokens: Tokens  # one (query, item) pair per item
 
 
-class CrossEncoderAdapter(Adapter):
+class CrossEncoderAdapter(ClassifierAdapter):
     """Catalog `adapter: cross-encoder`: one score per (query, item) pair."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        self.classifier = SequenceClassifier(ref, local=local, device=device,
-                                             max_seq_length=entry.max_seq_length,
-                                             chunk_tokens=chunk_tokens)
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
         self.num_labels = self.classifier.num_labels
 
     def check(self, parsed: ParsedRequest) -> _Prepared:

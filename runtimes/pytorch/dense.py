@@ -22,10 +22,9 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import (
     check_lengths,
-    encoder_inputs,
-    length_chunks,
     load_tokenizer,
     max_length,
+    padded_chunks,
 )
 from runtimes.pytorch.vectors import dense_result, normalize_rows
 from tasks.schema import ParsedRequest, invalid
@@ -96,14 +95,8 @@ class DenseEncoder:
         """Pooled (not yet normalised) float32 vectors, in input order."""
         n = len(tokens.input_ids)
         out = np.empty((n, self.dims), dtype=np.float32)
-        lengths = [len(ids) for ids in tokens.input_ids]
-        for chunk in length_chunks(lengths, self.chunk_tokens):
-            types = tokens.token_type_ids
-            inputs = encoder_inputs(
-                [tokens.input_ids[i] for i in chunk],
-                None if types is None else [types[i] for i in chunk],
-                self.pad_id, self.device,
-            )
+        for chunk, inputs in padded_chunks(tokens.input_ids, tokens.token_type_ids,
+                                           self.pad_id, self.device, self.chunk_tokens):
             hidden = self.model(**inputs).last_hidden_state
             out[chunk] = self._pool(hidden, inputs["attention_mask"]).float().cpu().numpy()
         return out
@@ -130,8 +123,7 @@ class DenseAdapter(Adapter):
         self.dims = self.encoder.dims
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompts = self.entry.prompts
-        prompt = prompts.query if parsed.options.is_query else prompts.document
+        prompt = self.prompt(parsed)
         return [prompt + t for t in parsed.texts]
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:

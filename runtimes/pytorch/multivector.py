@@ -29,7 +29,7 @@ from transformers import AddedToken, AutoModel, PreTrainedTokenizerBase
 
 from app.catalog import ModelEntry, Prompts
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.sparse import model_file
+from runtimes.pytorch.files import model_file
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import check_lengths, length_chunks, load_tokenizer, max_length, pad
 from tasks.schema import ParsedRequest, invalid
@@ -211,8 +211,7 @@ class MultiVectorAdapter(Adapter):
         self.pad_id = self.tokenizer.pad_token_id or 0
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompts = self.entry.prompts
-        prompt = prompts.query if parsed.options.is_query else prompts.document
+        prompt = self.prompt(parsed)
         texts = [prompt + t for t in parsed.texts]
         return [t.lower() for t in texts] if self.do_lower_case else texts
 

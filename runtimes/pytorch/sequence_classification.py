@@ -24,10 +24,9 @@ from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.text import (
     check_lengths,
-    encoder_inputs,
-    length_chunks,
     load_tokenizer,
     max_length,
+    padded_chunks,
 )
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ClassifyOptions, ParsedRequest, invalid
@@ -90,14 +89,8 @@ class SequenceClassifier:
     def logits(self, tokens: Tokens) -> torch.Tensor:
         """(len(tokens), num_labels) float32 logits on the CPU, in input order."""
         out = torch.empty((len(tokens), self.num_labels), dtype=torch.float32)
-        lengths = [len(ids) for ids in tokens.input_ids]
-        for chunk in length_chunks(lengths, self.chunk_tokens):
-            types = tokens.token_type_ids
-            inputs = encoder_inputs(
-                [tokens.input_ids[i] for i in chunk],
-                None if types is None else [types[i] for i in chunk],
-                self.pad_id, self.device,
-            )
+        for chunk, inputs in padded_chunks(tokens.input_ids, tokens.token_type_ids,
+                                           self.pad_id, self.device, self.chunk_tokens):
             out[chunk] = self.model(**inputs).logits.float().cpu()
         return out
 
@@ -117,8 +110,8 @@ class _Prepared:
     labels: tuple[str, ...] = ()
 
 
-class SequenceClassificationAdapter(Adapter):
-    """Catalog `adapter: sequence-classification`: the labels of the model's head."""
+class ClassifierAdapter(Adapter):
+    """An adapter over a sequence-classification head (also the cross-encoder's)."""
 
     def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
                  chunk_tokens: int = 16_384) -> None:
@@ -126,6 +119,13 @@ class SequenceClassificationAdapter(Adapter):
         self.classifier = SequenceClassifier(ref, local=local, device=device,
                                              max_seq_length=entry.max_seq_length,
                                              chunk_tokens=chunk_tokens)
+
+
+class SequenceClassificationAdapter(ClassifierAdapter):
+    """Catalog `adapter: sequence-classification`: the labels of the model's head."""
+
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
         self.labels = self.classifier.labels
         self.problem_type = getattr(self.classifier.config, "problem_type", None)
 
@@ -168,15 +168,11 @@ def _label_id(label2id: dict[str, int], prefix: str) -> int | None:
                  if str(label).lower().startswith(prefix)), None)
 
 
-class ZeroShotAdapter(Adapter):
+class ZeroShotAdapter(ClassifierAdapter):
     """Catalog `adapter: zero-shot`: an NLI model scores caller-given labels."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        self.classifier = SequenceClassifier(ref, local=local, device=device,
-                                             max_seq_length=entry.max_seq_length,
-                                             chunk_tokens=chunk_tokens)
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
         label2id = dict(self.classifier.config.label2id or {})
         entailment = _label_id(label2id, "entail")
         if entailment is None or self.classifier.num_labels < 2:

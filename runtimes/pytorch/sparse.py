@@ -17,17 +17,16 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForMaskedLM
-from transformers.utils import cached_file
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
+from runtimes.pytorch.files import model_file
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import (
     check_lengths,
-    encoder_inputs,
-    length_chunks,
     load_tokenizer,
     max_length,
+    padded_chunks,
 )
 from tasks.schema import ParsedRequest, invalid
 
@@ -46,17 +45,6 @@ class SpladeConfig:
     pooling: str = "max"
     activation: str = "relu"
     encoder_dir: str = ""  # the MLM transformer's folder inside the model
-
-
-def model_file(ref: str, name: str, local: bool) -> Path | None:
-    """A file of the model, or None if it has none (a hub model's file comes from the cache
-    or is downloaded like the weights are)."""
-    if local:
-        path = Path(ref) / name
-        return path if path.is_file() else None
-    found = cached_file(ref, name, _raise_exceptions_for_missing_entries=False,
-                        _raise_exceptions_for_connection_errors=False)
-    return Path(found) if found else None
 
 
 def read_splade_config(ref: str, local: bool) -> SpladeConfig:
@@ -115,8 +103,7 @@ class SparseAdapter(Adapter):
         self.forward_tokens = max(1, min(chunk_tokens, LOGITS_BUDGET // self.vocab_size))
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompts = self.entry.prompts
-        prompt = prompts.query if parsed.options.is_query else prompts.document
+        prompt = self.prompt(parsed)
         texts = [prompt + t for t in parsed.texts]
         return [t.lower() for t in texts] if self.do_lower_case else texts
 
@@ -154,13 +141,8 @@ class SparseAdapter(Adapter):
               token_type_ids: list[list[int]] | None) -> list[dict[str, list]]:
         """One `{"indices", "values"}` per text (its non-zero terms, ascending), in order."""
         out: list[dict[str, list]] = [{}] * len(input_ids)
-        lengths = [len(ids) for ids in input_ids]
-        for chunk in length_chunks(lengths, self.forward_tokens):
-            inputs = encoder_inputs(
-                [input_ids[i] for i in chunk],
-                None if token_type_ids is None else [token_type_ids[i] for i in chunk],
-                self.pad_id, self.device,
-            )
+        for chunk, inputs in padded_chunks(input_ids, token_type_ids, self.pad_id, self.device,
+                                           self.forward_tokens):
             logits = self.model(**inputs).logits
             pooled = self._pool(logits, inputs["attention_mask"]).cpu()
             for row, i in zip(pooled, chunk, strict=True):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -85,3 +85,12 @@ def encoder_inputs(input_ids: Sequence[Sequence[int]],
     if token_type_ids is not None:
         inputs["token_type_ids"] = pad(token_type_ids, 0)
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+def padded_chunks(input_ids: Sequence[Sequence[int]],
+                  token_type_ids: Sequence[Sequence[int]] | None, pad_id: int, device: str,
+                  budget: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """(indices, model inputs) per chunk of `length_chunks`: what every encoder loop runs."""
+    for chunk in length_chunks([len(ids) for ids in input_ids], budget):
+        types = None if token_type_ids is None else [token_type_ids[i] for i in chunk]
+        yield chunk, encoder_inputs([input_ids[i] for i in chunk], types, pad_id, device)

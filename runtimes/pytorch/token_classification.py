@@ -24,10 +24,9 @@ from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.text import (
     check_lengths,
-    encoder_inputs,
-    length_chunks,
     load_tokenizer,
     max_length,
+    padded_chunks,
 )
 from tasks.schema import ExtractOptions, ParsedRequest
 
@@ -131,12 +130,8 @@ class TokenClassificationAdapter(Adapter):
         """Per sequence, a (tokens, labels) float32 array of label probabilities."""
         out: list[np.ndarray] = [np.empty(0)] * len(input_ids)
         lengths = [len(ids) for ids in input_ids]
-        for chunk in length_chunks(lengths, self.chunk_tokens):
-            inputs = encoder_inputs(
-                [input_ids[i] for i in chunk],
-                None if token_type_ids is None else [token_type_ids[i] for i in chunk],
-                self.pad_id, self.device,
-            )
+        for chunk, inputs in padded_chunks(input_ids, token_type_ids, self.pad_id, self.device,
+                                           self.chunk_tokens):
             probs = self.model(**inputs).logits.float().softmax(dim=-1).cpu().numpy()
             for row, i in enumerate(chunk):
                 out[i] = probs[row, : lengths[i]]
