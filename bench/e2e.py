@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -190,16 +191,20 @@ async def one_request(
     return None, int(header) if header and header.isdigit() else None
 
 
+def one_text(text: str) -> dict:
+    return {"items": [{"text": text}]}
+
+
 async def client_loop(
     endpoint: str, texts: list[str], first: int, step: int, timeout: float,
-    window: Window, samples: Samples,
+    window: Window, samples: Samples, body: Callable[[str], dict] = one_text,
 ) -> None:
-    """One closed-loop client: send, wait for the reply, send the next, until the window ends."""
+    """One closed-loop client: send, wait for the reply, send the next, until the window ends.
+    `body` makes a request body from one text."""
     connection = Connection(endpoint)
     path = urlsplit(endpoint).path
     requests = [
-        connection.request_bytes(path, json.dumps({"items": [{"text": t}]}).encode(),
-                                 "application/json")
+        connection.request_bytes(path, json.dumps(body(t)).encode(), "application/json")
         for t in texts
     ]
     index = first
@@ -225,14 +230,14 @@ async def client_loop(
 
 async def run_level(
     endpoint: str, texts: list[str], clients: int, warmup: float, duration: float,
-    timeout: float, pids: list[int],
+    timeout: float, pids: list[int], body: Callable[[str], dict] = one_text,
 ) -> LevelResult:
     samples = Samples()
     now = time.perf_counter()
     window = Window(now + warmup, now + warmup + duration)
     tasks = [
         asyncio.create_task(
-            client_loop(endpoint, texts, k, clients, timeout, window, samples))
+            client_loop(endpoint, texts, k, clients, timeout, window, samples, body))
         for k in range(clients)
     ]
     await asyncio.sleep(max(0.0, window.start - time.perf_counter()))

@@ -63,7 +63,10 @@ def _wait(condition, timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def bench_stack(model: str, extra_env: dict[str, str] | None = None) -> Iterator[BenchStack]:
+def bench_stack(model: str, extra_env: dict[str, str] | None = None,
+                probe: tuple[str, bytes] | None = None) -> Iterator[BenchStack]:
+    """Gateway + worker serving `model` (or SHOAL_MODELS in `extra_env`); ready once the
+    `probe` request (path, JSON body; default: encode one text) answers 200."""
     port = _free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
     env = {**os.environ, "SHOAL_QUEUE_PREFIX": f"shoal-bench-{os.getpid()}",
@@ -84,9 +87,9 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None) -> Iterator
         _wait(lambda: _ready(url), 120, "the gateway")
         # The worker is ready once a request goes through.
         def served() -> bool:
-            request = urllib.request.Request(
-                f"{url}/v1/encode/{model}", data=b'{"items": [{"text": "warm up"}]}',
-                headers={"content-type": "application/json"})
+            path, body = probe or (f"/v1/encode/{model}", b'{"items": [{"text": "warm up"}]}')
+            request = urllib.request.Request(f"{url}{path}", data=body,
+                                             headers={"content-type": "application/json"})
             try:
                 with urllib.request.urlopen(request, timeout=30) as response:
                     return response.status == 200

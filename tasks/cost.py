@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.schema import DEFAULT_HYPOTHESIS
+
 CHARS_PER_TOKEN = 4
 SPECIAL_TOKENS = 2
 DEFAULT_IMAGE_TOKENS = 50
@@ -78,7 +80,13 @@ def estimate_request(op: str, kwargs: dict[str, Any], max_tokens: int,
     per_item = [_item_tokens(op, item, query, max_tokens, image_tokens, new_tokens)
                 for item in items]
     total, longest = sum(per_item), max(per_item, default=0)
-    if op == "classify" and isinstance(options.get("labels"), list):
-        # Zero-shot runs every text once per label, each as a sequence of its own.
-        total *= max(1, len(options["labels"]))
+    labels = options.get("labels")
+    if op == "classify" and isinstance(labels, list) and labels:
+        # Zero-shot runs every text once per label, paired with that label's hypothesis.
+        template = options.get("hypothesis_template")
+        template = template if isinstance(template, str) else DEFAULT_HYPOTHESIS
+        hypotheses = [len(template) - 2 + len(_text(label)) for label in labels]
+        extra = [h // CHARS_PER_TOKEN + 1 for h in hypotheses]
+        total = total * len(labels) + sum(extra) * len(per_item)
+        longest += max(extra)
     return len(items), total, longest

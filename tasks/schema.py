@@ -29,6 +29,8 @@ ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 4
 MAX_LABELS = 64
 MAX_NEW_TOKENS = 4096
+# Zero-shot's hypothesis when the caller and the catalog give none (as transformers' pipeline).
+DEFAULT_HYPOTHESIS = "This example is {}."
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,7 @@ from runtimes.pytorch.text import (
     padded_chunks,
 )
 from tasks.errors import ErrorCode, ShoalError
-from tasks.schema import ClassifyOptions, ParsedRequest, invalid
-
-DEFAULT_TEMPLATE = "This example is {}."
+from tasks.schema import DEFAULT_HYPOTHESIS, ClassifyOptions, ParsedRequest, invalid
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +191,7 @@ class ZeroShotAdapter(ClassifierAdapter):
         if options.labels is None:
             raise invalid("options.labels is missing: zero-shot classification needs the "
                           'candidate labels, e.g. {"labels": ["sports", "politics", "music"]}')
-        template = options.hypothesis_template or DEFAULT_TEMPLATE
+        template = options.hypothesis_template or DEFAULT_HYPOTHESIS
         hypotheses = [template.replace("{}", label, 1) for label in options.labels]
         limit = self.classifier.max_length
         # The text is truncated, never the hypothesis: each must leave room for a token of it.

@@ -21,7 +21,8 @@ def test_score_counts_query_and_document_as_one_pair():
 
 def test_zero_shot_runs_every_text_once_per_label():
     kwargs = {"items": [{"text": "x" * 40}], "options": {"labels": ["a", "b", "c"]}}
-    assert estimate_request("classify", kwargs, 512) == (1, 36, 12)
+    # 12 text tokens per pair, plus "This example is a." (18 chars: 5 tokens) per label
+    assert estimate_request("classify", kwargs, 512) == (1, 3 * 12 + 3 * 5, 12 + 5)
 
 
 def test_generation_counts_the_new_tokens_asked_for():
