@@ -64,6 +64,18 @@ def _queues(_: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from bench.cli import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from bench.tune import main as tune_main
+
+    return tune_main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
     models_cli.add_parser(sub)
+    # Their own argument parsers live in bench/ (imported only when used).
+    for name, run, text in (("bench", _bench, "load a gateway, find the knee (bench/cli.py)"),
+                            ("tune", _tune, "tune a model's batching profile (bench/tune.py)")):
+        command = sub.add_parser(name, help=text, add_help=False)
+        command.add_argument("rest", nargs=argparse.REMAINDER)
+        command.set_defaults(run=run)
 
     args = parser.parse_args(argv)
     return args.run(args)

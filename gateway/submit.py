@@ -127,6 +127,9 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
         out_headers["X-Inference-Time-Ms"] = f"{timing['inference_ms']:.1f}"
     if result.get("worker"):
         out_headers["X-Worker"] = str(result["worker"])
+    if result.get("simulated"):
+        # A `sim` runtime answered: shapes are right, numbers are not a model's.
+        out_headers["X-Simulated"] = str(result["simulated"].get("device", "true"))
     batch = result.get("batch") or {}
     if "requests" in batch:
         out_headers["X-Batch-Requests"] = str(batch["requests"])
