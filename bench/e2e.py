@@ -448,8 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     extra_env = dict(item.split("=", 1) for item in args.env)
     with bench_stack(args.model, extra_env) as stack:
         args.url = stack.url
-        beam = [int(p) for p in os.popen("pgrep -x beam.smp").read().split()]
-        args.pids = [*stack.pids, *beam, *args.pids]
+        args.pids = [*stack.pids, *args.pids]
         return run(args)
 
 

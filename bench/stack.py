@@ -23,7 +23,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class BenchStack:
     url: str
-    pids: list[int]  # gateway, worker, runtime process(es)
+    prefix: str  # the queue prefix of this stack
+    pids: list[int]  # gateway, workers, their child processes, RabbitMQ
     log_dir: Path
 
 
@@ -46,13 +47,6 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-def _is_runtime(pid: int) -> bool:
-    try:
-        return b"runtimes.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -64,19 +58,27 @@ def _wait(condition, timeout: float, what: str) -> None:
 
 @contextlib.contextmanager
 def bench_stack(model: str, extra_env: dict[str, str] | None = None,
-                probe: tuple[str, bytes] | None = None) -> Iterator[BenchStack]:
-    """Gateway + worker serving `model` (or SHOAL_MODELS in `extra_env`); ready once the
-    `probe` request (path, JSON body; default: encode one text) answers 200."""
+                probe: tuple[str, bytes] | None = None, workers: int = 1,
+                worker_argv: list[str] | None = None,
+                prefix: str | None = None) -> Iterator[BenchStack]:
+    """Gateway + `workers` workers serving `model` (or SHOAL_MODELS in `extra_env`); ready
+    once the `probe` request (path, JSON body; default: encode one text) answers 200.
+
+    `worker_argv` replaces shoal's worker command (a baseline deployment consuming the
+    same queue); `prefix` is the queue prefix (default: one per benchmark process)."""
     port = _free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
-    env = {**os.environ, "SHOAL_QUEUE_PREFIX": f"shoal-bench-{os.getpid()}",
+    prefix = prefix or f"shoal-bench-{os.getpid()}"
+    env = {**os.environ, "SHOAL_QUEUE_PREFIX": prefix,
            "SHOAL_MODELS": model, "SHOAL_WORKER_METRICS_PORT": "0", **(extra_env or {})}
     argvs = {
-        "worker": [sys.executable, "-m", "app.cli", "worker", "--hostname", "bench@%h",
-                   "--log-level", "warning"],
-        "gateway": [sys.executable, "-m", "app.cli", "gateway", "--port", str(port),
-                    "--log-level", "warning"],
+        f"worker{i}": [*(worker_argv or [sys.executable, "-m", "app.cli", "worker",
+                                          "--log-level", "warning"]),
+                       "--hostname", f"bench{i}@%h"]
+        for i in range(workers)
     }
+    argvs["gateway"] = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port),
+                        "--log-level", "warning"]
     procs = {}
     try:
         for name, argv in argvs.items():
@@ -97,10 +99,14 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
                 return False
 
         _wait(served, 300, "the worker")
-        worker = procs["worker"].pid
-        runtimes = [pid for pid in _children(worker) if _is_runtime(pid)]
-        pids = [procs["gateway"].pid, worker, *runtimes]
-        yield BenchStack(url, pids, log_dir)
+        worker_pids = [proc.pid for name, proc in procs.items() if name.startswith("worker")]
+        # Runtime processes of shoal workers, pool processes of a baseline's.
+        children = [pid for w in worker_pids for pid in _children(w)]
+        # RabbitMQ's CPU belongs to the pipeline too (a local broker only).
+        broker = [int(p) for p in subprocess.run(["pgrep", "-x", "beam.smp"], text=True,
+                                                 capture_output=True).stdout.split()]
+        pids = [procs["gateway"].pid, *worker_pids, *children, *broker]
+        yield BenchStack(url, prefix, pids, log_dir)
     finally:
         for proc in procs.values():
             with contextlib.suppress(ProcessLookupError):
@@ -110,3 +116,19 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        _delete_queues(prefix, env["SHOAL_MODELS"].split(","), env.get("SHOAL_BROKER_URL"))
+
+
+def _delete_queues(prefix: str, models: list[str], broker_url: str | None) -> None:
+    """Remove this run's model and dead-letter queues (durable: they would outlive us)."""
+    from kombu import Connection
+
+    from app.settings import get_settings
+    from app.topology import model_slug
+
+    with Connection(broker_url or get_settings().broker_url) as conn:
+        for model in models:
+            name = f"{prefix}.model.{model_slug(model.strip())}"
+            for queue in (name, f"{name}.dead"):
+                with contextlib.suppress(Exception):
+                    conn.default_channel.queue_delete(queue)
