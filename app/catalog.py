@@ -60,6 +60,9 @@ class BatchProfile(BaseModel):
     max_delay_ms: float = Field(0.0, ge=0)
     max_wait_ms: float = Field(500.0, gt=0, description="age after which a request runs next")
     latency_target_ms: float | None = Field(None, gt=0, description="cap on a batch's latency")
+    hold_horizon_batches: float | None = Field(
+        None, gt=0, description="batches of work held beyond the running one (default: "
+        "SHOAL_HOLD_HORIZON_BATCHES)")
     # Seed of the cost model, latency = a + b*T + c*T*L (T padded tokens, L longest);
     # the worker refines it from measured batches.
     cost_a_ms: float = Field(5.0, ge=0)

@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -56,6 +56,23 @@ class Settings(BaseSettings):
     )
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
+    runtime: Literal["pytorch", "sim"] = Field(
+        "pytorch", description="sim: no model runs; batches sleep as long as SHOAL_DEVICE "
+        "would take (runtimes/sim) and results are fake, marked 'simulated'"
+    )
+    sim_speed: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="sim: divides every simulated latency"
+    )
+    sim_cost_a_ms: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="sim: fixed ms per batch (set with b_us and c_ns, or none of them)",
+    )
+    sim_cost_b_us: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="sim: us per padded token"
+    )
+    sim_cost_c_ns: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="sim: ns per padded token x longest"
+    )
     runtime_start_timeout_s: float = Field(300.0, gt=0)
     runtime_batch_timeout_s: float = Field(
         600.0, gt=0, description="a batch running longer is killed and bisected like a crash"
@@ -69,6 +86,22 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [m.strip() for m in value.split(",") if m.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _sim_costs_together(self) -> Settings:
+        # One or two constants would leave the rest to guess; the device picks all or none.
+        given = [self.sim_cost_a_ms, self.sim_cost_b_us, self.sim_cost_c_ns]
+        if any(v is not None for v in given) and any(v is None for v in given):
+            raise ValueError("set all of SHOAL_SIM_COST_A_MS, SHOAL_SIM_COST_B_US and "
+                             "SHOAL_SIM_COST_C_NS, or none of them")
+        return self
+
+    @property
+    def sim_constants(self) -> tuple[float, float, float] | None:
+        """The explicit (a_ms, b_us, c_ns) of the sim runtime, if set."""
+        if self.sim_cost_a_ms is None or self.sim_cost_b_us is None or self.sim_cost_c_ns is None:
+            return None
+        return self.sim_cost_a_ms, self.sim_cost_b_us, self.sim_cost_c_ns
 
 
 @lru_cache(maxsize=1)

@@ -62,6 +62,16 @@ def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
     )
 
 
+def hold_horizon(entries: list[ModelEntry], settings: Settings) -> float:
+    """SHOAL_HOLD_HORIZON_BATCHES if set, else the smallest the served models' profiles
+    ask for (one horizon serves every lane), else the setting's default."""
+    if "hold_horizon_batches" in settings.model_fields_set:
+        return settings.hold_horizon_batches
+    tuned = [p.hold_horizon_batches for e in entries
+             if (p := device_profile(e, settings)).hold_horizon_batches is not None]
+    return min(tuned, default=settings.hold_horizon_batches)
+
+
 def cost_model(entry: ModelEntry, settings: Settings) -> CostModel:
     """A cost model seeded from the device's tuned profile (refined online)."""
     profile = device_profile(entry, settings)
@@ -85,20 +95,30 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             for e in self.entries
         }
         self.hold = HoldLimits(
-            horizon_batches=settings.hold_horizon_batches,
+            horizon_batches=hold_horizon(self.entries, settings),
             delivery_limit=settings.queue_delivery_limit,
             max_prefetch=max(settings.prefetch, 1),
         )
         start_metrics_server(settings.worker_metrics_host, settings.worker_metrics_port)
-        self.runtime = ProcessRuntime(
-            catalog_dir=settings.catalog_dir,
-            models=[e.id for e in self.entries],
-            device=settings.device,
-            threads=settings.torch_threads,
-            chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
-            start_timeout=settings.runtime_start_timeout_s,
-            batch_timeout=settings.runtime_batch_timeout_s,
-        )
+        if settings.runtime == "sim":
+            # Imported here: a real worker never loads it, a simulated one never loads torch.
+            from runtimes.sim import SimRuntime
+
+            log.warning("SIMULATED runtime: no model runs; %s batches sleep as a %s would "
+                        "(speed x%g) and results are fake", [e.id for e in self.entries],
+                        settings.device, settings.sim_speed)
+            self.runtime = SimRuntime(self.entries, settings.device, settings.sim_speed,
+                                      settings.sim_constants)
+        else:
+            self.runtime = ProcessRuntime(
+                catalog_dir=settings.catalog_dir,
+                models=[e.id for e in self.entries],
+                device=settings.device,
+                threads=settings.torch_threads,
+                chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
+                start_timeout=settings.runtime_start_timeout_s,
+                batch_timeout=settings.runtime_batch_timeout_s,
+            )
         RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
         self.dispatcher: Dispatcher | None = None

@@ -127,8 +127,10 @@ def _delete_queues(prefix: str, models: list[str], broker_url: str | None) -> No
     from app.topology import model_slug
 
     with Connection(broker_url or get_settings().broker_url) as conn:
+        names = [f"{prefix}.default"]  # Celery's own default queue
         for model in models:
             name = f"{prefix}.model.{model_slug(model.strip())}"
-            for queue in (name, f"{name}.dead"):
-                with contextlib.suppress(Exception):
-                    conn.default_channel.queue_delete(queue)
+            names += [name, f"{name}.dead"]
+        for queue in names:
+            with contextlib.suppress(Exception):
+                conn.default_channel.queue_delete(queue)

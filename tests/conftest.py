@@ -155,7 +155,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         raise
     finally:
         stack.stop_all()
-        names = []
+        names = [f"{PREFIX}.default"]  # Celery's own default queue
         for model in (MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ, *FAMILY_ADAPTERS):
             names += [queue_name(model), queue_name(model) + ".dead"]
         delete_queues(names)

@@ -1,0 +1,322 @@
+"""A runtime that computes nothing and takes as long as a real device would.
+
+Fleet experiments (a dozen workers, several device kinds, queueing and
+hold-back behaviour) need workers whose batches take realistic time, which a
+small machine cannot give with real models. `SimRuntime` checks each request
+exactly as the real runtime does (the same `tasks.schema` parsers with the
+entry's inputs, defaults and dims, plus the model-independent checks of the
+adapters), sleeps once per batch for the latency the scheduler's own formula
+(`batching.cost`) predicts on the simulated device, and answers with results
+of the right shape: deterministic pseudo-random numbers, never a model's.
+Every result carries `"simulated"` (the device and its constants), which the
+gateway turns into an `X-Simulated` header, so no one mistakes them for
+real embeddings.
+
+Token counts come from `tasks.cost.estimate_request`, the estimate the
+gateway puts in the message headers, so the scheduler and the simulated
+device agree on what a batch costs. Checks that need a tokenizer (the
+`truncate: false` length checks, a causal LM's context) are not simulated.
+
+It runs on the worker's runtime thread (`time.sleep` frees the GIL) and
+imports neither torch nor transformers, so many simulated workers fit on a
+small machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from app.catalog import ModelEntry
+from batching.cost import BatchShape, CostModel
+from runtimes.base import Outcome, Request
+from runtimes.process import RuntimeClosed
+from runtimes.pytorch.vectors import dense_result
+from runtimes.sim.devices import SimConstants, sim_constants
+from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
+from tasks.cost import estimate_request
+from tasks.envelope import DEFAULT_MAX_TOKENS
+from tasks.errors import ErrorCode, ShoalError
+from tasks.schema import GenerateOptions, ParsedRequest, invalid, parse_encode, parse_request
+
+log = logging.getLogger(__name__)
+
+SIM_VOCAB_SIZE = 30_522  # BERT's WordPiece vocabulary, what SPLADE models use
+SPARSE_TERMS = 8  # non-zero terms per simulated sparse vector (at most one per token)
+DEFAULT_LABELS = ("LABEL_0", "LABEL_1")  # transformers' names for an unnamed 2-way head
+FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A request that passed the checks, with its token estimate."""
+
+    request: Request
+    parsed: ParsedRequest
+    items: int
+    tokens: int
+    longest: int
+
+
+class _SimModel:
+    """One served entry: its checks, its cost and its fake outputs."""
+
+    def __init__(self, entry: ModelEntry, constants: SimConstants) -> None:
+        self.entry = entry
+        self.constants = constants
+        self.cost: CostModel = constants.cost_model()
+        self.max_tokens = entry.max_seq_length or DEFAULT_MAX_TOKENS
+        # As the gateway does, so the scheduler's headers and the sleep agree.
+        self.new_tokens = entry.defaults.get("max_tokens", GenerateOptions.max_tokens)
+
+    @property
+    def operation(self) -> str:
+        return self.entry.operation
+
+    def estimate(self, op: str, kwargs: dict[str, Any]) -> tuple[int, int, int]:
+        return estimate_request(op, kwargs, self.max_tokens, self.entry.image_tokens,
+                                self.new_tokens)
+
+    def item_tokens(self, op: str, kwargs: dict[str, Any]) -> list[int]:
+        """The estimate of each item alone (multivector lengths, generate's prompts)."""
+        items = kwargs.get("items") or []
+        return [self.estimate(op, {**kwargs, "items": [item]})[1] for item in items]
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def parse(self, kwargs: Any) -> ParsedRequest:
+        """`tasks.schema` as the real adapter calls it, then the adapter's own checks that
+        need no weights (their messages copied from runtimes/pytorch)."""
+        entry, contract = self.entry, self.entry.contract
+        if contract.operation == ENCODE:
+            parsed = parse_encode(kwargs, entry.dims, contract.inputs, entry.defaults, entry.id)
+        else:
+            parsed = parse_request(contract.operation, kwargs, contract.inputs, entry.defaults,
+                                   entry.id)
+        options = parsed.options
+        if contract.operation == ENCODE:
+            self._check_encode(options)
+        elif entry.adapter == "sequence-classification" and (
+            options.labels is not None or options.hypothesis_template is not None
+        ):
+            raise invalid(f"{entry.id} has fixed labels {list(DEFAULT_LABELS)}; options.labels "
+                          "and options.hypothesis_template are for zero-shot models")
+        elif entry.adapter == "zero-shot" and options.labels is None:
+            raise invalid("options.labels is missing: zero-shot classification needs the "
+                          'candidate labels, e.g. {"labels": ["sports", "politics", "music"]}')
+        return parsed
+
+    def _check_encode(self, options: Any) -> None:
+        model, kind = self.entry.id, self.entry.contract.outputs[0]
+        if options.output not in (None, kind):
+            raise invalid(f"options.output: {model} gives {kind} embeddings, not "
+                          f"{options.output}; leave output unset or '{kind}'")
+        if kind == SPARSE:
+            if options.dtype != "float32":
+                raise invalid(f"options.dtype: {model} gives sparse float weights; leave dtype "
+                              "unset or 'float32'")
+            if options.dimensions is not None:
+                raise invalid(f"options.dimensions: {model} gives one weight per vocabulary "
+                              "term and cannot be shortened; leave dimensions unset")
+            if options.normalize:
+                raise invalid(f"options.normalize: {model}'s sparse weights are not "
+                              "normalised; leave normalize unset or false")
+        elif kind == MULTIVECTOR:
+            if options.dtype != "float32":
+                raise invalid(f"options.dtype: {model}'s multivector embeddings are float32 "
+                              "only; leave dtype unset or 'float32'")
+            if options.dimensions is not None:
+                raise invalid(f"options.dimensions: {model}'s token vectors are "
+                              f"{self.entry.dims}-dim and cannot be shortened; leave "
+                              "dimensions unset")
+            if options.normalize is False:
+                raise invalid(f"options.normalize: {model}'s token vectors are always unit "
+                              "length; leave normalize unset or true")
+
+    # --- outputs ---------------------------------------------------------------------------
+
+    def result(self, p: _Prepared) -> dict[str, Any]:
+        """A result shaped like the real adapter's, filled with deterministic noise."""
+        op, parsed = p.parsed.op, p.parsed
+        if op == ENCODE:
+            kind = self.entry.contract.outputs[0]
+            if kind == SPARSE:
+                return self._sparse(p)
+            if kind == MULTIVECTOR:
+                return self._multivector(p)
+            rows = np.stack([self._rng(item).standard_normal(self.entry.dims, dtype=np.float32)
+                             for item in _keys(parsed)])
+            normalize = True if self.entry.normalize is None else self.entry.normalize
+            return dense_result(rows, parsed.options, normalize, p.tokens)
+        if op == SCORE:
+            scores = [float(self._rng(("score", parsed.query, key)).random())
+                      for key in _keys(parsed)]
+            return {"scores": scores, "usage": {"tokens": p.tokens}}
+        if op == EXTRACT:
+            return {"entities": [[] for _ in parsed.items], "usage": {"tokens": p.tokens}}
+        if op == CLASSIFY:
+            return self._classify(p)
+        if op == GENERATE:
+            return self._generate(p)
+        raise AssertionError(f"no simulated output for {op!r}")  # the contracts list every op
+
+    def _rng(self, key: Any) -> np.random.Generator:
+        """A generator seeded by the model and the input, so a text always gets the same
+        numbers from the same model (caches, dedup and comparisons behave as with a model)."""
+        digest = hashlib.blake2b(repr((self.entry.id, key)).encode(), digest_size=8).digest()
+        return np.random.default_rng(int.from_bytes(digest, "little"))
+
+    def _sparse(self, p: _Prepared) -> dict[str, Any]:
+        embeddings = []
+        for key, tokens in zip(_keys(p.parsed), self.item_tokens(ENCODE, p.request.kwargs),
+                               strict=True):
+            rng = self._rng(key)
+            k = max(1, min(SPARSE_TERMS, tokens))
+            indices = np.sort(rng.choice(SIM_VOCAB_SIZE, size=k, replace=False))
+            values = rng.uniform(0.05, 3.0, size=k).astype(np.float32)
+            embeddings.append({"indices": [int(i) for i in indices],
+                               "values": [float(v) for v in values]})
+        return {"output": "sparse", "count": len(embeddings), "vocab_size": SIM_VOCAB_SIZE,
+                "embeddings": embeddings, "usage": {"tokens": p.tokens}}
+
+    def _multivector(self, p: _Prepared) -> dict[str, Any]:
+        dims = self.entry.dims or 1
+        lengths = [max(1, n) for n in self.item_tokens(ENCODE, p.request.kwargs)]
+        rows = []
+        for key, n in zip(_keys(p.parsed), lengths, strict=True):
+            vectors = self._rng(key).standard_normal((n, dims), dtype=np.float32)
+            rows.append(vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+        return {"output": "multivector", "dims": dims, "count": len(rows), "dtype": "float32",
+                "lengths": lengths,
+                "embeddings": np.ascontiguousarray(np.concatenate(rows), dtype="<f4").tobytes(),
+                "usage": {"tokens": p.tokens}}
+
+    def _classify(self, p: _Prepared) -> dict[str, Any]:
+        options = p.parsed.options
+        names = list(options.labels or DEFAULT_LABELS)
+        labels = []
+        for key in _keys(p.parsed):
+            raw = self._rng(("classify", tuple(names), key)).random(len(names))
+            scores = raw if options.multi_label else raw / raw.sum()
+            order = np.argsort(-scores, kind="stable")[: options.top_k]
+            labels.append([{"label": names[i], "score": float(scores[i])} for i in order])
+        return {"labels": labels, "usage": {"tokens": p.tokens}}
+
+    def _generate(self, p: _Prepared) -> dict[str, Any]:
+        max_tokens = p.parsed.options.max_tokens
+        text = " ".join(FILLER[i % len(FILLER)] for i in range(max_tokens))
+        choices = [
+            {"index": i, "text": text, "finish_reason": "length",
+             "prompt_tokens": max(tokens - max_tokens, 0), "completion_tokens": max_tokens}
+            for i, tokens in enumerate(self.item_tokens(GENERATE, p.request.kwargs))
+        ]
+        prompt = sum(c["prompt_tokens"] for c in choices)
+        completion = sum(c["completion_tokens"] for c in choices)
+        return {"choices": choices, "usage": {"tokens": prompt + completion,
+                                              "prompt_tokens": prompt,
+                                              "completion_tokens": completion}}
+
+
+def _keys(parsed: ParsedRequest) -> list[Any]:
+    """What identifies each item: its text, image bytes or messages."""
+    return [("image", hashlib.blake2b(item.image).hexdigest()) if item.image is not None
+            else item.messages or item.text for item in parsed.items]
+
+
+class SimRuntime:
+    """The `Runtime` protocol on simulated devices: real checks, simulated time and numbers.
+
+    `device` picks the constants (`runtimes.sim.devices`); `speed` divides
+    every latency (2.0: a device twice as fast, or time compressed twice);
+    `constants` (a_ms, b_us, c_ns) overrides the device for every model.
+    Nothing crashes here, so `restarts` and `poison_isolated` stay 0 and
+    there is no child `pid`; they exist because the worker's metrics read them.
+    """
+
+    def __init__(self, entries: list[ModelEntry], device: str, speed: float = 1.0,
+                 constants: tuple[float, float, float] | None = None) -> None:
+        if not (isinstance(speed, int | float) and 0 < speed < float("inf")):
+            raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
+        self.device = device
+        self.speed = float(speed)
+        self.restarts = 0
+        self.poison_isolated = 0
+        self.pid: int | None = None
+        self._closed = False
+        self._models = {e.id: _SimModel(e, sim_constants(e, device, constants)) for e in entries}
+        for model in self._models.values():
+            c = model.constants
+            log.warning("SIMULATED runtime: %s on %s x%g: a=%gms b=%gus c=%gns (%s); results "
+                        "are not a model's", model.entry.id, device, self.speed, c.a_ms, c.b_us,
+                        c.c_ns, c.source)
+
+    def constants(self, model_id: str) -> SimConstants:
+        return self._models[model_id].constants
+
+    def latency(self, model_id: str, shape: BatchShape) -> float:
+        """Seconds a batch of this shape sleeps: the device's a + b*T + c*T*L over speed."""
+        return self._models[model_id].cost.predict(shape) / self.speed
+
+    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
+        if self._closed:
+            raise RuntimeClosed("the runtime is closed")
+        model = self._models.get(model_id)
+        if model is None:
+            return [_failed(r.id, ErrorCode.MODEL_NOT_FOUND,
+                            f"this worker does not serve {model_id}") for r in requests]
+        outcomes: dict[str, Outcome] = {}
+        runnable: list[_Prepared] = []
+        for request in requests:
+            try:
+                if request.op != model.operation:
+                    raise ShoalError(
+                        ErrorCode.UNSUPPORTED_OPERATION,
+                        f"{model_id} serves '{model.operation}', not '{request.op}'",
+                    )
+                parsed = model.parse(request.kwargs)
+                items, tokens, longest = model.estimate(request.op, request.kwargs)
+                runnable.append(_Prepared(request, parsed, items, tokens, longest))
+            except ShoalError as exc:
+                outcomes[request.id] = _failed(request.id, exc.code, exc.message)
+        if runnable:
+            shape = BatchShape(items=sum(p.items for p in runnable),
+                               longest=max(p.longest for p in runnable),
+                               tokens=sum(p.tokens for p in runnable))
+            started = time.perf_counter()
+            # Outputs first, then sleep the rest: the batch takes the simulated time,
+            # not that plus the noise, as long as making the noise is the shorter.
+            results = [model.result(p) for p in runnable]
+            _sleep_until(started + self.latency(model_id, shape))
+            stats = {
+                "requests": len(runnable),
+                "items": sum(len(p.request.kwargs.get("items") or ()) for p in runnable),
+                "inference_ms": (time.perf_counter() - started) * 1000,
+            }
+            c = model.constants
+            simulated = {"device": self.device, "a_ms": c.a_ms, "b_us": c.b_us, "c_ns": c.c_ns,
+                         "speed": self.speed}
+            for p, result in zip(runnable, results, strict=True):
+                result["usage"] = {**result.get("usage", {}), "tokens": p.tokens}
+                result["simulated"] = dict(simulated)
+                result["model"] = model_id
+                result["batch"] = stats
+                outcomes[p.request.id] = Outcome(p.request.id, result=result)
+        return [outcomes[r.id] for r in requests]
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep until `deadline` (perf_counter time): never less, whatever wakes the thread."""
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+def _failed(request_id: str, code: str, message: str) -> Outcome:
+    return Outcome(request_id, error_code=str(code), error_message=message)

@@ -1,0 +1,59 @@
+"""A simulated worker behind a real gateway: right shapes, marked as simulated.
+
+It runs its own worker (SHOAL_RUNTIME=sim) and gateway under a private queue
+prefix, so the session stack's queues never see a fake result.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from app.topology import queue_for
+from tests.conftest import MINILM
+from tests.stack import Stack, delete_queues, free_port, http_status, queue_counts, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_sim_worker_answers_through_the_gateway(tmp_path):
+    prefix = f"shoal-sim-{uuid.uuid4().hex[:8]}"
+    queue = queue_for(MINILM, Settings(queue_prefix=prefix)).name
+    stack = Stack(dict(os.environ), tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        stack.worker("sim", [MINILM], SHOAL_QUEUE_PREFIX=prefix, SHOAL_RUNTIME="sim",
+                     SHOAL_DEVICE="t4")
+        stack.gateway("sim-gateway", port, [MINILM], SHOAL_QUEUE_PREFIX=prefix)
+        wait_for(lambda: http_status(f"{url}/readyz") == 200, 20, "the gateway to be ready")
+        wait_for(lambda: queue_counts(queue)[1] >= 1, 20, "the sim worker to consume")
+
+        r = httpx.post(f"{url}/v1/encode/{MINILM}",
+                       json={"items": [{"text": "a cat"}, {"text": "a dog on a mat"}]},
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["dims"] == 384 and len(body["embeddings"]) == 2
+        assert all(len(row) == 384 for row in body["embeddings"])
+        assert r.headers["x-simulated"] == "t4"
+
+        bad = httpx.post(f"{url}/v1/encode/{MINILM}",
+                         json={"items": [{"text": "x"}], "options": {"dimensions": 385}},
+                         timeout=10)
+        assert bad.status_code == 422, bad.text
+
+        log = stack.processes[0].log()
+        assert "SIMULATED runtime" in log
+    except BaseException:
+        for process in stack.processes:
+            print(f"--- {process.name} log ---\n{process.log()[-5000:]}")
+        raise
+    finally:
+        stack.stop_all()
+        # The model queue, its dead letters and the Celery default queue the worker declares.
+        delete_queues([queue, queue + ".dead", f"{prefix}.default"])
