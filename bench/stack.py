@@ -74,7 +74,8 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
     argvs = {
         f"worker{i}": [*(worker_argv or [sys.executable, "-m", "app.cli", "worker",
                                           "--log-level", "warning"]),
-                       "--hostname", f"bench{i}@%h"]
+                       # Unique per stack: Celery's pidbox queue is named after it.
+                       "--hostname", f"{prefix}-w{i}@%h"]
         for i in range(workers)
     }
     argvs["gateway"] = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port),
@@ -86,7 +87,15 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
             procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        _wait(lambda: _ready(url), 120, "the gateway")
+        def ready(condition):  # fail fast when a process died instead of waiting it out
+            def check() -> bool:
+                dead = [n for n, p in procs.items() if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{dead} exited while starting; see {log_dir}")
+                return condition()
+            return check
+
+        _wait(ready(lambda: _ready(url)), 120, "the gateway")
         # The worker is ready once a request goes through.
         def served() -> bool:
             path, body = probe or (f"/v1/encode/{model}", b'{"items": [{"text": "warm up"}]}')
@@ -98,7 +107,11 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
             except OSError:
                 return False
 
-        _wait(served, 300, "the worker")
+        _wait(ready(served), 300, "the worker")
+        if workers > 1:  # one answered; wait for the others to consume too
+            first = env["SHOAL_MODELS"].split(",")[0].strip()
+            _wait(ready(lambda: _consumers(prefix, first, env.get("SHOAL_BROKER_URL")) >= workers),
+                  300, f"{workers} workers")
         worker_pids = [proc.pid for name, proc in procs.items() if name.startswith("worker")]
         # Runtime processes of shoal workers, pool processes of a baseline's.
         children = [pid for w in worker_pids for pid in _children(w)]
@@ -117,6 +130,17 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         _delete_queues(prefix, env["SHOAL_MODELS"].split(","), env.get("SHOAL_BROKER_URL"))
+
+
+def _consumers(prefix: str, model: str, broker_url: str | None) -> int:
+    from kombu import Connection
+
+    from app.settings import get_settings
+    from app.topology import model_slug
+
+    with Connection(broker_url or get_settings().broker_url) as conn:
+        name = f"{prefix}.model.{model_slug(model)}"
+        return conn.default_channel.queue_declare(name, passive=True).consumer_count
 
 
 def _delete_queues(prefix: str, models: list[str], broker_url: str | None) -> None:

@@ -1,0 +1,340 @@
+"""Fleet experiments with simulated workers: scaling, and pull (shared queue) vs push.
+
+    .venv/bin/python -m bench.fleet scaling --workers 1,2,4,8
+    .venv/bin/python -m bench.fleet pull-vs-push --workers 4 --loads 0.5,0.8,0.95
+
+Every worker runs the `sim` runtime (no math: it sleeps a + b*T + c*T*L per
+batch, see runtimes/sim), so eight "devices" fit on this 2-core machine; the
+constants below make one device about as fast as MiniLM on this CPU, and
+every line of output says SIMULATED. The load does not go through HTTP: an
+asyncio client publishes shoal task messages (the gateway's own `Broker`)
+and awaits the replies, so the gateway's CPU does not cap the fleet.
+
+Scaling: N workers share one queue; closed-loop clients are raised until
+p99 passes `--p99-factor` x its low-load value (bench.knee); the knee's
+throughput for N workers is compared with N x the one-worker knee.
+
+Pull vs push: the same N workers and the same heavy-tailed request mix
+(texts per request drawn from a Pareto distribution), offered as Poisson
+arrivals at 50/80/95% of the fleet's measured capacity, (a) through one shared
+queue that every worker pulls from (shoal), (b) through a router that assigns
+requests round-robin to per-worker queues (each worker still batches what it
+is given with the same batch former; only who decides changes). Reports each
+worker's device utilisation (simulated busy time / wall time) and p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+from bench.e2e import machine_info
+from bench.knee import Point, SweepPolicy, find_knee, next_load
+from bench.mix import make_requests
+from bench.stack import BenchStack, bench_stack
+from gateway.broker import Broker
+from tasks.cost import estimate_request
+from tasks.envelope import H_REPLY_BATCH, Annotations, now_ms, task_body, task_headers
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+# One simulated device: 40 ms per batch plus 0.2 ms per padded token, and
+# requests of 4-64 texts. Deliberately slow: the pipeline costs ~3 ms of CPU per
+# request here (client, broker, worker), so eight fast devices would measure
+# the 2-core machine, not how the fleet shares work. The fixed cost per batch
+# makes batching pay, as on a GPU.
+SIM_ENV = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "40", "SHOAL_SIM_COST_B_US": "200",
+           "SHOAL_SIM_COST_C_NS": "0"}
+
+
+@dataclass
+class Outcome:
+    latency_ms: float
+    items: int
+    busy_ms: float  # this request's share of its batch's simulated device time
+    worker: str
+    ok: bool
+
+
+@dataclass
+class Run:
+    label: str
+    offered: float  # clients (closed) or req/s (open)
+    duration: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    dropped: int = 0
+
+    def summary(self, workers: int) -> dict[str, Any]:
+        ok = [o for o in self.outcomes if o.ok]
+        latencies = sorted(o.latency_ms for o in ok)
+        cuts = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
+        busy: dict[str, float] = {}
+        for o in ok:
+            busy[o.worker] = busy.get(o.worker, 0.0) + o.busy_ms
+        utilisation = sorted(b / (self.duration * 1000) for b in busy.values())
+        utilisation += [0.0] * (workers - len(utilisation))
+        return {
+            "label": self.label, "offered": self.offered, "requests": len(ok),
+            "errors": len(self.outcomes) - len(ok), "dropped": self.dropped,
+            "req_per_s": len(ok) / self.duration,
+            "items_per_s": sum(o.items for o in ok) / self.duration,
+            "p50_ms": cuts[49], "p99_ms": cuts[98],
+            "utilisation_mean": statistics.fmean(utilisation) if utilisation else 0.0,
+            "utilisation_min": min(utilisation, default=0.0),
+            "utilisation_max": max(utilisation, default=0.0),
+        }
+
+
+class Publisher:
+    """Publishes shoal task messages to one or more queues (round-robin) and awaits replies."""
+
+    def __init__(self, prefixes: list[str]) -> None:
+        self.brokers = [Broker(Settings(queue_prefix=p, models=[MODEL]), [MODEL])
+                        for p in prefixes]
+        self.next = 0
+
+    async def start(self) -> None:
+        for broker in self.brokers:
+            broker.start()
+        deadline = time.monotonic() + 30
+        while not all(b.ready for b in self.brokers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the broker connections did not come up")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for broker in self.brokers:
+            await broker.close()
+
+    async def call(self, texts: list[str], timeout_s: float = 60.0) -> Outcome:
+        broker = self.brokers[self.next % len(self.brokers)]
+        self.next += 1
+        kwargs = {"model": MODEL, "items": [{"text": t} for t in texts]}
+        items, cost, longest = estimate_request("encode", kwargs, 256)
+        sent = now_ms()
+        task_id = str(uuid.uuid4())
+        headers = task_headers(task_id, "shoal.encode", Annotations(
+            MODEL, "encode", items, cost, longest, sent + int(timeout_s * 1000), sent),
+            broker.origin)
+        headers[H_REPLY_BATCH] = 1
+        started = time.perf_counter()
+        try:
+            reply = await broker.call(MODEL, task_id, task_body(kwargs), headers, timeout_s)
+        except Exception:
+            return Outcome((time.perf_counter() - started) * 1000, items, 0.0, "", False)
+        latency = (time.perf_counter() - started) * 1000
+        result = reply.get("result") or {}
+        batch = result.get("batch") or {}
+        ok = reply.get("status") == "SUCCESS"
+        share = batch.get("inference_ms", 0.0) / max(1, batch.get("requests", 1))
+        return Outcome(latency, items, share if ok else 0.0, str(result.get("worker")), ok)
+
+
+async def closed_loop(publisher: Publisher, requests: list[list[str]], clients: int,
+                      warmup: float, duration: float) -> Run:
+    run = Run(f"closed {clients}", clients, duration)
+    start = time.perf_counter() + warmup
+    end = start + duration
+
+    async def client(k: int) -> None:
+        i = k
+        while time.perf_counter() < end:
+            outcome = await publisher.call(requests[i % len(requests)])
+            i += clients
+            if start <= time.perf_counter() <= end:
+                run.outcomes.append(outcome)
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return run
+
+
+async def open_loop(publisher: Publisher, requests: list[list[str]], rate: float,
+                    warmup: float, duration: float, seed: int = 0,
+                    max_outstanding: int = 2000) -> Run:
+    """Poisson arrivals at `rate` req/s; the schedule never waits for replies."""
+    run = Run(f"open {rate:.0f}/s", rate, duration)
+    rng = random.Random(seed)
+    start = time.perf_counter() + warmup
+    end = start + duration
+    tasks: set[asyncio.Task] = set()
+
+    async def one(texts: list[str], counted: bool) -> None:
+        outcome = await publisher.call(texts)
+        if counted:
+            run.outcomes.append(outcome)
+
+    at, i = time.perf_counter(), 0
+    while at < end:
+        at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        if len(tasks) >= max_outstanding:
+            run.dropped += 1
+            continue
+        task = asyncio.create_task(one(requests[i % len(requests)], start <= at <= end))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        i += 1
+    await asyncio.gather(*tasks)
+    return run
+
+
+@contextlib.contextmanager
+def fleet(workers: int, shared: bool, tag: str) -> Iterator[list[BenchStack]]:
+    """`workers` sim workers on one queue (shared) or each on its own queue (push)."""
+    base = f"shoal-fleet-{tag}-{uuid.uuid4().hex[:6]}"
+    with contextlib.ExitStack() as stacks:
+        if shared:
+            yield [stacks.enter_context(bench_stack(MODEL, SIM_ENV, workers=workers,
+                                                    prefix=base))]
+        else:
+            yield [stacks.enter_context(bench_stack(MODEL, SIM_ENV, prefix=f"{base}-w{i}"))
+                   for i in range(workers)]
+
+
+def _prefixes(stacks: list[BenchStack]) -> list[str]:
+    return [s.prefix for s in stacks]
+
+
+async def _sweep(publisher: Publisher, requests: list[list[str]], workers: int,
+                 args: argparse.Namespace) -> tuple[list[dict[str, Any]], Any]:
+    """Closed-loop clients raised geometrically until past the knee (bench.knee)."""
+    policy = SweepPolicy(start=max(1, workers), growth=2.0, max_load=args.max_clients,
+                         p99_factor=args.p99_factor)
+    points: list[Point] = []
+    runs = []
+    step = next_load(points, policy)
+    while step.load is not None:
+        run = await closed_loop(publisher, requests, int(step.load), args.warmup, args.duration)
+        summary = run.summary(workers)
+        runs.append(summary)
+        points.append(Point(step.load, summary["req_per_s"], summary["p50_ms"],
+                            summary["p99_ms"]))
+        print(f"  {workers} workers, {step.load:g} clients: {summary['req_per_s']:.0f} req/s, "
+              f"p99 {summary['p99_ms']:.0f} ms [SIMULATED]", file=sys.stderr)
+        step = next_load(points, policy)
+    return runs, find_knee(points, args.p99_factor)
+
+
+async def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    requests = make_requests(400, args.items, args.words, seed=args.seed)
+    out = []
+    for n in args.workers:
+        with fleet(n, shared=True, tag=f"scale{n}") as stacks:
+            publisher = Publisher(_prefixes(stacks))
+            await publisher.start()
+            try:
+                runs, knee = await _sweep(publisher, requests, n, args)
+            finally:
+                await publisher.close()
+        out.append({"workers": n, "runs": runs,
+                    "knee": None if knee is None else asdict(knee.point)})
+    return {"experiment": "scaling", "simulated": SIM_ENV, "results": out}
+
+
+async def pull_vs_push(args: argparse.Namespace) -> dict[str, Any]:
+    requests = make_requests(2000, args.items, args.words, seed=args.seed)
+    n = args.workers[0]
+    with fleet(n, shared=True, tag="cap") as stacks:
+        publisher = Publisher(_prefixes(stacks))
+        await publisher.start()
+        try:
+            saturated = await closed_loop(publisher, requests, args.capacity_clients * n,
+                                          args.warmup, args.duration)
+        finally:
+            await publisher.close()
+    capacity = saturated.summary(n)["req_per_s"]
+    print(f"  capacity of {n} workers: {capacity:.0f} req/s [SIMULATED]", file=sys.stderr)
+    rows = []
+    for mode, shared in (("pull: one shared queue", True), ("push: round-robin router", False)):
+        with fleet(n, shared=shared, tag="push" if not shared else "pull") as stacks:
+            publisher = Publisher(_prefixes(stacks))
+            await publisher.start()
+            try:
+                for fraction in args.loads:
+                    run = await open_loop(publisher, requests, fraction * capacity,
+                                          args.warmup, args.duration, seed=args.seed)
+                    summary = run.summary(n)
+                    summary.update(mode=mode, fraction=fraction)
+                    rows.append(summary)
+                    print(f"  {mode} at {fraction:.0%}: p99 {summary['p99_ms']:.0f} ms, "
+                          f"utilisation {summary['utilisation_mean']:.0%} [SIMULATED]",
+                          file=sys.stderr)
+            finally:
+                await publisher.close()
+    return {"experiment": "pull-vs-push", "simulated": SIM_ENV, "workers": n,
+            "capacity_req_per_s": capacity, "results": rows}
+
+
+def report(data: dict[str, Any]) -> str:
+    lines = ["SIMULATED workers (runtimes/sim, " + ", ".join(
+        f"{k.removeprefix('SHOAL_SIM_COST_').lower()}={v}" for k, v in data["simulated"].items()
+        if k.startswith("SHOAL_SIM_COST")) + ")", ""]
+    if data["experiment"] == "scaling":
+        one = next((r["knee"]["throughput"] for r in data["results"]
+                    if r["workers"] == 1 and r["knee"]), None)
+        lines += ["| workers | knee: clients | req/s | p50 ms | p99 ms | vs N x 1 worker |",
+                  "|---|---|---|---|---|---|"]
+        for r in data["results"]:
+            k = r["knee"]
+            if k is None:
+                lines.append(f"| {r['workers']} | - | - | - | - | - |")
+                continue
+            ratio = f"{k['throughput'] / (one * r['workers']):.0%}" if one else "-"
+            lines.append(f"| {r['workers']} | {k['load']:.0f} | {k['throughput']:.0f} | "
+                         f"{k['p50_ms']:.0f} | {k['p99_ms']:.0f} | {ratio} |")
+    else:
+        lines += [f"{data['workers']} workers, capacity {data['capacity_req_per_s']:.0f} req/s "
+                  "(closed loop, saturated, pull)", "",
+                  "| mode | load | req/s | p50 ms | p99 ms | utilisation mean (min-max) |",
+                  "|---|---|---|---|---|---|"]
+        for r in data["results"]:
+            lines.append(f"| {r['mode']} | {r['fraction']:.0%} | {r['req_per_s']:.0f} | "
+                         f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
+                         f"{r['utilisation_mean']:.0%} ({r['utilisation_min']:.0%}-"
+                         f"{r['utilisation_max']:.0%}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", choices=["scaling", "pull-vs-push"])
+    parser.add_argument("--workers", default="1,2,4,8",
+                        type=lambda v: [int(x) for x in v.split(",")])
+    parser.add_argument("--loads", default="0.5,0.8,0.95",
+                        type=lambda v: [float(x) for x in v.split(",")])
+    parser.add_argument("--items", default="pareto:1.5:4:64", help="texts per request")
+    parser.add_argument("--words", default="uniform:5:15", help="words per text")
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--max-clients", type=int, default=256)
+    parser.add_argument("--capacity-clients", type=int, default=16,
+                        help="closed-loop clients per worker when measuring capacity")
+    parser.add_argument("--p99-factor", type=float, default=3.0,
+                        help="the knee: p99 within this multiple of its low-load value (a "
+                        "batching device's latency grows with its batch, so 3 rather than 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    run = scaling if args.experiment == "scaling" else pull_vs_push
+    data = asyncio.run(run(args))
+    data.update(machine=machine_info(), command=" ".join(sys.argv))
+    print(report(data))
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
