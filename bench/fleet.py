@@ -65,6 +65,8 @@ class Outcome:
     busy_ms: float  # this request's share of its batch's simulated device time
     worker: str
     ok: bool
+    sent: float = 0.0  # perf_counter seconds
+    done: float = 0.0
 
 
 @dataclass
@@ -82,7 +84,11 @@ class Run:
         busy: dict[str, float] = {}
         for o in ok:
             busy[o.worker] = busy.get(o.worker, 0.0) + o.busy_ms
-        utilisation = sorted(b / (self.duration * 1000) for b in busy.values())
+        # The device time of the counted requests, over the wall time they took to serve
+        # (under overload they finish after the window, so the window alone is too short).
+        span_s = (max(o.done for o in ok) - min(o.sent for o in ok)) if ok else self.duration
+        span_s = max(span_s, self.duration) if all(o.done for o in ok) else self.duration
+        utilisation = sorted(b / (span_s * 1000) for b in busy.values())
         utilisation += [0.0] * (workers - len(utilisation))
         return {
             "label": self.label, "offered": self.offered, "requests": len(ok),
@@ -133,12 +139,14 @@ class Publisher:
             reply = await broker.call(MODEL, task_id, task_body(kwargs), headers, timeout_s)
         except Exception:
             return Outcome((time.perf_counter() - started) * 1000, items, 0.0, "", False)
-        latency = (time.perf_counter() - started) * 1000
+        done = time.perf_counter()
+        latency = (done - started) * 1000
         result = reply.get("result") or {}
         batch = result.get("batch") or {}
         ok = reply.get("status") == "SUCCESS"
         share = batch.get("inference_ms", 0.0) / max(1, batch.get("requests", 1))
-        return Outcome(latency, items, share if ok else 0.0, str(result.get("worker")), ok)
+        return Outcome(latency, items, share if ok else 0.0, str(result.get("worker")), ok,
+                       started, done)
 
 
 async def closed_loop(publisher: Publisher, requests: list[list[str]], clients: int,
