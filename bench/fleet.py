@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                         "batching device's latency grows with its batch, so 3 rather than 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     run = scaling if args.experiment == "scaling" else pull_vs_push
     data = asyncio.run(run(args))
@@ -341,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report(data))
     if args.json:
         args.json.write_text(json.dumps(data, indent=2))
+    if args.png:
+        from bench.plot import plot_fleet
+
+        plot_fleet(args.png, data)
     return 0
 
 
