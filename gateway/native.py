@@ -19,7 +19,7 @@ from gateway.errors import invalid
 from gateway.submit import Reply, call_model, check_items, served_model, wire_items
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, MULTIVECTOR, SCORE
 from tasks.results import embedding_rows, multivector_rows, ranked
-from tasks.schema import ParsedRequest, parse_encode, parse_request
+from tasks.schema import ParsedRequest, check_encode_output, parse_encode, parse_request
 
 
 async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
@@ -39,10 +39,7 @@ async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
         parsed = parse_request(op, kwargs, entry.contract.inputs, entry.defaults, entry.id)
     check_items(request, parsed)
     if op == ENCODE:
-        output = parsed.options.output
-        if output is not None and output not in entry.contract.outputs:
-            raise invalid(f"{entry.id} gives {list(entry.contract.outputs)} embeddings, not "
-                          f"{output!r}")
+        check_encode_output(parsed.options, entry.id, entry.contract.outputs[0], entry.dims)
     kwargs["items"] = wire_items(parsed)
     return parsed, await call_model(request, entry, kwargs)
 

@@ -329,3 +329,31 @@ def parse_encode(kwargs: dict[str, Any], dims: int | None,
     if wanted is not None and dims is not None and wanted > dims:
         raise invalid(f"options.dimensions must be an integer from 1 to {dims}")
     return parsed
+
+
+def check_encode_output(options: EncodeOptions, model: str, kind: str,
+                        dims: int | None) -> None:
+    """Options that make no sense for a model's kind of embedding (`kind`: dense, sparse or
+    multivector). Needs no weights: the gateway, every runtime and the sim share it."""
+    if options.output not in (None, kind):
+        raise invalid(f"options.output: {model} gives {kind} embeddings, not "
+                      f"{options.output}; leave output unset or '{kind}'")
+    if kind == "dense":
+        if options.dimensions is not None and dims is not None and options.dimensions > dims:
+            raise invalid(f"options.dimensions must be an integer from 1 to {dims}")
+        return
+    if options.dtype != "float32":
+        raise invalid(f"options.dtype: {model}'s {kind} embeddings are float32 only; leave "
+                      "dtype unset or 'float32'")
+    if options.dimensions is not None:
+        what = "one weight per vocabulary term" if kind == "sparse" else \
+            f"{dims}-dim token vectors"
+        raise invalid(f"options.dimensions: {model} gives {what}, which cannot be shortened; "
+                      "leave dimensions unset")
+    if kind == "sparse" and options.normalize:
+        raise invalid(f"options.normalize: {model}'s sparse weights are not normalised (their "
+                      "scale is what dot-product scoring compares); leave normalize unset or "
+                      "false")
+    if kind == "multivector" and options.normalize is False:
+        raise invalid(f"options.normalize: {model}'s token vectors are always unit length "
+                      "(MaxSim scoring expects them); leave normalize unset or true")

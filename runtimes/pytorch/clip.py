@@ -28,7 +28,7 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.text import length_chunks, load_tokenizer, max_length, too_long
 from runtimes.pytorch.vectors import dense_result
 from tasks.errors import ShoalError
-from tasks.schema import ParsedRequest, invalid
+from tasks.schema import ParsedRequest, check_encode_output, invalid
 
 # Decoded RGB takes 3 bytes a pixel: 40 MP is 120 MB, a generous photo.
 MAX_IMAGE_PIXELS = 40_000_000
@@ -167,11 +167,7 @@ class ClipAdapter(Adapter):
         return ids
 
     def check(self, parsed: ParsedRequest) -> ClipRequest:
-        options = parsed.options
-        if options.output not in (None, "dense"):
-            raise invalid(f"{self.entry.id} gives dense embeddings, not {options.output}")
-        if options.dimensions is not None and options.dimensions > self.dims:
-            raise invalid(f"options.dimensions must be an integer from 1 to {self.dims}")
+        check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
         tokens = iter(self._tokenize(parsed))
         inputs: list[list[int] | Image.Image] = [
             next(tokens) if item.image is None else decode_image(item.image, i)

@@ -27,7 +27,7 @@ from runtimes.pytorch.text import (
     padded_chunks,
 )
 from runtimes.pytorch.vectors import dense_result, normalize_rows
-from tasks.schema import ParsedRequest, invalid
+from tasks.schema import ParsedRequest, check_encode_output
 
 
 @dataclass(frozen=True)
@@ -127,11 +127,7 @@ class DenseAdapter(Adapter):
         return [prompt + t for t in parsed.texts]
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
-        if parsed.options.output not in (None, "dense"):
-            raise invalid(f"{self.entry.id} gives dense embeddings, not "
-                          f"{parsed.options.output}")
-        if parsed.options.dimensions is not None and parsed.options.dimensions > self.dims:
-            raise invalid(f"options.dimensions must be an integer from 1 to {self.dims}")
+        check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
         if not parsed.options.truncate:
             check_lengths(self.encoder.untruncated_lengths(self._texts(parsed)),
                           self.encoder.max_seq_length)

@@ -32,7 +32,7 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.files import model_file
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import check_lengths, length_chunks, load_tokenizer, max_length, pad
-from tasks.schema import ParsedRequest, invalid
+from tasks.schema import ParsedRequest, check_encode_output
 
 QUERY_LENGTH = 32
 _IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity")
@@ -220,19 +220,7 @@ class MultiVectorAdapter(Adapter):
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         options = parsed.options
-        model = self.entry.id
-        if options.output not in (None, "multivector"):
-            raise invalid(f"options.output: {model} gives multivector (per-token) embeddings, "
-                          f"not {options.output}; leave output unset or 'multivector'")
-        if options.dtype != "float32":
-            raise invalid(f"options.dtype: {model}'s multivector embeddings are float32 only; "
-                          "leave dtype unset or 'float32'")
-        if options.dimensions is not None:
-            raise invalid(f"options.dimensions: {model}'s token vectors are {self.dims}-dim and "
-                          "cannot be shortened; leave dimensions unset")
-        if options.normalize is False:
-            raise invalid(f"options.normalize: {model}'s token vectors are always unit length "
-                          "(MaxSim scoring expects them); leave normalize unset or true")
+        check_encode_output(options, self.entry.id, "multivector", self.dims)
         if not options.truncate:
             encoded = self.tokenizer(self._texts(parsed), truncation=False, padding=False)
             check_lengths([len(ids) for ids in encoded["input_ids"]], self._limit(parsed))

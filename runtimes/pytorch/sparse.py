@@ -28,7 +28,7 @@ from runtimes.pytorch.text import (
     max_length,
     padded_chunks,
 )
-from tasks.schema import ParsedRequest, invalid
+from tasks.schema import ParsedRequest, check_encode_output
 
 # Each forward pass holds (tokens x vocabulary) float logits; this caps them at
 # 512 MiB whatever the batch's token budget (30k-term vocabularies: ~4k tokens).
@@ -109,20 +109,7 @@ class SparseAdapter(Adapter):
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         options = parsed.options
-        model = self.entry.id
-        if options.output not in (None, "sparse"):
-            raise invalid(f"options.output: {model} gives sparse embeddings, not "
-                          f"{options.output}; leave output unset or 'sparse'")
-        if options.dtype != "float32":
-            raise invalid(f"options.dtype: {model} gives sparse float weights; leave dtype unset "
-                          "or 'float32'")
-        if options.dimensions is not None:
-            raise invalid(f"options.dimensions: {model} gives one weight per vocabulary term "
-                          "and cannot be shortened; leave dimensions unset")
-        if options.normalize:
-            raise invalid(f"options.normalize: {model}'s sparse weights are not normalised "
-                          "(their scale is what dot-product scoring compares); leave "
-                          "normalize unset or false")
+        check_encode_output(options, self.entry.id, "sparse", self.entry.dims)
         if not options.truncate:
             encoded = self.tokenizer(self._texts(parsed), truncation=False, padding=False)
             check_lengths([len(ids) for ids in encoded["input_ids"]], self.max_seq_length)

@@ -42,7 +42,14 @@ from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCO
 from tasks.cost import estimate_request
 from tasks.envelope import DEFAULT_MAX_TOKENS
 from tasks.errors import ErrorCode, ShoalError
-from tasks.schema import GenerateOptions, ParsedRequest, invalid, parse_encode, parse_request
+from tasks.schema import (
+    GenerateOptions,
+    ParsedRequest,
+    check_encode_output,
+    invalid,
+    parse_encode,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,31 +119,8 @@ class _SimModel:
         return parsed
 
     def _check_encode(self, options: Any) -> None:
-        model, kind = self.entry.id, self.entry.contract.outputs[0]
-        if options.output not in (None, kind):
-            raise invalid(f"options.output: {model} gives {kind} embeddings, not "
-                          f"{options.output}; leave output unset or '{kind}'")
-        if kind == SPARSE:
-            if options.dtype != "float32":
-                raise invalid(f"options.dtype: {model} gives sparse float weights; leave dtype "
-                              "unset or 'float32'")
-            if options.dimensions is not None:
-                raise invalid(f"options.dimensions: {model} gives one weight per vocabulary "
-                              "term and cannot be shortened; leave dimensions unset")
-            if options.normalize:
-                raise invalid(f"options.normalize: {model}'s sparse weights are not "
-                              "normalised; leave normalize unset or false")
-        elif kind == MULTIVECTOR:
-            if options.dtype != "float32":
-                raise invalid(f"options.dtype: {model}'s multivector embeddings are float32 "
-                              "only; leave dtype unset or 'float32'")
-            if options.dimensions is not None:
-                raise invalid(f"options.dimensions: {model}'s token vectors are "
-                              f"{self.entry.dims}-dim and cannot be shortened; leave "
-                              "dimensions unset")
-            if options.normalize is False:
-                raise invalid(f"options.normalize: {model}'s token vectors are always unit "
-                              "length; leave normalize unset or true")
+        entry = self.entry
+        check_encode_output(options, entry.id, entry.contract.outputs[0], entry.dims)
 
     # --- outputs ---------------------------------------------------------------------------
 
