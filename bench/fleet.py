@@ -197,16 +197,20 @@ async def open_loop(publisher: Publisher, requests: list[list[str]], rate: float
     return run
 
 
+EXTRA_ENV: dict[str, str] = {}  # --env: worker settings for every fleet of this run
+
+
 @contextlib.contextmanager
 def fleet(workers: int, shared: bool, tag: str) -> Iterator[list[BenchStack]]:
     """`workers` sim workers on one queue (shared) or each on its own queue (push)."""
     base = f"shoal-fleet-{tag}-{uuid.uuid4().hex[:6]}"
+    env = {**SIM_ENV, **EXTRA_ENV}
     with contextlib.ExitStack() as stacks:
         if shared:
-            yield [stacks.enter_context(bench_stack(MODEL, SIM_ENV, workers=workers,
+            yield [stacks.enter_context(bench_stack(MODEL, env, workers=workers,
                                                     prefix=base))]
         else:
-            yield [stacks.enter_context(bench_stack(MODEL, SIM_ENV, prefix=f"{base}-w{i}"))
+            yield [stacks.enter_context(bench_stack(MODEL, env, prefix=f"{base}-w{i}"))
                    for i in range(workers)]
 
 
@@ -335,10 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="worker settings, e.g. SHOAL_BATCH_MAX_TOKENS=2048")
     args = parser.parse_args(argv)
+    EXTRA_ENV.update(item.split("=", 1) for item in args.env)
     run = scaling if args.experiment == "scaling" else pull_vs_push
     data = asyncio.run(run(args))
-    data.update(machine=machine_info(), command=" ".join(sys.argv))
+    data.update(machine=machine_info(), command=" ".join(sys.argv), env=EXTRA_ENV)
     print(report(data))
     if args.json:
         args.json.write_text(json.dumps(data, indent=2))
