@@ -96,6 +96,14 @@ def coordinate_search(start: dict[str, float], grid: dict[str, Iterable[float]],
     return best, best_knee, history
 
 
+def median_knee(knees: list[Knee | None]) -> Knee | None:
+    """The median-throughput knee of repeated sweeps; None if most found none."""
+    found = sorted((k for k in knees if k is not None), key=lambda k: k.throughput)
+    if len(found) * 2 < len(knees) or not found:
+        return None
+    return found[(len(found) - 1) // 2]
+
+
 def fit_cost(samples: list[tuple[int, int, float]], with_c: bool = False
              ) -> tuple[float, float, float]:
     """(a_ms, b_us, c_ns) of latency = a + b*T + c*T*L from (T, L, seconds) samples,
@@ -239,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--p99-factor", type=float, default=2.0)
     parser.add_argument("--tie", type=float, default=0.02)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="sweeps per setting, the median knee counts (a noisy host "
+                        "needs 3 or more)")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="keep the profile's cost constants (e.g. for a sim runtime)")
     parser.add_argument("--dry-run", action="store_true", help="print, do not write")
@@ -268,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     start = {"max_tokens": float(profile.max_tokens), "max_items": float(profile.max_items),
              "max_delay_ms": profile.max_delay_ms,
              "hold_horizon_batches": profile.hold_horizon_batches or 2.0}
-    best, knee, history = coordinate_search(
-        start, _grid(args), lambda s: measure_live(args.model, s, args, requests), args.tie)
+    def measure(setting: dict[str, float]) -> Knee | None:
+        knees = [measure_live(args.model, setting, args, requests) for _ in range(args.repeats)]
+        return median_knee(knees)
+
+    best, knee, history = coordinate_search(start, _grid(args), measure, args.tie)
     tuned = {
         "max_tokens": int(best["max_tokens"]), "max_items": int(best["max_items"]),
         "max_delay_ms": best["max_delay_ms"],

@@ -60,3 +60,12 @@ def test_write_profile_keeps_comments_and_other_keys(tmp_path):
     entry = load_entry(path)
     assert entry.profile("cpu").max_items == 32 and entry.profile("l4").max_items == 128
     assert entry.profile("cpu").measured.startswith("shoal tune")
+
+
+def test_repeated_sweeps_count_by_their_median_knee():
+    from bench.tune import median_knee
+
+    knees = [Knee(90, 100, 8), Knee(140, 90, 16), Knee(100, 95, 8)]
+    assert median_knee(knees) == Knee(100, 95, 8)
+    assert median_knee([None, None, Knee(1, 1, 1)]) is None
+    assert median_knee([Knee(5, 5, 1), None]) == Knee(5, 5, 1)

@@ -1,0 +1,118 @@
+"""shoal against its baselines, in one run, on the same texts and the same load.
+
+    .venv/bin/python -m bench.baselines --clients 32 --duration 8 [--json out.json]
+
+1. the model in process at batch 1 and 32 (the ceiling; `DenseEncoder`);
+2. shoal: gateway -> RabbitMQ -> shoal worker (batching) -> runtime;
+3. the naive Celery deployment (`bench.naive_celery`): the same gateway and
+   queue, a prefork Celery worker running one task per request;
+4. the pipeline without a model: shoal with the `sim` runtime at zero cost,
+   one text and eight texts per request (requests/s and items/s the
+   gateway, broker and worker can carry);
+5. a plain aio-pika publish -> consume -> reply loop (`bench.amqp_loop`), the
+   broker's practical limit on this machine.
+
+Every HTTP level is N closed-loop clients (`bench.e2e.run_level`). A peer
+server (e.g. infinity-emb) is not measured: none is installed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from bench.amqp_loop import run_loop
+from bench.e2e import inproc_throughput, machine_info, make_texts, medians, run_level
+from bench.stack import bench_stack
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+NAIVE_WORKER = [sys.executable, "-m", "celery", "-A", "bench.naive_celery", "worker",
+                "--pool", "prefork", "--concurrency", "1", "--loglevel", "warning"]
+ZERO_COST_SIM = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "0", "SHOAL_SIM_COST_B_US": "0",
+                 "SHOAL_SIM_COST_C_NS": "0"}
+
+
+def _http(name: str, texts: list[str], args: argparse.Namespace, items: int = 1,
+          **stack: Any) -> dict[str, Any]:
+    def body(text: str) -> dict[str, Any]:
+        return {"items": [{"text": text}] * items}
+
+    with bench_stack(MINILM, **stack) as running:
+        level = uvloop.run(run_level(f"{running.url}/v1/encode/{MINILM}", texts, args.clients,
+                                     args.warmup, args.duration, 30.0, running.pids, body))
+    result = asdict(level)
+    result.update(name=name, items_per_request=items,
+                  items_per_s=level.req_per_s * items)
+    print(f"  {name}: {level.req_per_s:.0f} req/s", file=sys.stderr)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    texts = make_texts(200)
+    ceiling = medians(inproc_throughput(texts, [1, 32], args.reps))
+    print(f"  in process: {ceiling[1]:.0f} -> {ceiling[32]:.0f} items/s", file=sys.stderr)
+    levels = [
+        _http("shoal", texts, args),
+        _http("naive Celery (prefork, 1 process)", texts, args, worker_argv=NAIVE_WORKER),
+        _http("shoal, sim runtime at zero cost", texts, args, extra_env=ZERO_COST_SIM),
+        _http("shoal, sim runtime at zero cost", texts, args, items=8,
+              extra_env=ZERO_COST_SIM),
+    ]
+    loop = asyncio.run(run_loop(args.clients, args.duration))
+    print(f"  aio-pika loop: {loop.per_s:.0f} round trips/s", file=sys.stderr)
+    return {"machine": machine_info(), "clients": args.clients, "duration": args.duration,
+            "in_process": ceiling, "levels": levels, "amqp_loop": asdict(loop)}
+
+
+def report(data: dict[str, Any]) -> str:
+    ceiling = data["in_process"][32]
+    lines = [
+        f"`python -m bench.baselines --clients {data['clients']} --duration {data['duration']}`",
+        "",
+        f"In process (`DenseEncoder`): {data['in_process'][1]:.0f} items/s at batch 1, "
+        f"{ceiling:.0f} at batch 32.",
+        "",
+        "| deployment | items/request | req/s | items/s | of in-process batch 32 | p50 ms | "
+        "p99 ms | requests/batch | CPU ms/request |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for level in data["levels"]:
+        cpu = level["cpu_ms_per_request"].get("total")
+        lines.append(
+            f"| {level['name']} | {level['items_per_request']} | {level['req_per_s']:.0f} | "
+            f"{level['items_per_s']:.0f} | {level['items_per_s'] / ceiling:.0%} | "
+            f"{level['p50_ms'] or 0:.0f} | {level['p99_ms'] or 0:.0f} | "
+            f"{level['median_batch_requests'] or '-'} | "
+            f"{'-' if cpu is None else f'{cpu:.1f}'} |")
+    loop = data["amqp_loop"]
+    lines.append(f"| plain aio-pika publish→consume→reply ({loop['queue_type']}) | - | "
+                 f"{loop['per_s']:.0f} | - | - | {loop['p50_ms']:.1f} | {loop['p99_ms']:.1f} | "
+                 "- | - |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.baselines", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    data = run(args)
+    print(report(data))
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
