@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,3 +42,28 @@ class Runtime(Protocol):
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]: ...
 
     def close(self) -> None: ...
+
+
+def failed(request_id: str, code: str, message: str) -> Outcome:
+    return Outcome(request_id, error_code=str(code), error_message=message)
+
+
+def prepare_each(model_id: str, operation: str, requests: list[Request],
+                 prepare: Callable[[Request], Any]
+                 ) -> tuple[dict[str, Outcome], list[tuple[Request, Any]]]:
+    """Check every request of a batch before it runs: (failed outcomes by id, the
+    runnable requests with what `prepare` made of them). A request for another
+    operation, or one `prepare` refuses with a ShoalError, fails alone."""
+    from tasks.errors import ErrorCode, ShoalError
+
+    outcomes: dict[str, Outcome] = {}
+    runnable: list[tuple[Request, Any]] = []
+    for request in requests:
+        try:
+            if request.op != operation:
+                raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION,
+                                 f"{model_id} serves '{operation}', not '{request.op}'")
+            runnable.append((request, prepare(request)))
+        except ShoalError as exc:
+            outcomes[request.id] = failed(request.id, exc.code, exc.message)
+    return outcomes, runnable

@@ -16,15 +16,14 @@ import importlib
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from app.catalog import ModelEntry
-from runtimes.base import Outcome, Request
+from runtimes.base import Outcome, Request, failed, prepare_each
 from runtimes.pytorch.adapter import Adapter
 from runtimes.sources import resolve_source
-from tasks.errors import ErrorCode, ShoalError
+from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +60,10 @@ class ModelHost:
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
         adapter = self._models.get(model_id)
         if adapter is None:
-            return [_failed(r.id, ErrorCode.MODEL_NOT_FOUND,
-                            f"this worker does not serve {model_id}") for r in requests]
-        outcomes: dict[str, Outcome] = {}
-        runnable: list[tuple[Request, Any]] = []
-        for request in requests:
-            try:
-                if request.op != adapter.operation:
-                    raise ShoalError(
-                        ErrorCode.UNSUPPORTED_OPERATION,
-                        f"{model_id} serves '{adapter.operation}', not '{request.op}'",
-                    )
-                runnable.append((request, adapter.prepare(request.kwargs)))
-            except ShoalError as exc:
-                outcomes[request.id] = _failed(request.id, exc.code, exc.message)
+            return [failed(r.id, ErrorCode.MODEL_NOT_FOUND,
+                           f"this worker does not serve {model_id}") for r in requests]
+        outcomes, runnable = prepare_each(model_id, adapter.operation, requests,
+                                          lambda r: adapter.prepare(r.kwargs))
         if runnable:
             started = time.perf_counter()
             results = adapter.run([prepared for _, prepared in runnable])
@@ -91,7 +80,3 @@ class ModelHost:
 
     def close(self) -> None:
         self._models.clear()
-
-
-def _failed(request_id: str, code: str, message: str) -> Outcome:
-    return Outcome(request_id, error_code=str(code), error_message=message)

@@ -34,14 +34,14 @@ import numpy as np
 
 from app.catalog import ModelEntry
 from batching.cost import BatchShape, CostModel
-from runtimes.base import Outcome, Request
+from runtimes.base import Outcome, Request, failed, prepare_each
 from runtimes.process import RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
 from tasks.cost import estimate_request
 from tasks.envelope import DEFAULT_MAX_TOKENS
-from tasks.errors import ErrorCode, ShoalError
+from tasks.errors import ErrorCode
 from tasks.schema import (
     GenerateOptions,
     ParsedRequest,
@@ -251,22 +251,16 @@ class SimRuntime:
             raise RuntimeClosed("the runtime is closed")
         model = self._models.get(model_id)
         if model is None:
-            return [_failed(r.id, ErrorCode.MODEL_NOT_FOUND,
-                            f"this worker does not serve {model_id}") for r in requests]
-        outcomes: dict[str, Outcome] = {}
-        runnable: list[_Prepared] = []
-        for request in requests:
-            try:
-                if request.op != model.operation:
-                    raise ShoalError(
-                        ErrorCode.UNSUPPORTED_OPERATION,
-                        f"{model_id} serves '{model.operation}', not '{request.op}'",
-                    )
-                parsed = model.parse(request.kwargs)
-                items, tokens, longest = model.estimate(request.op, request.kwargs)
-                runnable.append(_Prepared(request, parsed, items, tokens, longest))
-            except ShoalError as exc:
-                outcomes[request.id] = _failed(request.id, exc.code, exc.message)
+            return [failed(r.id, ErrorCode.MODEL_NOT_FOUND,
+                           f"this worker does not serve {model_id}") for r in requests]
+
+        def prepare(request: Request) -> _Prepared:
+            parsed = model.parse(request.kwargs)
+            items, tokens, longest = model.estimate(request.op, request.kwargs)
+            return _Prepared(request, parsed, items, tokens, longest)
+
+        outcomes, checked = prepare_each(model_id, model.operation, requests, prepare)
+        runnable = [prepared for _, prepared in checked]
         if runnable:
             shape = BatchShape(items=sum(p.items for p in runnable),
                                longest=max(p.longest for p in runnable),
@@ -300,7 +294,3 @@ def _sleep_until(deadline: float) -> None:
     """Sleep until `deadline` (perf_counter time): never less, whatever wakes the thread."""
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)
-
-
-def _failed(request_id: str, code: str, message: str) -> Outcome:
-    return Outcome(request_id, error_code=str(code), error_message=message)
