@@ -24,7 +24,7 @@ from pydantic import (
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.cost import DEFAULT_IMAGE_TOKENS
 from tasks.errors import ShoalError
-from tasks.schema import parse_options
+from tasks.schema import ParsedRequest, parse_encode, parse_options, parse_request
 
 
 class CatalogError(ValueError):
@@ -135,6 +135,15 @@ class ModelEntry(BaseModel):
     @property
     def operation(self) -> str:
         return self.contract.operation
+
+    def parse(self, kwargs: Any) -> ParsedRequest:
+        """A task's kwargs checked for this model: its operation, inputs and defaults, and
+        for encode its kind of embedding and width. ShoalError(VALIDATION_ERROR) if wrong."""
+        contract = self.contract
+        if contract.operation == "encode":
+            return parse_encode(kwargs, self.dims, contract.inputs, self.defaults, self.id,
+                                contract.outputs[0])
+        return parse_request(contract.operation, kwargs, contract.inputs, self.defaults, self.id)
 
     def profile(self, device: str) -> BatchProfile | None:
         """The tuned profile for a device type ('cpu', 'l4', 'h100', ...), if any."""

@@ -19,7 +19,7 @@ from gateway.errors import invalid
 from gateway.submit import Reply, call_model, check_items, served_model, wire_items
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, MULTIVECTOR, SCORE
 from tasks.results import embedding_rows, multivector_rows, ranked
-from tasks.schema import ParsedRequest, check_encode_output, parse_encode, parse_request
+from tasks.schema import ParsedRequest
 
 
 async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
@@ -33,13 +33,8 @@ async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
     if unknown:
         raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
     kwargs = {"model": entry.id, **body}
-    if op == ENCODE:
-        parsed = parse_encode(kwargs, entry.dims, entry.contract.inputs, entry.defaults, entry.id)
-    else:
-        parsed = parse_request(op, kwargs, entry.contract.inputs, entry.defaults, entry.id)
+    parsed = entry.parse(kwargs)  # served_model made sure the entry's operation is `op`
     check_items(request, parsed)
-    if op == ENCODE:
-        check_encode_output(parsed.options, entry.id, entry.contract.outputs[0], entry.dims)
     kwargs["items"] = wire_items(parsed)
     return parsed, await call_model(request, entry, kwargs)
 

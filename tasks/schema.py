@@ -322,12 +322,11 @@ def parse_request(op: str, kwargs: Any, inputs: frozenset[str] = frozenset({TEXT
 def parse_encode(kwargs: dict[str, Any], dims: int | None,
                  inputs: frozenset[str] = frozenset({TEXT}),
                  defaults: Mapping[str, Any] | None = None,
-                 model: str = "this model") -> ParsedRequest:
-    """An encode request, with `dimensions` checked against the model's width."""
+                 model: str = "this model", kind: str = "dense") -> ParsedRequest:
+    """An encode request, its options checked against the model's kind of embedding and
+    width (`check_encode_output`)."""
     parsed = parse_request(ENCODE, kwargs, inputs, defaults, model)
-    wanted = parsed.options.dimensions
-    if wanted is not None and dims is not None and wanted > dims:
-        raise invalid(f"options.dimensions must be an integer from 1 to {dims}")
+    check_encode_output(parsed.options, model, kind, dims)
     return parsed
 
 

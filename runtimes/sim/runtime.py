@@ -42,14 +42,7 @@ from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCO
 from tasks.cost import estimate_request
 from tasks.envelope import DEFAULT_MAX_TOKENS
 from tasks.errors import ErrorCode
-from tasks.schema import (
-    GenerateOptions,
-    ParsedRequest,
-    check_encode_output,
-    invalid,
-    parse_encode,
-    parse_request,
-)
+from tasks.schema import GenerateOptions, ParsedRequest, invalid
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +92,10 @@ class _SimModel:
     def parse(self, kwargs: Any) -> ParsedRequest:
         """`tasks.schema` as the real adapter calls it, then the adapter's own checks that
         need no weights (their messages copied from runtimes/pytorch)."""
-        entry, contract = self.entry, self.entry.contract
-        if contract.operation == ENCODE:
-            parsed = parse_encode(kwargs, entry.dims, contract.inputs, entry.defaults, entry.id)
-        else:
-            parsed = parse_request(contract.operation, kwargs, contract.inputs, entry.defaults,
-                                   entry.id)
+        entry = self.entry
+        parsed = entry.parse(kwargs)
         options = parsed.options
-        if contract.operation == ENCODE:
-            self._check_encode(options)
-        elif entry.adapter == "sequence-classification" and (
+        if entry.adapter == "sequence-classification" and (
             options.labels is not None or options.hypothesis_template is not None
         ):
             raise invalid(f"{entry.id} has fixed labels {list(DEFAULT_LABELS)}; options.labels "
@@ -117,10 +104,6 @@ class _SimModel:
             raise invalid("options.labels is missing: zero-shot classification needs the "
                           'candidate labels, e.g. {"labels": ["sports", "politics", "music"]}')
         return parsed
-
-    def _check_encode(self, options: Any) -> None:
-        entry = self.entry
-        check_encode_output(options, entry.id, entry.contract.outputs[0], entry.dims)
 
     # --- outputs ---------------------------------------------------------------------------
 
