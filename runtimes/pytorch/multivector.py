@@ -29,7 +29,7 @@ from transformers import AddedToken, AutoModel, PreTrainedTokenizerBase
 
 from app.catalog import ModelEntry, Prompts
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.files import model_file
+from runtimes.pytorch.files import encoder_ref, model_file
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import check_lengths, length_chunks, load_tokenizer, max_length, pad
 from tasks.schema import ParsedRequest, check_encode_output
@@ -171,12 +171,7 @@ class MultiVectorAdapter(Adapter):
                 f"{entry.id}: no ColBERT projection in {ref}: expected a Dense module listed in "
                 "modules.json (sentence-transformers / PyLate) or a 'linear.weight' tensor in "
                 "model.safetensors (colbert-ir/colbertv2.0)")
-        model_ref = ref
-        if self.colbert.encoder_dir:
-            if not local:
-                raise ValueError(f"{ref}: its encoder is in the subfolder "
-                                 f"{self.colbert.encoder_dir!r}; serve it from a local directory")
-            model_ref = str(Path(ref) / self.colbert.encoder_dir)
+        model_ref = encoder_ref(ref, local, self.colbert.encoder_dir)
         self.tokenizer = load_tokenizer(model_ref, local)
         keep_prompt_markers(self.tokenizer, entry.prompts)
         self.model = AutoModel.from_pretrained(model_ref, local_files_only=local)

@@ -20,7 +20,7 @@ from transformers import AutoModelForMaskedLM
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.files import model_file
+from runtimes.pytorch.files import encoder_ref, model_file
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import (
     check_lengths,
@@ -81,12 +81,7 @@ class SparseAdapter(Adapter):
                  chunk_tokens: int = 16_384) -> None:
         super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
         self.splade = read_splade_config(ref, local)
-        model_ref = ref
-        if self.splade.encoder_dir:
-            if not local:
-                raise ValueError(f"{ref}: its MLM transformer is in the subfolder "
-                                 f"{self.splade.encoder_dir!r}; serve it from a local directory")
-            model_ref = str(Path(ref) / self.splade.encoder_dir)
+        model_ref = encoder_ref(ref, local, self.splade.encoder_dir)
         st = read_st_config(Path(model_ref) if local else Path("/nonexistent"))
         self.tokenizer = load_tokenizer(model_ref, local)
         self.model = AutoModelForMaskedLM.from_pretrained(model_ref, local_files_only=local)
