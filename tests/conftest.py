@@ -150,8 +150,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
                      f"a worker to consume {model}")
         yield Live(stack, url, worker)
     except BaseException:
-        for process in stack.processes:
-            print(f"--- {process.name} log ---\n{process.log()[-5000:]}")
+        stack.print_logs()
         raise
     finally:
         stack.stop_all()

@@ -126,6 +126,11 @@ class Stack:
         for process in reversed(self.processes):
             process.stop()
 
+    def print_logs(self, tail: int = 5000) -> None:
+        """The end of every process's log, for a test that failed while setting up."""
+        for process in self.processes:
+            print(f"--- {process.name} log ---\n{process.log()[-tail:]}")
+
 
 def queue_counts(name: str) -> tuple[int, int]:
     """(ready messages, consumers) of a queue, read with a passive declare."""

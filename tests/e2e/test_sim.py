@@ -50,8 +50,7 @@ def test_a_sim_worker_answers_through_the_gateway(tmp_path):
         log = stack.processes[0].log()
         assert "SIMULATED runtime" in log
     except BaseException:
-        for process in stack.processes:
-            print(f"--- {process.name} log ---\n{process.log()[-5000:]}")
+        stack.print_logs()
         raise
     finally:
         stack.stop_all()
