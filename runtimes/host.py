@@ -47,9 +47,9 @@ class ModelHost:
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
             started = time.perf_counter()
-            ref, local = resolve_source(entry.source)
             self._models[entry.id] = adapter_class(entry)(
-                entry, ref, local=local, device=self.device, chunk_tokens=self.chunk_tokens
+                entry, resolve_source(entry.source), device=self.device,
+                chunk_tokens=self.chunk_tokens,
             )
             log.info("loaded %s (%s) in %.1fs", entry.id, entry.adapter,
                      time.perf_counter() - started)

@@ -12,13 +12,13 @@ class SourceError(RuntimeError):
     pass
 
 
-def resolve_source(source: Source) -> tuple[str, bool]:
-    """(what to pass to from_pretrained, whether it is a local directory)."""
+def resolve_source(source: Source) -> str:
+    """The local directory of the weights (what from_pretrained is given)."""
     if source.path:
         path = Path(source.path).expanduser() / source.subdir
         if not path.is_dir():
             raise SourceError(f"model directory {path} does not exist")
-        return str(path), True
+        return str(path)
     if source.package:
         spec = importlib.util.find_spec(source.package)
         if spec is None or not spec.submodule_search_locations:
@@ -29,9 +29,9 @@ def resolve_source(source: Source) -> tuple[str, bool]:
         path = Path(next(iter(spec.submodule_search_locations))) / source.subdir
         if not path.is_dir():
             raise SourceError(f"package '{source.package}' has no directory {source.subdir!r}")
-        return str(path), True
+        return str(path)
     assert source.hub
-    return download(source.hub, source.revision), True
+    return download(source.hub, source.revision)
 
 
 def download(repo_id: str, revision: str | None) -> str:

@@ -17,9 +17,9 @@ from tasks.schema import ParsedRequest, parse_request
 
 
 class Adapter(ABC):
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
+    def __init__(self, entry: ModelEntry, ref: str, *, device: str = "cpu",
                  chunk_tokens: int = 16_384) -> None:
-        """`ref` is what from_pretrained takes; `local` says it is a directory."""
+        """`ref` is the model's local directory (`runtimes.sources.resolve_source`)."""
         self.entry = entry
         self.contract = entry.contract
         self.device = device

@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.text import length_chunks, load_tokenizer, max_length, pad
+from runtimes.pytorch.loading import load_model, pad_id
+from runtimes.pytorch.text import length_chunks, max_length, pad
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import GenerateOptions, Item, ParsedRequest, invalid
 
@@ -98,17 +99,14 @@ def _eos_ids(*sources: Any) -> frozenset[int]:
 class CausalLMAdapter(Adapter):
     """Catalog `adapter: causal-lm`: the generate operation."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        self.tokenizer = load_tokenizer(ref, local)
-        self.model = AutoModelForCausalLM.from_pretrained(ref, local_files_only=local)
-        self.model.eval().to(device)
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        self.tokenizer, self.model, _ = load_model(AutoModelForCausalLM, ref, self.device)
         self.context = max_length(self.tokenizer, self.model.config, entry.max_seq_length)
         self.eos_ids = _eos_ids(self.model.generation_config.eos_token_id,
                                 self.tokenizer.eos_token_id)
-        self.pad_id = next((i for i in (self.tokenizer.pad_token_id, *sorted(self.eos_ids))
-                            if i is not None), 0)
+        # Without a pad token an end token pads: the mask hides it either way.
+        self.pad_id = pad_id(self.tokenizer, *sorted(self.eos_ids))
         self.bos_id = self._bos_id()
         # Transformers 5 renamed `past_key_values` to `cache` (argument and output).
         params = inspect.signature(self.model.forward).parameters

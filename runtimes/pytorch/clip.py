@@ -25,7 +25,8 @@ from transformers import AutoImageProcessor, AutoModel
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.text import length_chunks, load_tokenizer, max_length, too_long
+from runtimes.pytorch.loading import load_model
+from runtimes.pytorch.text import length_chunks, max_length, too_long
 from runtimes.pytorch.vectors import dense_result
 from tasks.errors import ShoalError
 from tasks.schema import ParsedRequest, check_encode_output, invalid
@@ -121,11 +122,9 @@ class ClipAdapter(Adapter):
 
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
-        local = kwargs.get("local", True)
-        self.model = AutoModel.from_pretrained(ref, local_files_only=local)
-        self.model.eval().to(self.device)
-        self.tokenizer = load_tokenizer(ref, local)
-        self.processor = AutoImageProcessor.from_pretrained(ref, local_files_only=local,
+        # No pad id kept: texts are padded by the tokenizer itself (SigLIP to full length).
+        self.tokenizer, self.model, _ = load_model(AutoModel, ref, self.device)
+        self.processor = AutoImageProcessor.from_pretrained(ref, local_files_only=True,
                                                             **_pil_processor_kwargs())
         config = self.model.config
         text_config = config.text_config

@@ -19,13 +19,9 @@ from transformers import AutoModel
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
+from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.st_config import read_st_config
-from runtimes.pytorch.text import (
-    check_lengths,
-    load_tokenizer,
-    max_length,
-    padded_chunks,
-)
+from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
 from runtimes.pytorch.vectors import dense_result, normalize_rows
 from tasks.schema import ParsedRequest, check_encode_output
 
@@ -43,17 +39,14 @@ class DenseEncoder:
         self,
         model_ref: str,
         *,
-        local: bool = True,
         device: str = "cpu",
         pooling: str | None = None,
         normalize: bool | None = None,
         max_seq_length: int | None = None,
         chunk_tokens: int = 16_384,
     ) -> None:
-        st = read_st_config(Path(model_ref)) if local else read_st_config(Path("/nonexistent"))
-        self.tokenizer = load_tokenizer(model_ref, local)
-        self.model = AutoModel.from_pretrained(model_ref, local_files_only=local)
-        self.model.eval().to(device)
+        st = read_st_config(Path(model_ref))
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, device)
         self.device = device
         self.pooling = pooling or st.pooling or "mean"
         self.normalize = st.normalize if normalize is None else normalize
@@ -63,7 +56,6 @@ class DenseEncoder:
                                          st.max_seq_length)
         self.dims = int(self.model.config.hidden_size)
         self.chunk_tokens = chunk_tokens
-        self.pad_id = self.tokenizer.pad_token_id or 0
 
     def _prepare(self, texts: list[str]) -> list[str]:
         return [t.lower() for t in texts] if self.do_lower_case else texts
@@ -116,7 +108,7 @@ class DenseAdapter(Adapter):
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
         self.encoder = self.encoder_class(
-            ref, local=kwargs.get("local", True), device=self.device, pooling=entry.pooling,
+            ref, device=self.device, pooling=entry.pooling,
             normalize=entry.normalize, max_seq_length=entry.max_seq_length,
             chunk_tokens=self.chunk_tokens,
         )

@@ -30,8 +30,9 @@ from transformers import AddedToken, AutoModel, PreTrainedTokenizerBase
 from app.catalog import ModelEntry, Prompts
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.files import encoder_ref, model_file
+from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.st_config import read_st_config
-from runtimes.pytorch.text import check_lengths, length_chunks, load_tokenizer, max_length, pad
+from runtimes.pytorch.text import check_lengths, length_chunks, max_length, pad
 from tasks.schema import ParsedRequest, check_encode_output
 
 QUERY_LENGTH = 32
@@ -67,20 +68,20 @@ def _tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     return {k: state[k] for k in keys if k in state}
 
 
-def _weights_file(ref: str, folder: str, local: bool) -> Path | None:
+def _weights_file(ref: str, folder: str) -> Path | None:
     prefix = f"{folder}/" if folder else ""
-    return (model_file(ref, f"{prefix}model.safetensors", local)
-            or model_file(ref, f"{prefix}pytorch_model.bin", local))
+    return (model_file(ref, f"{prefix}model.safetensors")
+            or model_file(ref, f"{prefix}pytorch_model.bin"))
 
 
-def _dense_module(ref: str, folder: str, local: bool) -> Linear:
+def _dense_module(ref: str, folder: str) -> Linear:
     """A sentence-transformers Dense folder: config.json plus `linear.weight` (and bias)."""
-    config = _json(model_file(ref, f"{folder}/config.json", local))
+    config = _json(model_file(ref, f"{folder}/config.json"))
     activation = config.get("activation_function")
     if activation is not None and activation not in _IDENTITY:
         raise ValueError(f"{ref}: Dense module {folder!r} applies {activation}; the multivector "
                          "adapter supports linear projections only")
-    weights_file = _weights_file(ref, folder, local)
+    weights_file = _weights_file(ref, folder)
     tensors = _tensors(weights_file, ["linear.weight", "linear.bias"]) if weights_file else {}
     if "linear.weight" not in tensors:
         raise ValueError(f"{ref}: Dense module {folder!r} has no 'linear.weight' tensor")
@@ -93,41 +94,41 @@ def _dense_module(ref: str, folder: str, local: bool) -> Linear:
     return Linear(weight, None if bias is None else bias.float())
 
 
-def _stanford_linear(ref: str, local: bool) -> Linear | None:
+def _stanford_linear(ref: str) -> Linear | None:
     """`linear.weight` next to the encoder's weights (colbert-ir/colbertv2.0), if there."""
-    index = model_file(ref, "model.safetensors.index.json", local)
+    index = model_file(ref, "model.safetensors.index.json")
     if index is not None:
         shard = _json(index).get("weight_map", {}).get("linear.weight")
-        path = model_file(ref, shard, local) if shard else None
+        path = model_file(ref, shard) if shard else None
     else:
-        path = _weights_file(ref, "", local)
+        path = _weights_file(ref, "")
     if path is None:
         return None
     weight = _tensors(path, ["linear.weight"]).get("linear.weight")
     return None if weight is None else Linear(weight.float(), None)
 
 
-def read_colbert(ref: str, local: bool) -> tuple[list[Linear], ColbertConfig]:
+def read_colbert(ref: str) -> tuple[list[Linear], ColbertConfig]:
     """The projection (layers applied in order) and the ColBERT settings of a model."""
     layers: list[Linear] = []
     encoder_dir = ""
-    modules_file = model_file(ref, "modules.json", local)
+    modules_file = model_file(ref, "modules.json")
     for module in json.loads(modules_file.read_text()) if modules_file else []:
         kind = module.get("type", "")
         if kind.endswith(".Dense"):
-            layers.append(_dense_module(ref, module["path"], local))
+            layers.append(_dense_module(ref, module["path"]))
         elif kind.endswith("Transformer"):
             encoder_dir = module.get("path", "")
     if not layers:
-        linear = _stanford_linear(ref, local)
+        linear = _stanford_linear(ref)
         layers = [linear] if linear is not None else []
 
     settings: dict[str, Any] = {}
     # Stanford artifact.metadata, then PyLate's, then sentence-transformers' own names.
-    stanford = _json(model_file(ref, "artifact.metadata", local))
-    pylate = _json(model_file(ref, "config_sentence_transformers.json", local))
+    stanford = _json(model_file(ref, "artifact.metadata"))
+    pylate = _json(model_file(ref, "config_sentence_transformers.json"))
     prefix = f"{encoder_dir}/" if encoder_dir else ""
-    st = _json(model_file(ref, f"{prefix}sentence_bert_config.json", local))
+    st = _json(model_file(ref, f"{prefix}sentence_bert_config.json"))
     expansion = st.get("query_expansion") or {}
     for key, value in (
         ("query_length", stanford.get("query_maxlen")),
@@ -162,20 +163,17 @@ def keep_prompt_markers(tokenizer: PreTrainedTokenizerBase, prompts: Prompts) ->
 class MultiVectorAdapter(Adapter):
     """Catalog `adapter: multivector`: per-token unit vectors of the entry's `dims`."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        layers, self.colbert = read_colbert(ref, local)
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        layers, self.colbert = read_colbert(ref)
         if not layers:
             raise ValueError(
                 f"{entry.id}: no ColBERT projection in {ref}: expected a Dense module listed in "
                 "modules.json (sentence-transformers / PyLate) or a 'linear.weight' tensor in "
                 "model.safetensors (colbert-ir/colbertv2.0)")
-        model_ref = encoder_ref(ref, local, self.colbert.encoder_dir)
-        self.tokenizer = load_tokenizer(model_ref, local)
+        model_ref = encoder_ref(ref, self.colbert.encoder_dir)
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, self.device)
         keep_prompt_markers(self.tokenizer, entry.prompts)
-        self.model = AutoModel.from_pretrained(model_ref, local_files_only=local)
-        self.model.eval().to(device)
 
         hidden = int(self.model.config.hidden_size)
         if layers[0].weight.shape[1] != hidden:
@@ -186,12 +184,12 @@ class MultiVectorAdapter(Adapter):
             raise ValueError(f"{entry.id}: the projection gives {out_features}-dim vectors, but "
                              f"the catalog entry says dims: {entry.dims}; set dims to "
                              f"{out_features}")
-        self.layers = [Linear(layer.weight.to(device),
-                              None if layer.bias is None else layer.bias.to(device))
+        self.layers = [Linear(layer.weight.to(self.device),
+                              None if layer.bias is None else layer.bias.to(self.device))
                        for layer in layers]
         self.dims = out_features
 
-        st = read_st_config(Path(model_ref) if local else Path("/nonexistent"))
+        st = read_st_config(Path(model_ref))
         self.do_lower_case = st.do_lower_case
         self.document_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
                                           self.colbert.document_length, st.max_seq_length)
@@ -203,7 +201,6 @@ class MultiVectorAdapter(Adapter):
             raise ValueError(f"{entry.id}: the tokenizer has no {token or 'mask'} token to pad "
                              "queries with")
         self.expansion_id = int(expansion_id)
-        self.pad_id = self.tokenizer.pad_token_id or 0
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
         prompt = self.prompt(parsed)

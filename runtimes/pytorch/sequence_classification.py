@@ -22,12 +22,8 @@ from transformers import AutoModelForSequenceClassification
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.text import (
-    check_lengths,
-    load_tokenizer,
-    max_length,
-    padded_chunks,
-)
+from runtimes.pytorch.loading import load_model
+from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import DEFAULT_HYPOTHESIS, ClassifyOptions, ParsedRequest, invalid
 
@@ -57,19 +53,16 @@ class Tokens:
 class SequenceClassifier:
     """A sequence-classification model and its tokenizer: logits for texts or text pairs."""
 
-    def __init__(self, ref: str, *, local: bool, device: str, max_seq_length: int | None,
+    def __init__(self, ref: str, *, device: str, max_seq_length: int | None,
                  chunk_tokens: int) -> None:
-        self.tokenizer = load_tokenizer(ref, local)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            ref, local_files_only=local)
-        self.model.eval().to(device)
+        self.tokenizer, self.model, self.pad_id = load_model(
+            AutoModelForSequenceClassification, ref, device)
         self.config = self.model.config
         self.device = device
         self.chunk_tokens = chunk_tokens
         self.max_length = max_length(self.tokenizer, self.config, max_seq_length)
         self.num_labels = int(self.config.num_labels)
         self.labels = [str(self.config.id2label[i]) for i in range(self.num_labels)]
-        self.pad_id = self.tokenizer.pad_token_id or 0
 
     def tokenize(self, first: list[str], second: list[str] | None = None,
                  truncation: bool | str = True) -> Tokens:
@@ -111,12 +104,11 @@ class _Prepared:
 class ClassifierAdapter(Adapter):
     """An adapter over a sequence-classification head (also the cross-encoder's)."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        self.classifier = SequenceClassifier(ref, local=local, device=device,
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        self.classifier = SequenceClassifier(ref, device=self.device,
                                              max_seq_length=entry.max_seq_length,
-                                             chunk_tokens=chunk_tokens)
+                                             chunk_tokens=self.chunk_tokens)
 
 
 class SequenceClassificationAdapter(ClassifierAdapter):

@@ -21,13 +21,9 @@ from transformers import AutoModelForMaskedLM
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.files import encoder_ref, model_file
+from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.st_config import read_st_config
-from runtimes.pytorch.text import (
-    check_lengths,
-    load_tokenizer,
-    max_length,
-    padded_chunks,
-)
+from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
 from tasks.schema import ParsedRequest, check_encode_output
 
 # Each forward pass holds (tokens x vocabulary) float logits; this caps them at
@@ -47,8 +43,8 @@ class SpladeConfig:
     encoder_dir: str = ""  # the MLM transformer's folder inside the model
 
 
-def read_splade_config(ref: str, local: bool) -> SpladeConfig:
-    modules_file = model_file(ref, "modules.json", local)
+def read_splade_config(ref: str) -> SpladeConfig:
+    modules_file = model_file(ref, "modules.json")
     if modules_file is None:
         return SpladeConfig()
     config = SpladeConfig()
@@ -56,7 +52,7 @@ def read_splade_config(ref: str, local: bool) -> SpladeConfig:
         kind = module.get("type", "")
         path = module.get("path", "")
         if kind.endswith(".SpladePooling"):
-            pooling_file = model_file(ref, f"{path}/config.json", local)
+            pooling_file = model_file(ref, f"{path}/config.json")
             raw = json.loads(pooling_file.read_text()) if pooling_file else {}
             config = SpladeConfig(raw.get("pooling_strategy", "max"),
                                   raw.get("activation_function", "relu"), config.encoder_dir)
@@ -77,15 +73,13 @@ def read_splade_config(ref: str, local: bool) -> SpladeConfig:
 class SparseAdapter(Adapter):
     """Catalog `adapter: sparse`: SPLADE vectors over the model's vocabulary."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        self.splade = read_splade_config(ref, local)
-        model_ref = encoder_ref(ref, local, self.splade.encoder_dir)
-        st = read_st_config(Path(model_ref) if local else Path("/nonexistent"))
-        self.tokenizer = load_tokenizer(model_ref, local)
-        self.model = AutoModelForMaskedLM.from_pretrained(model_ref, local_files_only=local)
-        self.model.eval().to(device)
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        self.splade = read_splade_config(ref)
+        model_ref = encoder_ref(ref, self.splade.encoder_dir)
+        st = read_st_config(Path(model_ref))
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModelForMaskedLM, model_ref,
+                                                             self.device)
         self.do_lower_case = st.do_lower_case
         self.max_seq_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
                                          st.max_seq_length)
@@ -94,8 +88,7 @@ class SparseAdapter(Adapter):
             raise ValueError(f"{entry.id}: its sparse vectors span the {self.vocab_size}-term "
                              f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
                              f"to {self.vocab_size} or leave it out")
-        self.pad_id = self.tokenizer.pad_token_id or 0
-        self.forward_tokens = max(1, min(chunk_tokens, LOGITS_BUDGET // self.vocab_size))
+        self.forward_tokens = max(1, min(self.chunk_tokens, LOGITS_BUDGET // self.vocab_size))
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
         prompt = self.prompt(parsed)

@@ -5,16 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tasks.errors import ErrorCode, ShoalError
 
 # Tokenizers without a limit report a huge sentinel (int(1e30)).
 _NO_LIMIT = 1_000_000
-
-
-def load_tokenizer(ref: str, local: bool) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(ref, local_files_only=local)
 
 
 def max_length(tokenizer: PreTrainedTokenizerBase, model_config: object,

@@ -22,12 +22,8 @@ from transformers import AutoModelForTokenClassification
 
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.text import (
-    check_lengths,
-    load_tokenizer,
-    max_length,
-    padded_chunks,
-)
+from runtimes.pytorch.loading import load_model
+from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
 from tasks.schema import ExtractOptions, ParsedRequest
 
 OUTSIDE = "O"  # the tag of tokens outside any entity, dropped from results
@@ -93,19 +89,16 @@ def _join(tagged: Sequence[_Tagged]) -> list[_Tagged]:
 class TokenClassificationAdapter(Adapter):
     """Catalog `adapter: token-classification`: entities per item."""
 
-    def __init__(self, entry: ModelEntry, ref: str, *, local: bool = True, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        super().__init__(entry, ref, local=local, device=device, chunk_tokens=chunk_tokens)
-        self.tokenizer = load_tokenizer(ref, local)
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModelForTokenClassification,
+                                                             ref, self.device)
         if not self.tokenizer.is_fast:
             raise ValueError(f"{entry.id}: token classification needs a fast tokenizer (a "
                              "tokenizer.json) to map tokens back to character offsets")
-        self.model = AutoModelForTokenClassification.from_pretrained(ref, local_files_only=local)
-        self.model.eval().to(device)
         config = self.model.config
         self.labels = [str(config.id2label[i]) for i in range(int(config.num_labels))]
         self.max_length = max_length(self.tokenizer, config, entry.max_seq_length)
-        self.pad_id = self.tokenizer.pad_token_id or 0
         self.unk_id = self.tokenizer.unk_token_id
         # WordPiece-like tokenizers mark sub-words ("##ing"); for the others a token
         # continues a word when no space separates it from the previous character.
