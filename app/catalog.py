@@ -1,4 +1,7 @@
-"""The model catalog: one YAML file per served model under `models/`.
+"""The model catalog: one YAML file per served model.
+
+shoal ships the repository's `models/` (installed as package data); a user's own
+folder (SHOAL_CATALOG_DIR) adds entries or replaces shipped ones with the same id.
 
 An entry says what a model is (adapter, where its weights come from, limits)
 and how to batch it; it holds no code. A wrong entry fails at load time with
@@ -21,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from app.settings import PACKAGED_CATALOG_DIR
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.cost import DEFAULT_IMAGE_TOKENS
 from tasks.errors import ShoalError
@@ -209,5 +213,20 @@ class Catalog:
 
 
 @lru_cache(maxsize=8)
-def load_catalog(directory: Path) -> Catalog:
-    return Catalog.from_dir(directory)
+def load_catalog(directory: Path | str | None = None) -> Catalog:
+    """The packaged catalog with the entries of `directory` (a user's folder, e.g.
+    SHOAL_CATALOG_DIR) read over it: an entry there replaces the packaged one of its id.
+
+    One directory names the whole catalog, so the worker can hand it to its runtime
+    process as a single `--catalog-dir`."""
+    layers = [PACKAGED_CATALOG_DIR]
+    if directory is not None and Path(directory).resolve() != PACKAGED_CATALOG_DIR.resolve():
+        layers.append(Path(directory))
+    entries: dict[str, ModelEntry] = {}
+    origins: dict[str, Path] = {}
+    for layer in layers:
+        catalog = Catalog.from_dir(layer)
+        for entry in catalog:
+            entries[entry.id] = entry
+            origins[entry.id] = catalog._origins[entry.id]
+    return Catalog(entries, origins)

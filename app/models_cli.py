@@ -8,11 +8,12 @@ from pathlib import Path
 
 import yaml
 
-from app.catalog import Catalog, CatalogError, ModelEntry, load_entry
+from app.catalog import CatalogError, ModelEntry, load_catalog, load_entry
 from tasks.adapters import ADAPTERS
 
 
 def _catalog_dir(args: argparse.Namespace) -> Path:
+    """The user's folder (--catalog-dir, else SHOAL_CATALOG_DIR), else the packaged one."""
     if args.catalog_dir:
         return Path(args.catalog_dir)
     from app.settings import get_settings
@@ -33,7 +34,7 @@ def _print_table(rows: list[list[str]]) -> None:
 
 
 def list_models(args: argparse.Namespace) -> int:
-    catalog = Catalog.from_dir(_catalog_dir(args))
+    catalog = load_catalog(_catalog_dir(args))
     entries = [e for e in catalog if args.adapter is None or e.adapter == args.adapter]
     header = ["ID", "ADAPTER", "TASK", "DIMS", "MAX_LEN", "PROFILES", "SOURCE"]
     _print_table([header] + [_row(e) for e in sorted(entries, key=lambda e: e.id)])
@@ -41,7 +42,7 @@ def list_models(args: argparse.Namespace) -> int:
 
 
 def show_model(args: argparse.Namespace) -> int:
-    catalog = Catalog.from_dir(_catalog_dir(args))
+    catalog = load_catalog(_catalog_dir(args))
     entry = catalog.get(args.model)
     if entry is None:
         print(f"{args.model!r} is not in the catalog; known: {sorted(e.id for e in catalog)}",
@@ -58,7 +59,8 @@ def show_model(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> int:
     """Check every file (not stopping at the first error) and, with --sources, that local
-    weights are where the entry says."""
+    weights are where the entry says. Without paths: the files of the user's folder if one
+    is set, else the packaged catalog's."""
     paths = [Path(p) for p in args.paths] or sorted(_catalog_dir(args).glob("*.yaml"))
     if not paths:
         print("no catalog files found", file=sys.stderr)
@@ -97,7 +99,8 @@ def list_adapters(_: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     models = sub.add_parser("models", help="list, show and validate catalog entries")
-    models.add_argument("--catalog-dir", help="default: SHOAL_CATALOG_DIR")
+    models.add_argument("--catalog-dir", help="a folder of your own entries, read over the "
+                        "packaged catalog (default: SHOAL_CATALOG_DIR)")
     actions = models.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="one line per entry")
     listing.add_argument("--adapter", choices=sorted(ADAPTERS))

@@ -13,7 +13,19 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+_APP_DIR = Path(__file__).resolve().parent
+# The source checkout; only tests and benchmarks use it: an installed shoal has none.
+REPO_ROOT = _APP_DIR.parent
+
+
+def _packaged_catalog_dir() -> Path:
+    # A wheel installs the top-level models/ as app/models (pyproject's package-dir); a
+    # source checkout or an editable install has no app/models and reads models/ itself.
+    installed = _APP_DIR / "models"
+    return installed if installed.is_dir() else REPO_ROOT / "models"
+
+
+PACKAGED_CATALOG_DIR = _packaged_catalog_dir()
 
 
 class Settings(BaseSettings):
@@ -31,7 +43,10 @@ class Settings(BaseSettings):
     )
 
     # --- models ---
-    catalog_dir: Path = REPO_ROOT / "models"
+    catalog_dir: Path = Field(
+        PACKAGED_CATALOG_DIR, description="a folder of your own entries, read over the "
+        "packaged catalog (an entry with the same id replaces the packaged one)"
+    )
     models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: [DEFAULT_MODEL])
 
     # --- gateway ---

@@ -1,11 +1,11 @@
 import pytest
 
-from app.catalog import Catalog, CatalogError, load_entry
-from app.settings import REPO_ROOT
+from app.catalog import Catalog, CatalogError, load_catalog, load_entry
+from app.settings import DEFAULT_MODEL, PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
 
 
 def test_shipped_catalog_is_valid():
-    catalog = Catalog.from_dir(REPO_ROOT / "models")
+    catalog = load_catalog()
     entry = catalog.get("sentence-transformers/all-MiniLM-L6-v2")
     assert entry is not None and entry.dims == 384
     assert entry.profile("cpu") is not None
@@ -28,7 +28,7 @@ def test_source_needs_exactly_one_origin(tmp_path):
 
 
 def test_unknown_model_is_reported_with_known_ones():
-    catalog = Catalog.from_dir(REPO_ROOT / "models")
+    catalog = load_catalog()
     with pytest.raises(CatalogError, match="not in the catalog"):
         catalog.require(["nope/nope"])
 
@@ -62,8 +62,42 @@ def test_tasks_and_defaults_come_from_the_adapter(tmp_path):
 
 
 def test_every_shipped_entry_is_valid_and_ids_are_unique():
-    catalog = Catalog.from_dir(REPO_ROOT / "models")
+    catalog = Catalog.from_dir(PACKAGED_CATALOG_DIR)
     entries = list(catalog)
     assert len({e.id for e in entries}) == len(entries)
     for entry in entries:
         assert catalog.origin(entry.id).suffix == ".yaml"
+
+
+def test_a_source_checkout_reads_the_top_level_models_folder():
+    # A wheel installs it as app/models instead (tests/e2e/test_wheel.py).
+    assert PACKAGED_CATALOG_DIR == REPO_ROOT / "models"
+    assert Settings.model_fields["catalog_dir"].default == PACKAGED_CATALOG_DIR
+    assert load_catalog(PACKAGED_CATALOG_DIR).get(DEFAULT_MODEL) is not None
+
+
+def test_a_user_folder_adds_entries_and_replaces_packaged_ones(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        f"id: {DEFAULT_MODEL}\nadapter: dense\ndims: 384\ndescription: my own MiniLM\n"
+        "source: {path: /srv/weights/minilm}\n")
+    (tmp_path / "new.yaml").write_text("id: me/new\nadapter: dense\ndims: 8\n"
+                                       "source: {hub: me/new}\n")
+    packaged = load_catalog()
+    catalog = load_catalog(tmp_path)
+    mine = catalog.get(DEFAULT_MODEL)
+    assert mine is not None and mine.description == "my own MiniLM"
+    assert mine.source.path == "/srv/weights/minilm"
+    assert catalog.origin(DEFAULT_MODEL) == tmp_path / "mine.yaml"
+    assert catalog.get("me/new") is not None and catalog.origin("me/new") == tmp_path / "new.yaml"
+    others = {e.id for e in packaged} - {DEFAULT_MODEL}
+    assert others and all(catalog.origin(m) == packaged.origin(m) for m in others)
+    assert packaged.get(DEFAULT_MODEL).description != "my own MiniLM"
+
+
+def test_a_user_folder_must_exist_and_have_unique_ids(tmp_path):
+    with pytest.raises(CatalogError, match="does not exist"):
+        load_catalog(tmp_path / "nope")
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text("id: me/x\nadapter: dense\ndims: 8\nsource: {hub: me/x}\n")
+    with pytest.raises(CatalogError, match="also defined in"):
+        load_catalog(tmp_path)
