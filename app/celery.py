@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import before_task_publish
+from celery.signals import before_task_publish, worker_init
 
 from app.queues import model_kombu_queue
 from app.settings import get_settings
@@ -72,11 +72,15 @@ def _annotate_shoal_task(
     headers.update(annotate(sender, kwargs, deadline_ms=deadline_ms).as_headers())
 
 
-def _install_worker_steps() -> None:
-    # Clients import this module too; only the worker needs the bootstep.
+@worker_init.connect
+def _install_worker_steps(sender: Any = None, **_: Any) -> None:
+    """Add the model-queue consumer to a worker of this app before it builds its steps.
+
+    Sent by every worker (`shoal worker`, `celery -A app worker`, a test's
+    WorkController) and by nothing else: backend services import this module through
+    tasks.client and must not load the dispatcher, batching, runtimes or worker metrics."""
+    if getattr(sender, "app", None) is not app:
+        return
     from app.worker import install
 
     install(app)
-
-
-_install_worker_steps()
