@@ -34,6 +34,13 @@ class Adapter(ABC):
         prompts = self.entry.prompts
         return prompts.query if parsed.options.is_query else prompts.document
 
+    def prompted(self, parsed: ParsedRequest, lower: bool = False) -> list[str]:
+        """Each text with the prompt before it; lowercased for a model that was trained
+        on lowercased text (a sentence-transformers `do_lower_case`)."""
+        prompt = self.prompt(parsed)
+        texts = [prompt + t for t in parsed.texts]
+        return [t.lower() for t in texts] if lower else texts
+
     def parse(self, kwargs: Any) -> ParsedRequest:
         return parse_request(self.operation, kwargs, self.contract.inputs, self.entry.defaults,
                              self.entry.id)

@@ -114,19 +114,16 @@ class DenseAdapter(Adapter):
         )
         self.dims = self.encoder.dims
 
-    def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompt = self.prompt(parsed)
-        return [prompt + t for t in parsed.texts]
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
         if not parsed.options.truncate:
-            check_lengths(self.encoder.untruncated_lengths(self._texts(parsed)),
+            check_lengths(self.encoder.untruncated_lengths(self.prompted(parsed)),
                           self.encoder.max_seq_length)
         return parsed
 
     def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
-        texts = [t for parsed in prepared for t in self._texts(parsed)]
+        texts = [t for parsed in prepared for t in self.prompted(parsed)]
         tokens = self.encoder.tokenize(texts)
         vectors = self.encoder.embed(tokens)
         results, offset = [], 0

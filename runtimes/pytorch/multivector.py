@@ -203,9 +203,7 @@ class MultiVectorAdapter(Adapter):
         self.expansion_id = int(expansion_id)
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompt = self.prompt(parsed)
-        texts = [prompt + t for t in parsed.texts]
-        return [t.lower() for t in texts] if self.do_lower_case else texts
+        return self.prompted(parsed, self.do_lower_case)
 
     def _limit(self, parsed: ParsedRequest) -> int:
         return self.query_length if parsed.options.is_query else self.document_length

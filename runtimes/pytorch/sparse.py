@@ -91,9 +91,7 @@ class SparseAdapter(Adapter):
         self.forward_tokens = max(1, min(self.chunk_tokens, LOGITS_BUDGET // self.vocab_size))
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
-        prompt = self.prompt(parsed)
-        texts = [prompt + t for t in parsed.texts]
-        return [t.lower() for t in texts] if self.do_lower_case else texts
+        return self.prompted(parsed, self.do_lower_case)
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         options = parsed.options
