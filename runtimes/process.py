@@ -19,15 +19,21 @@ failed*: two failures, the second with nothing else in the batch. So:
 * a batch too big for device memory is split until it fits.
 
 Before blaming a request, the runtime must have shown that it works: some
-part of the batch succeeded after the first failure, or else a known-good
-probe request succeeds. If the probe fails too, the runtime is broken
-whatever the input, and `run_batch` raises `RuntimeUnhealthy` rather than
-blaming everyone. (Usually the other parts are the evidence, so the batch's
-replies need not wait for the last restart.)
+part of the batch succeeded after the first failure, or else the model's
+probe is answered. The probe is a small request of the model's own
+operation that its adapter must answer whenever it works
+(`Adapter.probe`, sent as a probe frame, see `runtimes.server`). If it
+fails too, or is refused, the runtime is not shown to work whatever the
+input, and `run_batch` raises `RuntimeUnhealthy` rather than blaming
+anyone. (Usually the other parts are the evidence, so the batch's replies
+need not wait for the last restart.)
 
-After a death the next child is spawned at once (without waiting for it),
-so it loads while the batch's replies go out; there is no reply timeout (a hung model blocks the
-calling thread, which is the caller's deadline to enforce).
+A batch that gets no reply within `batch_timeout` (when one is set) is a
+hang: the child is killed and the batch bisected as after a crash. Without
+a timeout a hung model blocks the calling thread, and the caller's
+deadline is all that ends the wait. After a death the next child is
+spawned at once (without waiting for it), so it loads while the batch's
+replies go out.
 """
 
 from __future__ import annotations
@@ -50,12 +56,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from runtimes.base import Outcome, Request
-from runtimes.protocol import FrameTooLarge, ProtocolError, encode_frame, recv_frame
+from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
 from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 
-PROBE = Request("probe", "encode", {"items": [{"text": "probe"}]})
 _MAX_SOCKET_PATH = 96  # sun_path holds 107 bytes on Linux; the server adds ".staging"
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -287,12 +292,23 @@ class ProcessRuntime:
             return self._run(model, requests, failed_before=True)
         return [self._blame(model, requests[0], result)]
 
+    def probe(self, model: str) -> str | None:
+        """Run the model's probe: None when it was answered, else what went wrong."""
+        result = self._exchange({"op": "probe", "model": model}, [PROBE_ID])
+        if isinstance(result, _Failure):
+            return f"{result.kind}: {result.detail}"
+        (outcome,) = result
+        if not outcome.ok:
+            # A refused probe proves nothing either way (and is a bug in the adapter's probe).
+            return f"the probe was refused: {outcome.error_code}: {outcome.error_message}"
+        return None
+
     def _blame(self, model: str, request: Request, failure: _Failure) -> Outcome:
-        probe = None if self._works_after_failure else self._call(model, [PROBE])
-        if isinstance(probe, _Failure):
+        problem = None if self._works_after_failure else self.probe(model)
+        if problem is not None:
             raise RuntimeUnhealthy(
                 f"the model runtime for {model} fails even on a known-good request "
-                f"({probe.kind}: {probe.detail}); request {request.id} is not blamed"
+                f"({problem}); request {request.id} is not blamed"
             )
         self.poison_isolated += 1
         if failure.kind == "crash":
@@ -311,9 +327,13 @@ class ProcessRuntime:
     # --- one round trip ---------------------------------------------------------------
 
     def _call(self, model: str, requests: list[Request]) -> list[Outcome] | _Failure:
-        child = self._ready_child()
         frame = {"op": "run", "model": model,
                  "requests": [{"id": r.id, "op": r.op, "kwargs": r.kwargs} for r in requests]}
+        return self._exchange(frame, [r.id for r in requests])
+
+    def _exchange(self, frame: dict[str, Any], ids: list[str]) -> list[Outcome] | _Failure:
+        """Send a run or probe frame; the outcomes (for `ids`, in order) or how it failed."""
+        child = self._ready_child()
         try:
             payload = encode_frame(frame)
         except FrameTooLarge as exc:  # nothing was sent; halves may fit
@@ -330,7 +350,7 @@ class ProcessRuntime:
         except (OSError, EOFError, ProtocolError) as exc:
             return _Failure("crash", self._replace_dead(child, f"connection lost: {exc}"))
         if isinstance(reply, dict) and "outcomes" in reply:
-            return self._outcomes(child, reply["outcomes"], requests)
+            return self._outcomes(child, reply["outcomes"], ids)
         if isinstance(reply, dict) and "failed" in reply:
             if reply.get("fatal"):
                 return _Failure("crash", f"{reply['failed']}, then "
@@ -339,14 +359,14 @@ class ProcessRuntime:
         self._replace_dead(child, "protocol error")
         raise RuntimeError(f"unexpected reply from the model runtime: {reply!r:.300}")
 
-    def _outcomes(self, child: _Child, raw: Any, requests: list[Request]) -> list[Outcome]:
+    def _outcomes(self, child: _Child, raw: Any, ids: list[str]) -> list[Outcome]:
         try:
             outcomes = [
                 Outcome(str(o["id"]), o.get("result"), o.get("error_code"),
                         o.get("error_message"), o.get("stats") or {})
                 for o in raw
             ]
-            ok = [o.id for o in outcomes] == [r.id for r in requests]
+            ok = [o.id for o in outcomes] == ids
         except (TypeError, KeyError, AttributeError):
             ok = False
         if not ok:

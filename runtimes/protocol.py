@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+PROBE_ID = "probe"  # the id of the one outcome a probe frame is answered with
 _HEADER = struct.Struct(">I")
 
 

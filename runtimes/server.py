@@ -14,6 +14,8 @@ dies. Frames (`runtimes.protocol`):
      "requests": [{"id", "op", "kwargs"}]} -> {"outcomes": [{"id", "result", "error_code",
                                                              "error_message", "stats"}]}
                                             | {"failed": repr(exc), "fatal": bool}
+    {"op": "probe", "model": str}          -> the same, for one request (id PROBE_ID): the
+                                              adapter's own small known-good request
     anything else                          -> {"error": str}
 
 On accept it sends {"ready": pid, "models": [...]} first. `failed` means the
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.catalog import load_catalog
 from runtimes.base import Request
-from runtimes.protocol import ConnectionClosed, encode_frame, recv_frame
+from runtimes.protocol import PROBE_ID, ConnectionClosed, encode_frame, recv_frame
 
 if TYPE_CHECKING:
     from runtimes.host import ModelHost
@@ -114,6 +116,15 @@ def _release_cached_memory(device: str) -> None:
             log.exception("could not release cached device memory")
 
 
+def probe(host: ModelHost, model: str) -> list[Request]:
+    """The model's health check: its adapter knows a request it must answer when it works
+    (an unknown model gets one that is answered MODEL_NOT_FOUND)."""
+    adapter = host.adapter(model)
+    if adapter is None:
+        return [Request(PROBE_ID, "", {})]
+    return [Request(PROBE_ID, adapter.operation, adapter.probe())]
+
+
 def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
     """The reply to one frame, and whether the process must exit after sending it."""
     if not isinstance(frame, dict):
@@ -121,13 +132,14 @@ def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
     op = frame.get("op")
     if op == "ping":
         return {"pong": os.getpid()}, False
-    if op != "run":
+    if op not in ("run", "probe"):
         return {"error": f"unknown op {op!r}"}, False
     try:
         model = str(frame["model"])
-        requests = [Request(str(r["id"]), str(r["op"]), r["kwargs"]) for r in frame["requests"]]
+        requests = (probe(host, model) if op == "probe" else
+                    [Request(str(r["id"]), str(r["op"]), r["kwargs"]) for r in frame["requests"]])
     except (KeyError, TypeError) as exc:
-        return {"error": f"malformed run frame: {exc!r}"}, False
+        return {"error": f"malformed {op} frame: {exc!r}"}, False
     try:
         outcomes = host.run_batch(model, requests)
     except Exception as exc:

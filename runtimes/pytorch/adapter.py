@@ -10,9 +10,11 @@ process runtime bisects it to find the request to blame.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from io import BytesIO
 from typing import Any
 
 from app.catalog import ModelEntry
+from tasks.adapters import GENERATE, SCORE, TEXT
 from tasks.schema import ParsedRequest, parse_request
 
 
@@ -28,6 +30,11 @@ class Adapter(ABC):
     @property
     def operation(self) -> str:
         return self.contract.operation
+
+    def probe(self) -> dict[str, Any]:
+        """The kwargs of a small request this model answers whenever it works: what the
+        process runtime runs to tell a broken runtime from a bad request."""
+        return probe_kwargs(self.operation, self.contract.inputs)
 
     def prompt(self, parsed: ParsedRequest) -> str:
         """The entry's text to put before each input: its query or its document prompt."""
@@ -56,3 +63,24 @@ class Adapter(ABC):
     @abstractmethod
     def run(self, prepared: list[Any]) -> list[dict[str, Any]]:
         """One result per request, in order; each has `usage: {"tokens": n}`."""
+
+
+def probe_kwargs(operation: str, inputs: frozenset[str]) -> dict[str, Any]:
+    """One short item of what the model takes (text if it takes text), shaped for the
+    operation: score needs a query, and generate stops after one token."""
+    item = {"text": "probe"} if TEXT in inputs else {"image": probe_image()}
+    kwargs: dict[str, Any] = {"items": [item]}
+    if operation == SCORE:
+        kwargs["query"] = "probe"
+    if operation == GENERATE:
+        kwargs["options"] = {"max_tokens": 1}
+    return kwargs
+
+
+def probe_image() -> bytes:
+    """A small white PNG, for models that take images only."""
+    from PIL import Image
+
+    buffer = BytesIO()
+    Image.new("RGB", (32, 32), "white").save(buffer, format="PNG")
+    return buffer.getvalue()

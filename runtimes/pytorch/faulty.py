@@ -1,14 +1,19 @@
-"""A dense encoder that misbehaves on marker texts, for tests of the runtime process.
+"""Adapters that misbehave on marker texts, for tests of the runtime process.
 
-Catalog `adapter: dense-faulty`. Refused unless SHOAL_ALLOW_TEST_ADAPTERS=1,
-since one request could otherwise take a production worker down on purpose.
-The fault happens in `embed`, where a real model would fail (inference, not
-validation); texts without markers get the same vectors as `dense`.
+Catalog `adapter: dense-faulty` (encode) and `cross-encoder-faulty` (score):
+the plain adapter with `Faulty` in front. Refused unless
+SHOAL_ALLOW_TEST_ADAPTERS=1, since one request could otherwise take a
+production worker down on purpose. The fault happens in `run`, where a real
+model fails (inference, not validation); requests without markers get what
+the plain adapter gives.
 
-Markers (anywhere in a text):
+Markers (anywhere in an item's text or in the query):
   @@crash@@  a real segfault (read of address 0), like a broken kernel or extension
   @@raise@@  a Python RuntimeError, like a bad shape or a CUDA error message
   @@slow@@   sleeps SHOAL_FAULTY_SLOW_S seconds (default 3) before computing
+
+SHOAL_FAULTY_EVERY_BATCH=<marker> makes every batch behave as if it carried
+that marker: a runtime that is broken whatever the input.
 """
 
 from __future__ import annotations
@@ -16,55 +21,71 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
-from runtimes.pytorch.dense import DenseAdapter, DenseEncoder, Tokenized
+from app.catalog import ModelEntry
+from runtimes.pytorch.adapter import Adapter
+from runtimes.pytorch.cross_encoder import CrossEncoderAdapter
+from runtimes.pytorch.dense import DenseAdapter
+from tasks.schema import ParsedRequest
 
 ALLOW_ENV = "SHOAL_ALLOW_TEST_ADAPTERS"
+EVERY_BATCH_ENV = "SHOAL_FAULTY_EVERY_BATCH"
 CRASH, RAISE, SLOW = "@@crash@@", "@@raise@@", "@@slow@@"
+MARKERS = (CRASH, RAISE, SLOW)
 
 
 class AdapterRefused(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class _MarkedTokens(Tokenized):
-    # The markers seen by tokenize, carried to embed (which sees only token ids).
-    markers: frozenset[str] = frozenset()
-
-
-def refuse_unless_allowed() -> None:
+def refuse_unless_allowed(adapter: str) -> None:
     if os.environ.get(ALLOW_ENV) != "1":
         raise AdapterRefused(
-            "adapter 'dense-faulty' crashes its process on purpose and exists for tests "
+            f"adapter '{adapter}' crashes its process on purpose and exists for tests "
             f"only; set {ALLOW_ENV}=1 to load it"
         )
 
 
-class FaultyDenseEncoder(DenseEncoder):
-    def __init__(self, model_ref: str, **kwargs) -> None:
-        refuse_unless_allowed()
-        super().__init__(model_ref, **kwargs)
+def misbehave(markers: Iterable[str]) -> None:
+    """Do what the markers say; return only if none of them ends the batch."""
+    markers = {*markers, *filter(None, [os.environ.get(EVERY_BATCH_ENV)])}
+    if CRASH in markers:
+        ctypes.string_at(0)  # SIGSEGV: the process dies without unwinding
+    if RAISE in markers:
+        raise RuntimeError(f"faulty adapter: input contains {RAISE}")
+    if SLOW in markers:
+        time.sleep(float(os.environ.get("SHOAL_FAULTY_SLOW_S", "3")))
 
 
-    def tokenize(self, texts: list[str]) -> Tokenized:
-        tokens = super().tokenize(texts)
-        markers = frozenset(m for m in (CRASH, RAISE, SLOW) if any(m in t for t in texts))
-        return _MarkedTokens(tokens.input_ids, tokens.token_type_ids, markers)
-
-    def embed(self, tokens: Tokenized) -> np.ndarray:
-        markers = getattr(tokens, "markers", frozenset())
-        if CRASH in markers:
-            ctypes.string_at(0)  # SIGSEGV: the process dies without unwinding
-        if RAISE in markers:
-            raise RuntimeError(f"faulty adapter: input contains {RAISE}")
-        if SLOW in markers:
-            time.sleep(float(os.environ.get("SHOAL_FAULTY_SLOW_S", "3")))
-        return super().embed(tokens)
+@dataclass(frozen=True, slots=True)
+class _Marked:
+    prepared: Any  # what the plain adapter's check made of the request
+    markers: frozenset[str]
 
 
-class FaultyDenseAdapter(DenseAdapter):
-    encoder_class = FaultyDenseEncoder
+class Faulty(Adapter):
+    """Put before a plain adapter class: its checks, then the markers' faults, then its run."""
+
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        refuse_unless_allowed(entry.adapter)
+        super().__init__(entry, ref, **kwargs)
+
+    def check(self, parsed: ParsedRequest) -> _Marked:
+        texts = [*parsed.texts, parsed.query or ""]
+        markers = frozenset(m for m in MARKERS if any(m in text for text in texts))
+        return _Marked(super().check(parsed), markers)
+
+    def run(self, prepared: list[_Marked]) -> list[dict[str, Any]]:
+        misbehave(marker for p in prepared for marker in p.markers)
+        return super().run([p.prepared for p in prepared])
+
+
+class FaultyDenseAdapter(Faulty, DenseAdapter):
+    pass
+
+
+class FaultyCrossEncoderAdapter(Faulty, CrossEncoderAdapter):
+    pass

@@ -178,6 +178,10 @@ class ZeroShotAdapter(ClassifierAdapter):
             contradiction = self.classifier.num_labels - 1 if entailment == 0 else 0
         self.contradiction = contradiction
 
+    def probe(self) -> dict[str, Any]:
+        # Zero-shot needs candidate labels, which a fixed-label model would refuse.
+        return {**super().probe(), "options": {"labels": ["yes", "no"]}}
+
     def check(self, parsed: ParsedRequest) -> _Prepared:
         options: ClassifyOptions = parsed.options
         if options.labels is None:

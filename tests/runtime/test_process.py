@@ -1,8 +1,9 @@
 """The model runtime in its own process: results, crashes, exceptions, kills, shutdown.
 
 One real runtime process (tiny models) is shared by the module; tests that
-crash it check that it came back. `test/faulty` misbehaves on marker texts
-(runtimes.pytorch.faulty); `test/tiny` is the same weights with the plain adapter.
+crash it check that it came back. `test/faulty` and `test/faulty-score`
+misbehave on marker texts (runtimes.pytorch.faulty); `test/tiny` is the
+dense one's weights with the plain adapter.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import pytest
 import yaml
 
 from app.catalog import Catalog
-from runtimes import process, protocol, server
+from runtimes import protocol, server
 from runtimes.base import Outcome, Request
 from runtimes.host import ModelHost
 from runtimes.process import ProcessRuntime, RuntimeClosed, RuntimeStartError, RuntimeUnhealthy
-from runtimes.pytorch.faulty import AdapterRefused
+from runtimes.pytorch.faulty import EVERY_BATCH_ENV, AdapterRefused
+from tests.tiny_classifiers import build_tiny_cross_encoder
 from tests.tiny_models import build_tiny_sentence_transformer
 
-TINY, FAULTY = "test/tiny", "test/faulty"
+TINY, FAULTY, FAULTY_SCORE = "test/tiny", "test/faulty", "test/faulty-score"
 SLOW_S = 1.0
 CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
 
@@ -35,18 +37,30 @@ CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S
 def catalog_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("process-runtime")
     weights = build_tiny_sentence_transformer(root / "tiny", pooling="mean", normalize=True)
+    reranker = build_tiny_cross_encoder(root / "reranker")
     directory = root / "catalog"
     directory.mkdir()
     for name, model_id, adapter in (("tiny", TINY, "dense"), ("faulty", FAULTY, "dense-faulty")):
         entry = {"id": model_id, "adapter": adapter, "source": {"path": str(weights)}, "dims": 32}
         (directory / f"{name}.yaml").write_text(yaml.safe_dump(entry))
+    entry = {"id": FAULTY_SCORE, "adapter": "cross-encoder-faulty",
+             "source": {"path": str(reranker)}}
+    (directory / "faulty-score.yaml").write_text(yaml.safe_dump(entry))
     return directory
 
 
 @pytest.fixture(scope="module")
 def runtime(catalog_dir: Path):
-    with ProcessRuntime(catalog_dir, [TINY, FAULTY], threads=1, start_timeout=60,
+    with ProcessRuntime(catalog_dir, [TINY, FAULTY, FAULTY_SCORE], threads=1, start_timeout=60,
                         env=CHILD_ENV) as runtime:
+        yield runtime
+
+
+@pytest.fixture(scope="module")
+def broken(catalog_dir: Path):
+    """A runtime that crashes on every batch, whatever the input (like a broken device)."""
+    with ProcessRuntime(catalog_dir, [FAULTY, FAULTY_SCORE], threads=1, start_timeout=60,
+                        env={**CHILD_ENV, EVERY_BATCH_ENV: "@@crash@@"}) as runtime:
         yield runtime
 
 
@@ -64,16 +78,33 @@ def vectors(outcome: Outcome) -> np.ndarray:
     return np.frombuffer(result["embeddings"], "<f4").reshape(result["count"], result["dims"])
 
 
+def score(*texts: str, query: str = "a query") -> dict:
+    return {"query": query, "items": [{"text": t} for t in texts]}
+
+
 def eight_with(marker: str, at: int) -> list[Request]:
     return batch(*(encode(f"text {i} {marker if i == at else ''}", "and more")
                    for i in range(8)))
+
+
+def eight_scores_with(marker: str, at: int) -> list[Request]:
+    return [Request(f"r{i}", "score", score(f"text {i} {marker if i == at else ''}", "and more"))
+            for i in range(8)]
+
+
+def lone(model: str, text: str) -> list[Request]:
+    return [Request("r0", "score", score(text))] if model == FAULTY_SCORE else batch(encode(text))
 
 
 def assert_all_ok_but(outcomes: list[Outcome], bad: int | None) -> None:
     for i, outcome in enumerate(outcomes):
         assert outcome.ok == (i != bad), (i, outcome.error_code, outcome.error_message)
         if i != bad:
-            assert vectors(outcome).shape == (2, 32)
+            result = outcome.result
+            if "scores" in result:
+                assert len(result["scores"]) == 2
+            else:
+                assert vectors(outcome).shape == (2, 32)
 
 
 def test_results_match_the_in_process_host(runtime, catalog_dir):
@@ -133,15 +164,37 @@ def test_a_raising_request_is_isolated_without_restart(runtime):
     assert runtime.poison_isolated == poison + 1
 
 
-def test_a_lone_failing_request_is_blamed_only_if_the_runtime_still_works(runtime, monkeypatch):
-    poison = runtime.poison_isolated
-    (outcome,) = runtime.run_batch(FAULTY, batch(encode("@@raise@@")))
-    assert outcome.error_code == "POISON_INPUT" and runtime.poison_isolated == poison + 1
-    # Nothing else in the batch succeeded, so the probe decides; here it fails too.
-    monkeypatch.setattr(process, "PROBE", Request("probe", "encode", encode("@@raise@@")))
-    with pytest.raises(RuntimeUnhealthy, match="fails even on a known-good request"):
-        runtime.run_batch(FAULTY, batch(encode("@@raise@@ again")))
+@pytest.mark.parametrize("marker", ["@@crash@@", "@@raise@@"])
+def test_a_poison_request_of_a_score_model_is_isolated(runtime, marker):
+    """The same bisection for a model of another operation than encode."""
+    restarts, poison = runtime.restarts, runtime.poison_isolated
+    outcomes = runtime.run_batch(FAULTY_SCORE, eight_scores_with(marker, at=6))
+    assert_all_ok_but(outcomes, bad=6)
+    assert outcomes[6].error_code == "POISON_INPUT"
     assert runtime.poison_isolated == poison + 1
+    assert (runtime.restarts > restarts) == (marker == "@@crash@@")
+    # A marker in the query blames the request just the same.
+    first, second = runtime.run_batch(FAULTY_SCORE, [
+        Request("a", "score", score("x", query=f"why {marker}")),
+        Request("b", "score", score("y")),
+    ])
+    assert first.error_code == "POISON_INPUT" and second.ok
+
+
+@pytest.mark.parametrize("model", [FAULTY, FAULTY_SCORE])
+def test_a_lone_failing_request_is_blamed_only_if_the_runtime_still_works(runtime, broken, model):
+    poison = runtime.poison_isolated
+    (outcome,) = runtime.run_batch(model, lone(model, "@@raise@@"))
+    assert outcome.error_code == "POISON_INPUT" and runtime.poison_isolated == poison + 1
+    # Nothing else in the batch succeeded, so the probe decides; in a runtime that
+    # crashes whatever the input it fails too.
+    with pytest.raises(RuntimeUnhealthy, match="fails even on a known-good request"):
+        broken.run_batch(model, lone(model, "a fine text"))
+    assert broken.poison_isolated == 0
+
+
+def test_the_probe_is_refused_for_a_model_not_served(runtime):
+    assert "MODEL_NOT_FOUND" in runtime.probe("test/nope")
 
 
 @pytest.mark.parametrize("size", [4, 1])
