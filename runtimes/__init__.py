@@ -1,6 +1,9 @@
-"""Model execution: adapters per model family and the host that runs batches.
+"""Model execution: where a worker's batches are computed.
 
-Knows nothing of RabbitMQ or HTTP: it takes decoded requests and returns
-results as plain msgpack-able data, so the same code can run in the worker's
-thread today and behind a socket in its own process later.
+Knows nothing of RabbitMQ or HTTP: a batch is plain requests in and plain,
+msgpack-able outcomes out (`runtimes.base`). The worker runs its models in a
+child process (`runtimes.process` spawns `runtimes.server`, which loads them
+with `runtimes.host` and the per-family adapters of `runtimes.pytorch`), so a
+crash costs a restart, not the worker; `runtimes.sim` stands in for a device
+in fleet experiments.
 """

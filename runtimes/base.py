@@ -32,12 +32,23 @@ class Outcome:
 
 
 class Runtime(Protocol):
-    """Runs one batch of one model.
+    """What the worker runs batches on: one batch of one model at a time.
 
-    Implementations: in-process (`runtimes.host.ModelHost`) and in a child
-    process that may crash without taking the caller down
-    (`runtimes.process.ProcessRuntime`).
+    Implementations: in a child process that may crash without taking the
+    worker down (`runtimes.process.ProcessRuntime`), and simulated devices
+    (`runtimes.sim.SimRuntime`). The in-process `runtimes.host.ModelHost`
+    computes the same batches but is no Runtime: it has nothing to restart.
     """
+
+    # Counters the worker's metrics read: child restarts so far, and requests
+    # blamed as POISON_INPUT so far (0 where nothing can crash).
+    restarts: int
+    poison_isolated: int
+
+    @property
+    def pid(self) -> int | None:
+        """The process the models run in now; None where there is no child process."""
+        ...
 
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]: ...
 
