@@ -1,18 +1,18 @@
-"""The worker's dispatcher: holds delivered messages, forms batches, replies.
+"""The worker's dispatcher: the kombu glue around the scheduler.
 
 Everything here runs on the Celery consumer's event loop thread (kombu
 channels are not thread-safe) except the batch itself, which runs on the
 runtime's own thread; its completion is handed back with `hub.call_soon`,
 which wakes the loop at once (no polling timer).
 
-Life of a message: delivered -> held in its model's backlog (body not
-decoded; headers carry the cost) -> taken into a batch -> result published
-to `reply_to` -> acked. On the way it may instead be
-- expired: its deadline passed before it ran; it gets DEADLINE_EXCEEDED;
-- returned: the work held here would not start within the hold horizon while
-  other workers consume the queue; it goes back (reject + requeue) for them.
-The pure decisions (which batch, what to return, how much to prefetch) live
-in `batching/`; this module only applies them.
+Life of a message: delivered -> held by the scheduler (body not decoded;
+headers carry the cost) -> taken into a batch -> result published to
+`reply_to` -> acked. On the way it may instead be answered DEADLINE_EXCEEDED
+(its deadline passed, or would pass before its batch ends) or returned
+(reject + requeue) for other workers. Every one of those decisions is
+`batching.scheduler.Scheduler`'s; this module only feeds it events and
+applies its `Actions`: acks, rejects, consumer cancel/qos/consume, peer
+counts, Flower events and metrics.
 """
 
 from __future__ import annotations
@@ -21,21 +21,15 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from app import metrics
 from app.replies import Replier
-from batching.cost import BatchShape, CostModel
-from batching.former import (
-    BatchLimits,
-    Pending,
-    batch_tokens,
-    seconds_to_wait,
-    split_expired,
-    take_batch,
-)
-from batching.hold import HoldLimits, overflow, target_prefetch
+from batching.former import batch_tokens
+from batching.hold import HoldLimits
+from batching.scheduler import Actions, Batch, Lane, Scheduler
+from batching.shapes import Pending
 from runtimes.base import Outcome, Request, Runtime
 from tasks.envelope import Annotations, annotate, decode_body, now_ms, read_annotations
 from tasks.errors import ErrorCode
@@ -43,10 +37,10 @@ from tasks.names import ENCODE
 
 log = logging.getLogger(__name__)
 
-# Re-consuming to change prefetch costs two round trips: only for real changes.
-PREFETCH_CHANGE_RATIO = 1.5
 # How long a count of the queue's consumers stays fresh (returns need peers).
 PEER_COUNT_TTL_S = 1.0
+# A wake-up this close to the one already set needs no new timer.
+TIMER_SLACK_S = 0.001
 
 
 @dataclass(slots=True)
@@ -60,27 +54,13 @@ class Held:
 
 
 @dataclass(slots=True)
-class Lane:
-    """One served model: its backlog, batching limits, cost model and consumer."""
+class Consuming:
+    """The kombu side of one served model: its consumer and how to count its peers."""
 
-    model: str
-    limits: BatchLimits
-    cost: CostModel
-    backlog: list[Pending] = field(default_factory=list)
-    consumer: Any = None  # kombu.Consumer of the model queue
-    prefetch: int = 0
-    count_peers: Callable[[], int] | None = None  # consumers of the queue, us included
+    consumer: Any  # kombu.Consumer of the model queue
+    count_peers: Callable[[], int]  # consumers of the queue, us included
     peers: int = 1
-    peers_checked: float = float("-inf")
-
-
-@dataclass(slots=True)
-class Running:
-    lane: Lane
-    batch: list[Pending]
-    started: float  # monotonic
-    predicted_s: float
-    future: Future
+    checked: float = float("-inf")
 
 
 class Dispatcher:
@@ -88,21 +68,20 @@ class Dispatcher:
                  hold: HoldLimits) -> None:
         self.c = consumer
         self.runtime = runtime
-        self.lanes = lanes
-        self.hold = hold
+        self.scheduler = Scheduler(lanes, hold, self._peers)
         self.replier = Replier(consumer)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
-        self.running: Running | None = None
-        self.last_finished: float | None = None
+        self.consuming: dict[str, Consuming] = {}
+        self.future: Future | None = None  # of the running batch
         self._timer: Any = None
-        self._overrun_timer: Any = None
-        self._schedule_queued = False
+        self._timer_at = 0.0
+        self._tick_queued = False
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
 
     def attach(self, model: str, consumer: Any, prefetch: int,
                count_peers: Callable[[], int]) -> None:
-        lane = self.lanes[model]
-        lane.consumer, lane.prefetch, lane.count_peers = consumer, prefetch, count_peers
+        self.consuming[model] = Consuming(consumer, count_peers)
+        self.scheduler.prefetch_applied(model, prefetch)
         metrics.PREFETCH.labels(model).set(prefetch)
 
     # --- delivery (loop thread) ---------------------------------------------------------
@@ -135,14 +114,14 @@ class Dispatcher:
                            kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
                            parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
                            eta=None, expires=headers.get("expires"))
-        lane = self.lanes.get(annotations.model)
-        if lane is None:  # a message routed to the wrong queue
+        model = annotations.model
+        if model not in self.scheduler.lanes:  # a message routed to the wrong queue
             self.replier.failure(message, task_id, ErrorCode.MODEL_NOT_FOUND,
-                                 f"this worker does not serve {annotations.model!r}")
+                                 f"this worker does not serve {model!r}")
             return
         now = time.monotonic()
         deadline = annotations.deadline_ms
-        lane.backlog.append(Pending(
+        self.scheduler.append(model, Pending(
             handle=held,
             group=(annotations.op, annotations.lora),
             items=annotations.items,
@@ -152,143 +131,106 @@ class Dispatcher:
             deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
             deliveries=1 + int(headers.get("x-delivery-count") or 0),
         ))
-        metrics.HELD.labels(lane.model).set(len(lane.backlog))
-        self._queue_schedule()
+        self._queue_tick()
 
-    def _queue_schedule(self) -> None:
+    def _queue_tick(self) -> None:
         # Let the loop finish reading the frames at hand first, so messages
         # delivered together land in one batch.
-        if not self._schedule_queued:
-            self._schedule_queued = True
-            self.c.hub.call_soon(self.schedule)
+        if not self._tick_queued:
+            self._tick_queued = True
+            self.c.hub.call_soon(self.tick)
 
-    # --- scheduling (loop thread) --------------------------------------------------------
+    # --- applying the scheduler's decisions (loop thread) -------------------------------
 
-    def schedule(self) -> None:
-        self._schedule_queued = False
-        now = time.monotonic()
-        self._expire(now)
-        if self.running is None:
-            lane = self._next_lane()
-            if lane is not None:
-                wait = seconds_to_wait(lane.backlog, lane.limits, now, self.last_finished)
-                if wait <= 0:
-                    self._start(lane, now)
-                elif self._timer is None:
-                    self._timer = self.c.hub.call_later(wait, self._on_timer)
-        self._give_back(now)
+    def tick(self) -> None:
+        self._tick_queued = False
+        actions = self.scheduler.tick(time.monotonic())
+        self._apply(actions)
+
+    def _apply(self, actions: Actions) -> None:
+        for model, pending in actions.expired:
+            self._refuse(model, pending.handle,
+                         "the request's deadline passed before a worker could run it")
+        for model, late in actions.late:
+            self._refuse(model, late.pending.handle,
+                         f"the request's deadline is {late.deadline_in_s * 1000:.0f} ms away and "
+                         f"its batch is predicted to take {late.predicted_s * 1000:.0f} ms: "
+                         "not started; allow more time (X-Timeout-Ms) or send fewer items")
+        if actions.start is not None:
+            self._start(actions.start)
+        for model, prefetch in actions.prefetch.items():
+            self._set_prefetch(model, prefetch)
+        for model, returned in actions.returned:
+            for pending in returned:
+                pending.handle.message.reject(requeue=True)
+            metrics.RETURNS.labels(model).inc(len(returned))
+            log.info("returned %d requests of %s to the queue", len(returned), model)
+        for lane in self.scheduler.lanes.values():
+            metrics.HELD.labels(lane.model).set(len(lane.backlog))
+        self._wake_in(actions.wake_in)
+
+    def _refuse(self, model: str, held: Held, why: str) -> None:
+        metrics.EXPIRED.labels(model).inc()
+        self.replier.failure(held.message, held.task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+
+    def _wake_in(self, seconds: float | None) -> None:
+        if seconds is None:
+            return
+        at = time.monotonic() + seconds
+        if self._timer is not None:
+            if abs(at - self._timer_at) <= TIMER_SLACK_S:
+                return
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.c.hub.call_later(seconds, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        self.schedule()
+        self.tick()
 
-    def _next_lane(self) -> Lane | None:
-        """The lane whose oldest held request has waited longest."""
-        waiting = [lane for lane in self.lanes.values() if lane.backlog]
-        return min(waiting, key=lambda lane: lane.backlog[0].received, default=None)
+    def _peers(self, model: str, now: float) -> int:
+        consuming = self.consuming.get(model)
+        if consuming is None:
+            return 1
+        if now - consuming.checked > PEER_COUNT_TTL_S:
+            try:
+                consuming.peers = consuming.count_peers()
+            except Exception:
+                log.warning("could not count the consumers of %s", model, exc_info=True)
+            consuming.checked = now
+        return consuming.peers
 
-    def _expire(self, now: float) -> None:
-        for lane in self.lanes.values():
-            for pending in split_expired(lane.backlog, now):
-                metrics.EXPIRED.labels(lane.model).inc()
-                held: Held = pending.handle
-                self.replier.failure(held.message, held.task_id, ErrorCode.DEADLINE_EXCEEDED,
-                                     "the request's deadline passed before a worker could run it")
+    def _set_prefetch(self, model: str, prefetch: int) -> None:
+        """Re-consume with a new per-consumer prefetch (it applies to new consumers only)."""
+        consuming = self.consuming.get(model)
+        if consuming is not None:
+            consumer = consuming.consumer
+            consumer.cancel()
+            consumer.qos(prefetch_count=prefetch)
+            consumer.consume()
+        metrics.PREFETCH.labels(model).set(prefetch)
 
-    def _start(self, lane: Lane, now: float) -> None:
-        batch = take_batch(lane.backlog, lane.limits, lane.cost, now)
-        shape = BatchShape.of(batch)
-        predicted = lane.cost.predict(shape)
+    def _start(self, batch: Batch) -> None:
+        model, limits = batch.lane.model, batch.lane.limits
         started = time.time()
-        sent = [p.handle.annotations.sent_ms for p in batch]
-        for pending in batch:
-            pending.handle.started = started
-            self.replier.event("task-started", pending.handle.task_id)
-        for sent_ms in sent:
+        for pending in batch.members:
+            held: Held = pending.handle
+            held.started = started
+            self.replier.event("task-started", held.task_id)
+            sent_ms = held.annotations.sent_ms
             if sent_ms:
-                metrics.QUEUE_WAIT.labels(lane.model).observe(max(0.0, started - sent_ms / 1000))
-        tokens = batch_tokens(batch, lane.limits.padded)
-        metrics.BATCH_REQUESTS.labels(lane.model).observe(len(batch))
-        metrics.BATCH_ITEMS.labels(lane.model).observe(shape.items)
-        metrics.BATCH_TOKENS.labels(lane.model).observe(tokens)
-        metrics.BATCH_FILL.labels(lane.model).observe(min(1.0, tokens / lane.limits.max_tokens))
-        metrics.HELD.labels(lane.model).set(len(lane.backlog))
-
-        held = [p.handle for p in batch]
-        future = self.executor.submit(self._run, lane.model, held)
-        self.running = Running(lane, batch, now, predicted, future)
+                metrics.QUEUE_WAIT.labels(model).observe(max(0.0, started - sent_ms / 1000))
+        tokens = batch_tokens(batch.members, limits.padded)
+        metrics.BATCH_REQUESTS.labels(model).observe(len(batch.members))
+        metrics.BATCH_ITEMS.labels(model).observe(batch.shape.items)
+        metrics.BATCH_TOKENS.labels(model).observe(tokens)
+        metrics.BATCH_FILL.labels(model).observe(min(1.0, tokens / limits.max_tokens))
+        future = self.executor.submit(self._run, model, [p.handle for p in batch.members])
+        self.future = future
         generation = self.generation
         future.add_done_callback(
             lambda f: self.c.hub.call_soon(self._on_batch_done, generation, f)
         )
-        # If the batch overruns its prediction, look again at what we hold then.
-        self._overrun_timer = self.c.hub.call_later(
-            max(predicted * 1.5, 0.05), self._on_overrun, future)
-
-    def _on_overrun(self, future: Future) -> None:
-        running = self.running
-        if running is None or running.future is not future:
-            return
-        self._give_back(time.monotonic())
-        self._overrun_timer = self.c.hub.call_later(
-            max(running.predicted_s, 0.25), self._on_overrun, future)
-
-    def _running_left(self, now: float) -> float:
-        """Predicted seconds until the running batch ends; past its prediction, assume it
-        overruns by as much again as it already has."""
-        running = self.running
-        if running is None:
-            return 0.0
-        elapsed = now - running.started
-        return max(running.predicted_s - elapsed, elapsed - running.predicted_s, 0.0)
-
-    # --- giving work back (loop thread) -------------------------------------------------
-
-    def _give_back(self, now: float) -> None:
-        running_left = self._running_left(now)
-        for lane in self.lanes.values():
-            if not lane.backlog or self._peers(lane, now) < 2:
-                continue  # nobody else would take it: returning would only loop back here
-            returned = overflow(lane.backlog, lane.limits, self.hold, lane.cost,
-                                running_left, now)
-            if not returned:
-                continue
-            ids = {id(p) for p in returned}
-            lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
-            # Shrink our credit first, so the broker offers them to the others.
-            self._set_prefetch(lane, max(self.hold.min_prefetch, len(lane.backlog)))
-            for pending in returned:
-                pending.handle.message.reject(requeue=True)
-            metrics.RETURNS.labels(lane.model).inc(len(returned))
-            metrics.HELD.labels(lane.model).set(len(lane.backlog))
-            log.info("returned %d requests of %s to the queue", len(returned), lane.model)
-
-    def _peers(self, lane: Lane, now: float) -> int:
-        if lane.count_peers is not None and now - lane.peers_checked > PEER_COUNT_TTL_S:
-            try:
-                lane.peers = lane.count_peers()
-            except Exception:
-                log.warning("could not count the consumers of %s", lane.model, exc_info=True)
-            lane.peers_checked = now
-        return lane.peers
-
-    def _set_prefetch(self, lane: Lane, prefetch: int) -> None:
-        """Re-consume with a new per-consumer prefetch (it applies to new consumers only)."""
-        consumer = lane.consumer
-        if consumer is None or prefetch == lane.prefetch:
-            return
-        consumer.cancel()
-        consumer.qos(prefetch_count=prefetch)
-        consumer.consume()
-        lane.prefetch = prefetch
-        metrics.PREFETCH.labels(lane.model).set(prefetch)
-
-    def _adapt_prefetch(self, lane: Lane) -> None:
-        target = target_prefetch(lane.backlog, lane.limits, self.hold, lane.cost,
-                                 default=lane.prefetch or self.hold.max_prefetch)
-        ratio = max(target, 1) / max(lane.prefetch, 1)
-        if ratio >= PREFETCH_CHANGE_RATIO or ratio <= 1 / PREFETCH_CHANGE_RATIO:
-            self._set_prefetch(lane, target)
 
     # --- the batch (runtime thread) ------------------------------------------------------
 
@@ -311,37 +253,38 @@ class Dispatcher:
     # --- completion (loop thread) --------------------------------------------------------
 
     def _on_batch_done(self, generation: int, future: Future) -> None:
-        running = self.running
-        if running is None or running.future is not future:
+        if future is not self.future:
             return
-        self.running = None
-        self.last_finished = time.monotonic()
-        if self._overrun_timer is not None:
-            self._overrun_timer.cancel()
-            self._overrun_timer = None
-        # Start the next batch before answering this one: the runtime computes
-        # while the loop publishes results, instead of idling until they are out.
-        self.schedule()
-        lane, batch = running.lane, [p.handle for p in running.batch]
+        self.future = None
+        outcomes: list[Outcome] | None = None
+        seconds: float | None = None
+        failure: Exception | None = None
         try:
             outcomes, seconds = future.result()
-            lane.cost.observe(BatchShape.of(running.batch), seconds)
-            metrics.BATCH_SECONDS.labels(lane.model).observe(seconds)
         except Exception as exc:  # the runtime itself broke; every request gets an error
-            log.exception("batch of %d failed", len(batch))
+            failure = exc
+        batch = self.scheduler.finish(time.monotonic(), seconds)
+        assert batch is not None
+        model, held = batch.lane.model, [p.handle for p in batch.members]
+        if outcomes is None:
+            log.exception("batch of %d failed", len(held), exc_info=failure)
             outcomes = [Outcome(h.task_id, error_code=ErrorCode.INTERNAL,
-                                error_message=f"runtime failed: {exc!r}") for h in batch]
+                                error_message=f"runtime failed: {failure!r}") for h in held]
+        elif seconds is not None:
+            metrics.BATCH_SECONDS.labels(model).observe(seconds)
+        # Start the next batch before answering this one: the runtime computes
+        # while the loop publishes results, instead of idling until they are out.
+        self.tick()
         if generation == self.generation:
             self.replier.begin_batch()
-            for held, outcome in zip(batch, outcomes, strict=True):
-                self._answer(lane, held, outcome)
+            for h, outcome in zip(held, outcomes, strict=True):
+                self._answer(model, h, outcome)
             self.replier.end_batch()
-            self._adapt_prefetch(lane)
         # else: the connection was lost meanwhile; the messages are redelivered.
 
-    def _answer(self, lane: Lane, held: Held, outcome: Outcome) -> None:
+    def _answer(self, model: str, held: Held, outcome: Outcome) -> None:
         if not outcome.ok:
-            metrics.RESULTS.labels(lane.model, outcome.error_code or "error").inc()
+            metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
             self.replier.failure(held.message, held.task_id, outcome.error_code,
                                  outcome.error_message)
             return
@@ -353,7 +296,7 @@ class Dispatcher:
             "inference_ms": round(result.get("batch", {}).get("inference_ms", 0.0), 3),
         }
         result["worker"] = self.c.hostname
-        metrics.RESULTS.labels(lane.model, "ok").inc()
+        metrics.RESULTS.labels(model, "ok").inc()
         self.replier.success(held.message, held.task_id, result, time.time() - held.started)
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -361,14 +304,13 @@ class Dispatcher:
     def drop_held(self) -> None:
         """Forget held messages after a connection loss (the broker redelivers them)."""
         self.generation += 1
-        for lane in self.lanes.values():
-            lane.backlog.clear()
-            lane.consumer = None
-            metrics.HELD.labels(lane.model).set(0)
-        for timer in (self._timer, self._overrun_timer):
-            if timer is not None:
-                timer.cancel()
-        self._timer = self._overrun_timer = None
+        self.scheduler.clear()
+        for model in self.scheduler.lanes:
+            metrics.HELD.labels(model).set(0)
+        self.consuming.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

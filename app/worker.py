@@ -19,7 +19,7 @@ from kombu import Consumer
 
 from app.catalog import BatchProfile, ModelEntry, load_catalog
 from app.deadletters import DeadLetterAnswerer
-from app.dispatcher import Dispatcher, Lane
+from app.dispatcher import Dispatcher
 from app.metrics import POISON_ISOLATED, RUNTIME_RESTARTS, start_metrics_server
 from app.queues import kombu_queues
 from app.settings import Settings, get_settings
@@ -27,6 +27,7 @@ from app.topology import queue_for
 from batching.cost import CostModel
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
+from batching.scheduler import Lane
 from runtimes.process import ProcessRuntime
 
 log = logging.getLogger(__name__)

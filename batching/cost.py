@@ -36,36 +36,16 @@ moment vector, sample weight), with three safeguards:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import combinations
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from batching.former import Pending
+from batching.shapes import BatchShape
+
+__all__ = ["BatchShape", "CostModel"]  # BatchShape: what `predict` and `observe` take
 
 _HUBER_K = 3.0  # relative misses beyond this (a batch 4x slower than predicted) are down-weighted
 _SHARE_FLOOR = 0.1  # the least prior variance a term gets, as a share of the total
 _MIN_WEIGHT = 1e-6  # samples that would weigh less than this are ignored
 _TINY = 1e-12  # seconds: a floor for the prediction a sample is divided by
-
-
-@dataclass(frozen=True, slots=True)
-class BatchShape:
-    """What the latency of a batch depends on."""
-
-    items: int
-    longest: int
-    tokens: int  # real tokens
-
-    @classmethod
-    def of(cls, batch: Iterable[Pending]) -> BatchShape:
-        items = longest = tokens = 0
-        for p in batch:
-            items += p.items
-            longest = max(longest, p.longest)
-            tokens += p.cost
-        return cls(items, longest, tokens)
 
 
 class CostModel:

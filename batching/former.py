@@ -23,28 +23,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from batching.cost import BatchShape
-
-if TYPE_CHECKING:
-    from batching.cost import CostModel
-
-
-@dataclass(slots=True)
-class Pending:
-    """A request held by the worker, described by its annotations only."""
-
-    handle: Any  # opaque to the former: the worker's message
-    group: Hashable  # what must not be mixed: (op, forward-pass options, lora)
-    items: int
-    cost: int  # estimated real tokens of the request
-    longest: int  # estimated tokens of its longest item
-    received: float  # seconds, same clock as `now`
-    deadline: float | None = None  # seconds, same clock; None = none
-    deliveries: int = 1  # 1 + RabbitMQ's x-delivery-count header
+from batching.cost import CostModel
+from batching.shapes import BatchShape, Pending, batch_tokens, padded_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,24 +38,6 @@ class BatchLimits:
     max_wait_s: float = 0.5  # a request older than this goes into the very next batch
     padded: bool = True  # padded runtimes pay items x longest; unpadded pay real tokens
     latency_target_s: float | None = None  # a batch predicted slower is not grown further
-
-
-def padded_tokens(items: int, longest: int) -> int:
-    return items * longest
-
-
-def batch_tokens(batch: Iterable[Pending], padded: bool) -> int:
-    """The tokens a batch costs against the budget.
-
-    A padded runtime computes every item at the length of the longest one, so
-    it pays items x longest; an unpadded (packed) one pays real tokens only.
-    """
-    items = longest = real = 0
-    for p in batch:
-        items += p.items
-        longest = max(longest, p.longest)
-        real += p.cost
-    return padded_tokens(items, longest) if padded else real
 
 
 @dataclass(slots=True)

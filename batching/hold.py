@@ -17,10 +17,14 @@ returned can never be what dead-letters a message. Requests already past
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batching.cost import BatchShape, CostModel
-from batching.former import BatchLimits, Pending, is_due, take_batch
+from batching.cost import CostModel
+from batching.former import BatchLimits, is_due, take_batch
+from batching.shapes import BatchShape, Pending
+
+FIT_SLACK = 0.01  # of a request
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,40 +76,57 @@ def planned_starts(
     return starts
 
 
-def messages_per_batch(backlog: list[Pending], limits: BatchLimits, cost_model: CostModel) -> int:
-    """How many of the backlog's mean request fill a batch (at least 1).
+@dataclass(frozen=True, slots=True)
+class MeanRequest:
+    """The typical request of some traffic: mean items, longest item and real tokens."""
 
-    The mean request has the backlog's mean items, longest item and cost;
-    closest-length filling groups similar lengths, so a batch's longest item
+    items: float
+    longest: float
+    cost: float
+
+    @classmethod
+    def of(cls, requests: Sequence[Pending]) -> MeanRequest | None:
+        if not requests:
+            return None
+        n = len(requests)
+        return cls(sum(p.items for p in requests) / n, sum(p.longest for p in requests) / n,
+                   sum(p.cost for p in requests) / n)
+
+    def batch_of(self, k: int) -> BatchShape:
+        """The shape of a batch of `k` such requests."""
+        return BatchShape(round(k * self.items), round(self.longest), round(k * self.cost))
+
+
+def mean_per_batch(mean: MeanRequest, limits: BatchLimits, cost_model: CostModel) -> int:
+    """How many of `mean` fill a batch (at least 1).
+
+    Closest-length filling groups similar lengths, so a batch's longest item
     is near its members' own and the mean is a fair stand-in.
     """
-    if not backlog:
-        return 1
-    n = len(backlog)
-    items = sum(p.items for p in backlog) / n
-    longest = sum(p.longest for p in backlog) / n
-    cost = sum(p.cost for p in backlog) / n
-    per_message = items * longest if limits.padded else cost
-    fit = limits.max_items / max(items, 1e-9)
+    per_message = mean.items * mean.longest if limits.padded else mean.cost
+    fit = limits.max_items / max(mean.items, 1e-9)
     if per_message > 0:
         fit = min(fit, limits.max_tokens / per_message)
-    count = max(1, math.floor(fit))
+    # A mean a hair above an exact fraction of the budget (as a running average that
+    # converges on it is) still counts as that fraction.
+    count = max(1, math.floor(fit + FIT_SLACK))
     target = limits.latency_target_s
     if target is None:
         return count
-
-    def too_slow(k: int) -> bool:
-        shape = BatchShape(round(k * items), round(longest), round(k * cost))
-        return cost_model.predict(shape) > target
-
     low, high = 1, count  # predictions grow with k: find the largest k not too slow
     while low < high:
         mid = (low + high + 1) // 2
-        if too_slow(mid):
+        if cost_model.predict(mean.batch_of(mid)) > target:
             high = mid - 1
         else:
             low = mid
     return low
+
+
+def messages_per_batch(backlog: list[Pending], limits: BatchLimits, cost_model: CostModel) -> int:
+    """How many of the backlog's mean request fill a batch (at least 1)."""
+    mean = MeanRequest.of(backlog)
+    return 1 if mean is None else mean_per_batch(mean, limits, cost_model)
 
 
 def typical_batch_s(backlog: list[Pending], limits: BatchLimits, cost_model: CostModel) -> float:
@@ -115,15 +136,10 @@ def typical_batch_s(backlog: list[Pending], limits: BatchLimits, cost_model: Cos
     may be a lone request of a rare group, which would shrink the horizon to
     almost nothing and make the worker return work it could run soon.
     """
-    if not backlog:
+    mean = MeanRequest.of(backlog)
+    if mean is None:
         return limits.max_delay_s
-    n = len(backlog)
-    k = messages_per_batch(backlog, limits, cost_model)
-    shape = BatchShape(
-        round(k * sum(p.items for p in backlog) / n),
-        round(sum(p.longest for p in backlog) / n),
-        round(k * sum(p.cost for p in backlog) / n),
-    )
+    shape = mean.batch_of(mean_per_batch(mean, limits, cost_model))
     return max(cost_model.predict(shape), limits.max_delay_s)
 
 
@@ -168,15 +184,25 @@ def target_prefetch(
     cost_model: CostModel,
     default: int,
 ) -> int:
-    """How many unacked messages to let the broker send, so that what the worker
-    holds is about the running batch plus `horizon_batches` more.
+    """`prefetch_for` the backlog's mean request."""
+    return prefetch_for(MeanRequest.of(backlog), limits, hold, cost_model, default)
 
-    Estimated from the backlog's mean request; with an empty backlog there is
-    nothing to estimate from, so `default` (clamped) is used.
+
+def prefetch_for(
+    mean: MeanRequest | None,
+    limits: BatchLimits,
+    hold: HoldLimits,
+    cost_model: CostModel,
+    default: int,
+) -> int:
+    """How many unacked messages to let the broker send, so that what the worker
+    holds is about the running batch plus `horizon_batches` more of `mean`.
+
+    With no traffic to estimate from (`mean` None), `default` (clamped).
     """
-    if not backlog:
+    if mean is None:
         wanted = default
     else:
-        per_batch = messages_per_batch(backlog, limits, cost_model)
+        per_batch = mean_per_batch(mean, limits, cost_model)
         wanted = math.ceil((1.0 + hold.horizon_batches) * per_batch)
     return max(hold.min_prefetch, min(hold.max_prefetch, wanted))

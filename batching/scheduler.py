@@ -1,0 +1,251 @@
+"""The worker's scheduler: one owner of all batching state, driven by commands.
+
+The dispatcher (app/dispatcher.py) feeds it what happened and applies what it
+decides; it does no I/O and reads no clock, so every rule below is testable
+with plain data and a fake `now` (seconds, one monotonic clock throughout):
+
+- `append(model, pending, now)`: a message was delivered and is now held;
+- `tick(now)`: look at everything held and decide; returns an `Actions`
+  (answer these as expired or late, give these back, change these prefetch
+  counts, start this batch, call me again in so many seconds);
+- `finish(now, seconds)`: the running batch ended (`seconds`: its measured
+  time, or None if the runtime broke);
+- `clear()`: the connection was lost, the broker redelivers everything held.
+
+The rules, each owned by a pure function of `batching/`:
+- one batch at a time (one runtime); the lane whose oldest held request has
+  waited longest goes next; `take_batch` forms the batch;
+- an idle runtime starts at once; under load it may wait up to the profile's
+  `max_delay_s` for a fuller batch (`seconds_to_wait`);
+- a request whose deadline has passed is answered DEADLINE_EXCEEDED; so is a
+  request whose batch is predicted to finish after its deadline: running it
+  would spend the device on an answer nobody waits for;
+- while another consumer of the queue exists, what would not start within the
+  hold horizon goes back to the queue (`overflow`), and the prefetch first
+  shrinks to what is kept so the broker offers it to the others; a lone
+  worker keeps everything (a return would only come back to it);
+- after each batch the prefetch is set to what the traffic calls for
+  (`prefetch_for` the recent mean request, tracked over arrivals, not over
+  what happens to be held at that moment: after returns the backlog is small
+  or empty, and estimating from it would keep the prefetch as low as the
+  returns left it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batching.cost import CostModel
+from batching.former import BatchLimits, seconds_to_wait, split_expired, take_batch
+from batching.hold import HoldLimits, MeanRequest, overflow, prefetch_for
+from batching.shapes import BatchShape, Pending
+
+# Re-consuming to change prefetch costs two round trips: only for real changes.
+PREFETCH_CHANGE_RATIO = 1.5
+# How much each arrival moves the lane's mean request: about the last 30 requests count.
+MIX_WEIGHT = 1 / 32
+# A batch overrunning its prediction is looked at again (for returns) after this much
+# of its prediction, then every prediction (at least every OVERRUN_MIN_S).
+OVERRUN_FIRST = 1.5
+OVERRUN_MIN_S = 0.05
+OVERRUN_REPEAT_MIN_S = 0.25
+# A wait shorter than this is no wait: a timer cannot be that precise, and one set at the
+# rounding error of the clock would fire without time having passed.
+MIN_WAIT_S = 1e-4
+
+
+class RequestMix:
+    """An exponentially weighted mean of the requests that arrived (items, longest, cost)."""
+
+    __slots__ = ("mean",)
+
+    def __init__(self) -> None:
+        self.mean: MeanRequest | None = None
+
+    def add(self, p: Pending) -> None:
+        m = self.mean
+        if m is None:
+            self.mean = MeanRequest(p.items, p.longest, p.cost)
+            return
+        w = MIX_WEIGHT
+        self.mean = MeanRequest(m.items + w * (p.items - m.items),
+                                m.longest + w * (p.longest - m.longest),
+                                m.cost + w * (p.cost - m.cost))
+
+
+@dataclass(slots=True)
+class Lane:
+    """One served model: its backlog (arrival order), limits, cost model and prefetch."""
+
+    model: str
+    limits: BatchLimits
+    cost: CostModel
+    prefetch: int = 0  # as last applied by the dispatcher
+    backlog: list[Pending] = field(default_factory=list)
+    mix: RequestMix = field(default_factory=RequestMix)
+
+
+@dataclass(slots=True)
+class Batch:
+    """The batch the runtime is running."""
+
+    lane: Lane
+    members: list[Pending]
+    shape: BatchShape
+    predicted_s: float
+    started: float
+    check_at: float  # when to look again at what is held if it has not ended
+
+    def left_s(self, now: float) -> float:
+        """Predicted seconds until it ends; past its prediction, assume it overruns by as
+        much again as it already has."""
+        elapsed = now - self.started
+        return max(self.predicted_s - elapsed, elapsed - self.predicted_s, 0.0)
+
+
+@dataclass(slots=True)
+class Late:
+    """A request that would finish after its deadline, with the predicted finish."""
+
+    pending: Pending
+    predicted_s: float  # of the batch it would have run in
+    deadline_in_s: float  # from when it would have started
+
+
+@dataclass(slots=True)
+class Actions:
+    """What `tick` decided, for the dispatcher to apply in this order: answer the
+    expired and late requests, start the batch, change prefetch, give back."""
+
+    expired: list[tuple[str, Pending]] = field(default_factory=list)
+    late: list[tuple[str, Late]] = field(default_factory=list)
+    start: Batch | None = None
+    prefetch: dict[str, int] = field(default_factory=dict)  # applied before the returns
+    returned: list[tuple[str, list[Pending]]] = field(default_factory=list)
+    wake_in: float | None = None  # seconds until `tick` is due again, None: on events only
+
+
+PeerCount = Callable[[str, float], int]  # (model, now) -> consumers of its queue, us included
+
+
+class Scheduler:
+    def __init__(self, lanes: dict[str, Lane], hold: HoldLimits, peers: PeerCount) -> None:
+        self.lanes = lanes
+        self.hold = hold
+        self.peers = peers
+        self.running: Batch | None = None
+        self.last_finished: float | None = None
+        self._adapt: Lane | None = None  # the lane whose batch just ended
+
+    # --- commands ------------------------------------------------------------------------
+
+    def append(self, model: str, pending: Pending) -> None:
+        lane = self.lanes[model]
+        lane.backlog.append(pending)
+        lane.mix.add(pending)
+
+    def finish(self, now: float, seconds: float | None) -> Batch | None:
+        """The running batch ended; learn its time. Returns it (None if none ran)."""
+        batch, self.running = self.running, None
+        if batch is None:
+            return None
+        self.last_finished = now
+        if seconds is not None:
+            batch.lane.cost.observe(batch.shape, seconds)
+        self._adapt = batch.lane
+        return batch
+
+    def clear(self) -> None:
+        """Forget every held request (the broker redelivers them). A running batch
+        still finishes."""
+        for lane in self.lanes.values():
+            lane.backlog.clear()
+        self._adapt = None
+
+    def prefetch_applied(self, model: str, prefetch: int) -> None:
+        self.lanes[model].prefetch = prefetch
+
+    def tick(self, now: float) -> Actions:
+        actions = Actions()
+        for lane in self.lanes.values():
+            if lane.backlog:
+                actions.expired.extend((lane.model, p) for p in split_expired(lane.backlog, now))
+        wait = None
+        if self.running is None:
+            wait = self._maybe_start(now, actions)
+        if self._adapt is not None:
+            self._adapt_prefetch(self._adapt, actions)
+            self._adapt = None
+        self._give_back(now, actions)
+        actions.wake_in = self._wake_in(now, wait)
+        return actions
+
+    # --- rules ---------------------------------------------------------------------------
+
+    def next_lane(self) -> Lane | None:
+        """The lane whose oldest held request has waited longest."""
+        waiting = [lane for lane in self.lanes.values() if lane.backlog]
+        return min(waiting, key=lambda lane: lane.backlog[0].received, default=None)
+
+    def _maybe_start(self, now: float, actions: Actions) -> float | None:
+        """Start a batch if one should start now; else the seconds to wait (None: nothing)."""
+        while (lane := self.next_lane()) is not None:
+            wait = seconds_to_wait(lane.backlog, lane.limits, now, self.last_finished)
+            if wait >= MIN_WAIT_S:
+                return wait
+            members = take_batch(lane.backlog, lane.limits, lane.cost, now)
+            shape = BatchShape.of(members)
+            predicted = lane.cost.predict(shape)
+            late = [p for p in members if p.deadline is not None and p.deadline < now + predicted]
+            if late:
+                actions.late.extend((lane.model, Late(p, predicted, p.deadline - now))
+                                    for p in late)
+                # The rest finish no later than predicted for the whole batch.
+                gone = {id(p) for p in late}
+                members = [p for p in members if id(p) not in gone]
+                if not members:
+                    continue
+                shape = BatchShape.of(members)
+                predicted = lane.cost.predict(shape)
+            check = now + max(predicted * OVERRUN_FIRST, OVERRUN_MIN_S)
+            self.running = Batch(lane, members, shape, predicted, now, check)
+            actions.start = self.running
+            return None
+        return None
+
+    def _give_back(self, now: float, actions: Actions) -> None:
+        running_left = self.running.left_s(now) if self.running is not None else 0.0
+        for lane in self.lanes.values():
+            if not lane.backlog or self.peers(lane.model, now) < 2:
+                continue  # nobody else would take it: returning would only loop back here
+            returned = overflow(lane.backlog, lane.limits, self.hold, lane.cost,
+                                running_left, now)
+            if not returned:
+                continue
+            ids = {id(p) for p in returned}
+            lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
+            # Shrink our credit first, so the broker offers them to the others.
+            self._set_prefetch(lane, max(self.hold.min_prefetch, len(lane.backlog)), actions)
+            actions.returned.append((lane.model, returned))
+
+    def _adapt_prefetch(self, lane: Lane, actions: Actions) -> None:
+        target = prefetch_for(lane.mix.mean, lane.limits, self.hold, lane.cost,
+                              default=lane.prefetch or self.hold.max_prefetch)
+        ratio = max(target, 1) / max(lane.prefetch, 1)
+        if ratio >= PREFETCH_CHANGE_RATIO or ratio <= 1 / PREFETCH_CHANGE_RATIO:
+            self._set_prefetch(lane, target, actions)
+
+    def _set_prefetch(self, lane: Lane, prefetch: int, actions: Actions) -> None:
+        if prefetch != lane.prefetch:
+            lane.prefetch = prefetch
+            actions.prefetch[lane.model] = prefetch
+
+    def _wake_in(self, now: float, wait: float | None) -> float | None:
+        running = self.running
+        if running is not None:
+            if now + MIN_WAIT_S >= running.check_at:
+                running.check_at = now + max(running.predicted_s, OVERRUN_REPEAT_MIN_S)
+            overrun = running.check_at - now
+            return overrun if wait is None else min(wait, overrun)
+        return wait

@@ -1,0 +1,57 @@
+"""What the scheduler knows of a request and of a batch, without reading any body.
+
+Both the batch former and the cost model speak in these terms, so they live
+apart from either (and neither imports the other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request held by the worker, described by its annotations only."""
+
+    handle: Any  # opaque to the scheduler: the worker's message
+    group: Hashable  # what must not be mixed: (op, forward-pass options, lora)
+    items: int
+    cost: int  # estimated real tokens of the request
+    longest: int  # estimated tokens of its longest item
+    received: float  # seconds, same clock as `now`
+    deadline: float | None = None  # seconds, same clock; None = none
+    deliveries: int = 1  # 1 + RabbitMQ's x-delivery-count header
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What the latency of a batch depends on."""
+
+    items: int
+    longest: int
+    tokens: int  # real tokens
+
+    @classmethod
+    def of(cls, batch: Iterable[Pending]) -> BatchShape:
+        items = longest = tokens = 0
+        for p in batch:
+            items += p.items
+            longest = max(longest, p.longest)
+            tokens += p.cost
+        return cls(items, longest, tokens)
+
+
+def padded_tokens(items: int, longest: int) -> int:
+    return items * longest
+
+
+def batch_tokens(batch: Iterable[Pending], padded: bool) -> int:
+    """The tokens a batch costs against the budget.
+
+    A padded runtime computes every item at the length of the longest one, so
+    it pays items x longest; an unpadded (packed) one pays real tokens only.
+    """
+    shape = BatchShape.of(batch)
+    return padded_tokens(shape.items, shape.longest) if padded else shape.tokens
