@@ -76,6 +76,9 @@ ADAPTERS: dict[str, AdapterContract] = {
         _contract("dense-faulty", ENCODE, "runtimes.pytorch.faulty:FaultyDenseAdapter",
                   "test-only dense adapter that fails on purpose",
                   outputs=(DENSE,), has_dims=True),
+        _contract("cross-encoder-faulty", SCORE,
+                  "runtimes.pytorch.faulty:FaultyCrossEncoderAdapter",
+                  "test-only cross-encoder that fails on purpose"),
     )
 }
 
