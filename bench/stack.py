@@ -1,4 +1,4 @@
-"""Start a private shoal stack (worker + gateway) for one benchmark run.
+"""A private shoal stack (gateway + workers, `app.stack`) for one benchmark run.
 
 It uses its own queue prefix and port, so a stack started with `make run`
 is neither measured nor disturbed, and it stops everything on exit.
@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.stack import (
+    Stack,
+    delete_queues,
+    free_port,
+    http_status,
+    prefix_queues,
+    queue_counts,
+    wait_for,
+)
 
 
 @dataclass(frozen=True)
@@ -28,32 +34,16 @@ class BenchStack:
     log_dir: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
+def _answers(url: str, path: str, body: bytes) -> bool:
+    request = urllib.request.Request(f"{url}{path}", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.status == 200
 
 
 @contextlib.contextmanager
@@ -66,95 +56,43 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
 
     `worker_argv` replaces shoal's worker command (a baseline deployment consuming the
     same queue); `prefix` is the queue prefix (default: one per benchmark process)."""
-    port = _free_port()
+    from app.settings import Settings, get_settings
+    from app.topology import queue_for
+
+    port = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
     prefix = prefix or f"shoal-bench-{os.getpid()}"
     env = {**os.environ, "SHOAL_QUEUE_PREFIX": prefix,
            "SHOAL_MODELS": model, "SHOAL_WORKER_METRICS_PORT": "0", **(extra_env or {})}
-    argvs = {
-        f"worker{i}": [*(worker_argv or [sys.executable, "-m", "app.cli", "worker",
-                                          "--log-level", "warning"]),
-                       # Unique per stack: Celery's pidbox queue is named after it.
-                       "--hostname", f"{prefix}-w{i}@%h"]
-        for i in range(workers)
-    }
-    argvs["gateway"] = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port),
-                        "--log-level", "warning"]
-    procs = {}
+    models = [m.strip() for m in env["SHOAL_MODELS"].split(",")]
+    broker_url = env.get("SHOAL_BROKER_URL") or get_settings().broker_url
+    stack = Stack(env, log_dir)
     try:
-        for name, argv in argvs.items():
-            log = (log_dir / f"{name}.log").open("wb")
-            procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+        worker_names = [f"{prefix}-w{i}" for i in range(workers)]
+        for name in worker_names:
+            if worker_argv is None:
+                stack.worker(name, models, log_level="warning")
+            else:  # the hostname names Celery's pidbox queue: unique per stack
+                stack.start(name, [*worker_argv, "--hostname", f"{name}@%h"])
+        gateway = stack.gateway("gateway", port, models)
         url = f"http://127.0.0.1:{port}"
-        def ready(condition):  # fail fast when a process died instead of waiting it out
-            def check() -> bool:
-                dead = [n for n, p in procs.items() if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"{dead} exited while starting; see {log_dir}")
-                return condition()
-            return check
-
-        _wait(ready(lambda: _ready(url)), 120, "the gateway")
+        wait_for(lambda: http_status(f"{url}/readyz") == 200, 120, "the gateway",
+                 interval=0.2, give_up=stack.exited)
         # The worker is ready once a request goes through.
-        def served() -> bool:
-            path, body = probe or (f"/v1/encode/{model}", b'{"items": [{"text": "warm up"}]}')
-            request = urllib.request.Request(f"{url}{path}", data=body,
-                                             headers={"content-type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        _wait(ready(served), 300, "the worker")
+        path, body = probe or (f"/v1/encode/{model}", b'{"items": [{"text": "warm up"}]}')
+        wait_for(lambda: _answers(url, path, body), 300, "the worker", interval=0.2,
+                 give_up=stack.exited)
         if workers > 1:  # one answered; wait for the others to consume too
-            first = env["SHOAL_MODELS"].split(",")[0].strip()
-            _wait(ready(lambda: _consumers(prefix, first, env.get("SHOAL_BROKER_URL")) >= workers),
-                  300, f"{workers} workers")
-        worker_pids = [proc.pid for name, proc in procs.items() if name.startswith("worker")]
+            queue = queue_for(models[0], Settings(queue_prefix=prefix)).name
+            wait_for(lambda: queue_counts(queue, broker_url)[1] >= workers, 300,
+                     f"{workers} workers", interval=0.2, give_up=stack.exited)
+        worker_pids = [p.pid for p in stack.processes if p.name in worker_names]
         # Runtime processes of shoal workers, pool processes of a baseline's.
         children = [pid for w in worker_pids for pid in _children(w)]
         # RabbitMQ's CPU belongs to the pipeline too (a local broker only).
         broker = [int(p) for p in subprocess.run(["pgrep", "-x", "beam.smp"], text=True,
                                                  capture_output=True).stdout.split()]
-        pids = [procs["gateway"].pid, *worker_pids, *children, *broker]
-        yield BenchStack(url, prefix, pids, log_dir)
+        yield BenchStack(url, prefix, [gateway.pid, *worker_pids, *children, *broker], log_dir)
     finally:
-        for proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        _delete_queues(prefix, env["SHOAL_MODELS"].split(","), env.get("SHOAL_BROKER_URL"))
-
-
-def _consumers(prefix: str, model: str, broker_url: str | None) -> int:
-    from kombu import Connection
-
-    from app.settings import get_settings
-    from app.topology import model_slug
-
-    with Connection(broker_url or get_settings().broker_url) as conn:
-        name = f"{prefix}.model.{model_slug(model)}"
-        return conn.default_channel.queue_declare(name, passive=True).consumer_count
-
-
-def _delete_queues(prefix: str, models: list[str], broker_url: str | None) -> None:
-    """Remove this run's model and dead-letter queues (durable: they would outlive us)."""
-    from kombu import Connection
-
-    from app.settings import get_settings
-    from app.topology import model_slug
-
-    with Connection(broker_url or get_settings().broker_url) as conn:
-        names = [f"{prefix}.default"]  # Celery's own default queue
-        for model in models:
-            name = f"{prefix}.model.{model_slug(model.strip())}"
-            names += [name, f"{name}.dead"]
-        for queue in names:
-            with contextlib.suppress(Exception):
-                conn.default_channel.queue_delete(queue)
+        stack.stop_all(timeout=30)
+        delete_queues(prefix_queues(prefix, models), broker_url)

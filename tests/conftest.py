@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.stack import prefix_queues
 from tests.stack import REPO, Stack, delete_queues, free_port, http_status, queue_counts, wait_for
 from tests.tiny_models import build_tiny_sentence_transformer
 
@@ -144,20 +145,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
                                      *FAMILY_ADAPTERS])
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready")
+        wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready",
+                 give_up=stack.exited)
         for model in (MINILM, TINY_CLS):
             wait_for(lambda m=model: queue_counts(queue_name(m))[1] >= 1, 120,
-                     f"a worker to consume {model}")
+                     f"a worker to consume {model}", give_up=stack.exited)
         yield Live(stack, url, worker)
     except BaseException:
         stack.print_logs()
         raise
     finally:
         stack.stop_all()
-        names = [f"{PREFIX}.default"]  # Celery's own default queue
-        for model in (MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ, *FAMILY_ADAPTERS):
-            names += [queue_name(model), queue_name(model) + ".dead"]
-        delete_queues(names)
+        delete_queues(prefix_queues(PREFIX, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
+                                             *FAMILY_ADAPTERS]))
 
 
 @pytest.fixture(scope="session")
