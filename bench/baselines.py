@@ -12,7 +12,7 @@
 5. a plain aio-pika publish -> consume -> reply loop (`bench.amqp_loop`), the
    broker's practical limit on this machine.
 
-Every HTTP level is N closed-loop clients (`bench.e2e.run_level`). A peer
+Every HTTP level is N closed-loop clients (`bench.load.run_load`). A peer
 server (e.g. infinity-emb) is not measured: none is installed here.
 """
 
@@ -29,7 +29,9 @@ from typing import Any
 import uvloop
 
 from bench.amqp_loop import run_loop
-from bench.e2e import inproc_throughput, machine_info, make_texts, medians, run_level
+from bench.e2e import inproc_throughput, machine_info, medians
+from bench.load import prepare, run_load
+from bench.mix import make_texts
 from bench.stack import bench_stack
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -41,15 +43,14 @@ ZERO_COST_SIM = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "0", "SHOAL_SIM_
 
 def _http(name: str, texts: list[str], args: argparse.Namespace, items: int = 1,
           **stack: Any) -> dict[str, Any]:
-    def body(text: str) -> dict[str, Any]:
-        return {"items": [{"text": text}] * items}
-
     with bench_stack(MINILM, **stack) as running:
-        level = uvloop.run(run_level(f"{running.url}/v1/encode/{MINILM}", texts, args.clients,
-                                     args.warmup, args.duration, 30.0, running.pids, body))
+        endpoint = f"{running.url}/v1/encode/{MINILM}"
+        prepared = prepare(endpoint, [[text] * items for text in texts])
+        level = uvloop.run(run_load(endpoint, prepared, "closed", args.clients,
+                                    warmup=args.warmup, duration=args.duration,
+                                    cpu_pids=running.pids))
     result = asdict(level)
-    result.update(name=name, items_per_request=items,
-                  items_per_s=level.req_per_s * items)
+    result.update(name=name, items_per_request=items)
     print(f"  {name}: {level.req_per_s:.0f} req/s", file=sys.stderr)
     return result
 

@@ -8,63 +8,34 @@ Run against an already-running stack (gateway, worker, RabbitMQ):
 The in-process part times `DenseEncoder.encode` on the same texts the HTTP
 clients send, so each HTTP level can be read as a fraction of what the model
 alone does on this machine. The model is freed before the HTTP load starts.
+Each HTTP level is `bench.load`'s closed loop, one text per request.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import gc
 import json
 import math
 import os
-import random
 import shlex
 import statistics
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
-import numpy as np
 import uvloop
 
-from bench.rawhttp import Connection, HttpError
+from bench.load import LoadResult, prepare, run_load
+from bench.mix import make_texts
 
 if TYPE_CHECKING:
     from runtimes.pytorch.dense import DenseEncoder
-
-VOCABULARY = (
-    "the", "a", "one", "every", "some", "small", "large", "quick", "slow", "bright", "dark", "old",
-    "new", "quiet", "loud", "cat", "dog", "river", "city", "train", "book", "garden", "window",
-    "teacher", "child", "market", "song", "storm", "mountain", "letter", "engine", "kitchen",
-    "ocean", "bridge", "doctor", "farmer", "painter", "runs", "walks", "reads", "finds", "builds",
-    "opens", "carries", "watches", "follows", "paints", "sings", "near", "under", "over", "behind",
-    "beside", "through", "across", "into", "from", "with", "today", "yesterday", "slowly",
-    "quickly", "often", "rarely", "again", "together", "alone",
-)
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# --------------------------------------------------------------------------- texts
-
-
-def make_texts(count: int = 200, seed: int = 0) -> list[str]:
-    """Deterministic short English-ish sentences of 5-15 words."""
-    rng = random.Random(seed)
-    texts = []
-    for _ in range(count):
-        words = [rng.choice(VOCABULARY) for _ in range(rng.randint(5, 15))]
-        texts.append(" ".join(words).capitalize() + ".")
-    return texts
 
 
 # --------------------------------------------------------------------------- in-process
@@ -111,173 +82,7 @@ def inproc_throughput(texts: list[str], sizes: list[int], reps: int,
     return results
 
 
-# --------------------------------------------------------------------------- CPU accounting
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (threads included, children not)."""
-    raw = Path(f"/proc/{pid}/stat").read_text()
-    fields = raw[raw.rindex(")") + 2 :].split()  # fields from #3 (state) on
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def process_label(pid: int) -> str:
-    """A short name: the `shoal` subcommand, else the executable's name."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return str(pid)
-    words = [a.decode(errors="replace") for a in argv if a]
-    for i, word in enumerate(words):
-        if word.endswith("/shoal") or word in ("shoal", "app.cli"):
-            return f"{' '.join(['shoal', *words[i + 1 : i + 2]])} ({pid})"
-        if word == "runtimes.server":
-            return f"runtime ({pid})"
-    name = Path(words[0]).name if words else "?"
-    return f"{name} ({pid})"
-
-
-def cpu_snapshot(pids: list[int]) -> dict[int, float]:
-    """CPU seconds of each process still alive."""
-    snapshot = {}
-    for pid in pids:
-        try:
-            snapshot[pid] = cpu_seconds(pid)
-        except OSError:
-            print(f"warning: process {pid} is gone", file=sys.stderr)
-    return snapshot
-
-
 # --------------------------------------------------------------------------- HTTP load
-
-
-@dataclass
-class Window:
-    start: float
-    end: float
-
-
-@dataclass
-class Samples:
-    latencies_ms: list[float] = field(default_factory=list)
-    batch_requests: list[int] = field(default_factory=list)
-    errors: Counter[str] = field(default_factory=Counter)
-    warmup_errors: int = 0  # failures that completed during the warm-up
-
-
-@dataclass
-class LevelResult:
-    clients: int
-    requests: int
-    req_per_s: float
-    p50_ms: float | None
-    p99_ms: float | None
-    median_batch_requests: float | None
-    errors: int
-    error_kinds: dict[str, int]
-    warmup_errors: int
-    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
-    client_cpu_ms_per_request: float | None = None
-
-
-async def one_request(
-    connection: Connection, request: bytes, timeout: float
-) -> tuple[str | None, int | None]:
-    """(error kind or None, the x-batch-requests header as an int if present)."""
-    try:
-        status, headers, _ = await asyncio.wait_for(connection.send(request), timeout)
-    except (HttpError, OSError, TimeoutError) as exc:
-        connection.writer = None  # reconnect for the next request
-        return type(exc).__name__, None
-    if status != 200:
-        return f"HTTP {status}", None
-    header = headers.get("x-batch-requests")
-    return None, int(header) if header and header.isdigit() else None
-
-
-def one_text(text: str) -> dict:
-    return {"items": [{"text": text}]}
-
-
-async def client_loop(
-    endpoint: str, texts: list[str], first: int, step: int, timeout: float,
-    window: Window, samples: Samples, body: Callable[[str], dict] = one_text,
-) -> None:
-    """One closed-loop client: send, wait for the reply, send the next, until the window ends.
-    `body` makes a request body from one text."""
-    connection = Connection(endpoint)
-    path = urlsplit(endpoint).path
-    requests = [
-        connection.request_bytes(path, json.dumps(body(t)).encode(), "application/json")
-        for t in texts
-    ]
-    index = first
-    while time.perf_counter() < window.end:
-        request = requests[index % len(requests)]
-        index += step
-        started = time.perf_counter()
-        error, batch = await one_request(connection, request, timeout)
-        ended = time.perf_counter()
-        if ended < window.start:
-            samples.warmup_errors += error is not None
-            continue
-        if ended > window.end:
-            continue
-        if error is not None:
-            samples.errors[error] += 1
-            continue
-        samples.latencies_ms.append((ended - started) * 1000)
-        if batch is not None:
-            samples.batch_requests.append(batch)
-    await connection.close()
-
-
-async def run_level(
-    endpoint: str, texts: list[str], clients: int, warmup: float, duration: float,
-    timeout: float, pids: list[int], body: Callable[[str], dict] = one_text,
-) -> LevelResult:
-    samples = Samples()
-    now = time.perf_counter()
-    window = Window(now + warmup, now + warmup + duration)
-    tasks = [
-        asyncio.create_task(
-            client_loop(endpoint, texts, k, clients, timeout, window, samples, body))
-        for k in range(clients)
-    ]
-    await asyncio.sleep(max(0.0, window.start - time.perf_counter()))
-    before, client_before = cpu_snapshot(pids), time.process_time()
-    await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
-    after, client_after = cpu_snapshot(pids), time.process_time()
-    await asyncio.gather(*tasks)
-    return summarize(clients, duration, samples, before, after, client_after - client_before)
-
-
-def summarize(
-    clients: int, duration: float, samples: Samples, before: dict[int, float],
-    after: dict[int, float], client_cpu_s: float,
-) -> LevelResult:
-    done = len(samples.latencies_ms)
-    lat = np.array(samples.latencies_ms) if done else None
-    per_request = 1000 / done if done else 0.0
-    alive = [pid for pid in before if pid in after] if done else []
-    cpu = {process_label(pid): (after[pid] - before[pid]) * per_request for pid in alive}
-    if cpu:
-        cpu["total"] = sum(cpu.values())
-    return LevelResult(
-        clients=clients,
-        requests=done,
-        req_per_s=done / duration,
-        p50_ms=float(np.percentile(lat, 50)) if lat is not None else None,
-        p99_ms=float(np.percentile(lat, 99)) if lat is not None else None,
-        median_batch_requests=(
-            float(statistics.median(samples.batch_requests)) if samples.batch_requests else None
-        ),
-        errors=sum(samples.errors.values()),
-        error_kinds=dict(samples.errors),
-        warmup_errors=samples.warmup_errors,
-        cpu_ms_per_request=cpu,
-        client_cpu_ms_per_request=client_cpu_s * per_request if done else None,
-    )
 
 
 def gateway_ready(url: str, timeout: float = 5.0) -> str | None:
@@ -333,7 +138,7 @@ def inproc_table(inproc: dict[int, float], passes: dict[int, list[float]]) -> li
     return lines
 
 
-def http_table(levels: list[LevelResult], inproc: dict[int, float]) -> list[str]:
+def http_table(levels: list[LoadResult], inproc: dict[int, float]) -> list[str]:
     b32, best = inproc.get(32), max(inproc.values(), default=None)
     lines = [
         "| clients | req/s | % of b32 | % of best | p50 ms | p99 ms | median batch | errors |",
@@ -341,14 +146,14 @@ def http_table(levels: list[LevelResult], inproc: dict[int, float]) -> list[str]
     ]
     for r in levels:
         lines.append(
-            f"| {r.clients} | {r.req_per_s:.1f} | {pct(r.req_per_s, b32)} | "
+            f"| {r.offered:g} | {r.req_per_s:.1f} | {pct(r.req_per_s, b32)} | "
             f"{pct(r.req_per_s, best)} | {fmt(r.p50_ms)} | {fmt(r.p99_ms)} | "
             f"{fmt(r.median_batch_requests, 'g')} | {r.errors} |"
         )
     return lines
 
 
-def cpu_table(levels: list[LevelResult]) -> list[str]:
+def cpu_table(levels: list[LoadResult]) -> list[str]:
     names = list(dict.fromkeys(n for r in levels for n in r.cpu_ms_per_request))
     if not names:
         return []
@@ -358,13 +163,13 @@ def cpu_table(levels: list[LevelResult]) -> list[str]:
     ]
     for r in levels:
         cells = [fmt(r.cpu_ms_per_request.get(n), ".2f") for n in names]
-        lines.append(f"| {r.clients} | " + " | ".join(cells)
+        lines.append(f"| {r.offered:g} | " + " | ".join(cells)
                      + f" | {fmt(r.client_cpu_ms_per_request, '.2f')} |")
     return lines
 
 
 def report(
-    meta: dict[str, object], passes: dict[int, list[float]], levels: list[LevelResult]
+    meta: dict[str, object], passes: dict[int, list[float]], levels: list[LoadResult]
 ) -> str:
     inproc = medians(passes)
     m = meta["machine"]
@@ -387,10 +192,10 @@ def report(
         "",
         *http_table(levels, inproc),
     ]
-    kinds = {r.clients: r.error_kinds for r in levels if r.error_kinds}
+    kinds = {int(r.offered): r.error_kinds for r in levels if r.error_kinds}
     if kinds:
         lines += ["", f"Errors by kind (per client count): {kinds}"]
-    warm = {r.clients: r.warmup_errors for r in levels if r.warmup_errors}
+    warm = {int(r.offered): r.warmup_errors for r in levels if r.warmup_errors}
     if warm:
         lines += ["", f"Errors during warm-up, not counted above (per client count): {warm}"]
     cpu = cpu_table(levels)
@@ -483,11 +288,13 @@ def run(args: argparse.Namespace) -> int:
     passes = inproc_throughput(texts, args.inproc_batches, args.inproc_reps)
 
     endpoint = f"{url}/v1/encode/{args.model}"
-    levels: list[LevelResult] = []
+    prepared = prepare(endpoint, [[text] for text in texts])
+    levels: list[LoadResult] = []
     for clients in args.clients:
         print(f"HTTP load, {clients} clients...", file=sys.stderr)
-        level = uvloop.run(run_level(endpoint, texts, clients, args.warmup, args.duration,
-                                      args.timeout, args.pids))
+        level = uvloop.run(run_load(endpoint, prepared, "closed", clients, warmup=args.warmup,
+                                    duration=args.duration, timeout=args.timeout,
+                                    cpu_pids=args.pids))
         print(f"  {level.req_per_s:.1f} req/s, {level.errors} errors", file=sys.stderr)
         levels.append(level)
 
@@ -495,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         raw = {**meta, "texts": len(texts), "inproc_sentences_per_s": medians(passes),
                "inproc_passes": passes,
-               "levels": [asdict(r) for r in levels]}
+               "levels": [asdict(r) | {"clients": int(r.offered)} for r in levels]}
         args.json.write_text(json.dumps(raw, indent=2) + "\n")
     if not any(r.requests for r in levels):
         print(f"error: every request to {endpoint} failed; is the gateway (and a worker "

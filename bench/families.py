@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,9 @@ from typing import Any
 import uvloop
 import yaml
 
-from bench.e2e import machine_info, make_texts, run_level
+from bench.e2e import machine_info
+from bench.load import BodyFn, items_body, prepare, run_load
+from bench.mix import make_texts
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 QUERY = "which animal sits near the river"
@@ -43,23 +44,19 @@ class Family:
     model: str
     op: str
     path: str  # HTTP path
-    body: Callable[[str], dict[str, Any]]  # one request's kwargs (less "model") from one text
-
-
-def _items(text: str) -> dict[str, Any]:
-    return {"items": [{"text": text}]}
+    body: BodyFn  # one request's kwargs (less "model") from its texts
 
 
 FAMILIES = [
-    Family("dense", MINILM, "encode", f"/v1/encode/{MINILM}", _items),
+    Family("dense", MINILM, "encode", f"/v1/encode/{MINILM}", items_body),
     Family("cross-encoder", "bench/minilm-reranker", "score", "/v1/score/bench/minilm-reranker",
-           lambda t: {"query": QUERY, **_items(t)}),
+           lambda texts: {"query": QUERY, **items_body(texts)}),
     Family("token-classification", "bench/minilm-ner", "extract",
-           "/v1/extract/bench/minilm-ner", _items),
+           "/v1/extract/bench/minilm-ner", items_body),
     Family("sequence-classification", "bench/minilm-sentiment", "classify",
-           "/v1/classify/bench/minilm-sentiment", _items),
+           "/v1/classify/bench/minilm-sentiment", items_body),
     Family("zero-shot", "bench/minilm-nli", "classify", "/v1/classify/bench/minilm-nli",
-           lambda t: {**_items(t), "options": {"labels": LABELS}}),
+           lambda texts: {**items_body(texts), "options": {"labels": LABELS}}),
 ]
 
 
@@ -127,7 +124,7 @@ def in_process(catalog: Path, texts: list[str], reps: int) -> dict[str, InProces
     host.load(entries)
     results: dict[str, InProcess] = {}
     for family, entry in zip(FAMILIES, entries, strict=True):
-        requests = [Request(str(i), family.op, {"model": family.model, **family.body(t)})
+        requests = [Request(str(i), family.op, {"model": family.model, **family.body([t])})
                     for i, t in enumerate(texts)]
         host.run_batch(family.model, requests[:8])  # warm up
 
@@ -151,12 +148,14 @@ def through_stack(catalog: Path, texts: list[str], clients: int, duration: float
     env = {"SHOAL_CATALOG_DIR": str(catalog),
            "SHOAL_MODELS": ",".join(f.model for f in FAMILIES)}
     last = FAMILIES[-1]
-    probe = (last.path, json.dumps(last.body("warm up")).encode())
+    probe = (last.path, json.dumps(last.body(["warm up"])).encode())
     results = {}
     with bench_stack(MINILM, env, probe) as stack:
         for family in FAMILIES:
-            level = uvloop.run(run_level(stack.url + family.path, texts, clients, warmup,
-                                         duration, 30.0, stack.pids, family.body))
+            endpoint = stack.url + family.path
+            prepared = prepare(endpoint, [[text] for text in texts], family.body)
+            level = uvloop.run(run_load(endpoint, prepared, "closed", clients, warmup=warmup,
+                                        duration=duration, cpu_pids=stack.pids))
             results[family.adapter] = asdict(level)
             print(f"  stack {family.adapter}: {level.req_per_s:.0f} req/s", file=sys.stderr)
     return results

@@ -18,7 +18,9 @@ Counting, for both modes, over the measured window [warm-up end, end):
   *completed* inside the window;
 - latency percentiles and errors: requests *started* (closed) or *scheduled*
   (open) inside the window, awaited after it ends (up to the timeout), so
-  slow responses under overload are not left out of the tail.
+  slow responses under overload are not left out of the tail;
+- CPU (`cpu_pids`, bench.cpu): each process's CPU over the window, per
+  request completed in it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from bench.cpu import CpuUse, cpu_over
 from bench.knee import Point
 from bench.rawhttp import Connection, HttpError
 
@@ -93,6 +96,10 @@ class LoadResult:
     simulated_device: str | None = None
     connections: int = 0  # opened, at most
     warmup_errors: int = 0
+    # CPU ms per completed request of each process in `cpu_pids` (and their "total"),
+    # and of the load generator itself (None without requests).
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    client_cpu_ms_per_request: float | None = None
 
     @property
     def error_rate(self) -> float:
@@ -177,21 +184,30 @@ async def _closed_client(endpoint: str, requests: Sequence[Prepared], first: int
         await connection.close()
 
 
+def _start(warmup: float, duration: float,
+           cpu_pids: Sequence[int]) -> tuple[_Tally, asyncio.Task[CpuUse]]:
+    """The tally of a window starting after `warmup`, and the CPU meter over it."""
+    now = time.perf_counter()
+    window = _Window(now + warmup, now + warmup + duration)
+    return _Tally(window), asyncio.create_task(cpu_over(window.start, window.end, cpu_pids))
+
+
 async def closed_loop(endpoint: str, requests: Sequence[Prepared], clients: int, *,
-                      warmup: float, duration: float, timeout: float = 30.0) -> LoadResult:
+                      warmup: float, duration: float, timeout: float = 30.0,
+                      cpu_pids: Sequence[int] = ()) -> LoadResult:
     """`clients` connections, each with one request in flight at a time."""
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
-    now = time.perf_counter()
-    tally = _Tally(_Window(now + warmup, now + warmup + duration))
+    tally, meter = _start(warmup, duration, cpu_pids)
     await asyncio.gather(*(_closed_client(endpoint, requests, k, clients, timeout, tally)
                            for k in range(clients)))
-    return _result("closed", clients, duration, tally, connections=clients)
+    return _result("closed", clients, duration, tally, clients, await meter)
 
 
 async def open_loop(endpoint: str, requests: Sequence[Prepared], rate: float, *,
                     warmup: float, duration: float, timeout: float = 30.0,
-                    max_connections: int = 256, seed: int = 0) -> LoadResult:
+                    max_connections: int = 256, seed: int = 0,
+                    cpu_pids: Sequence[int] = ()) -> LoadResult:
     """Poisson arrivals at `rate` per second, each on a free pooled connection."""
     if not (rate > 0 and math.isfinite(rate)):
         raise ValueError(f"rate must be > 0, got {rate}")
@@ -199,7 +215,7 @@ async def open_loop(endpoint: str, requests: Sequence[Prepared], rate: float, *,
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     rng = random.Random(seed)
     now = time.perf_counter()
-    tally = _Tally(_Window(now + warmup, now + warmup + duration))
+    tally, meter = _start(warmup, duration, cpu_pids)
     idle: list[Connection] = []
     opened: list[Connection] = []
     in_flight: set[asyncio.Task[None]] = set()
@@ -237,7 +253,7 @@ async def open_loop(endpoint: str, requests: Sequence[Prepared], rate: float, *,
     for connection in opened:
         with contextlib.suppress(OSError):
             await connection.close()
-    return _result("open", rate, duration, tally, connections=len(opened))
+    return _result("open", rate, duration, tally, len(opened), await meter)
 
 
 def _percentile(values: np.ndarray | None, q: float) -> float | None:
@@ -245,8 +261,9 @@ def _percentile(values: np.ndarray | None, q: float) -> float | None:
 
 
 def _result(mode: str, offered: float, duration: float, tally: _Tally,
-            connections: int) -> LoadResult:
+            connections: int, cpu: CpuUse) -> LoadResult:
     lat = np.array(tally.latencies_ms) if tally.latencies_ms else None
+    cpu_ms, client_cpu_ms = cpu.ms_per_request(tally.completed)
     return LoadResult(
         mode=mode,
         offered=offered,
@@ -268,21 +285,26 @@ def _result(mode: str, offered: float, duration: float, tally: _Tally,
         simulated_device=tally.simulated,
         connections=connections,
         warmup_errors=tally.warmup_errors,
+        cpu_ms_per_request=cpu_ms,
+        client_cpu_ms_per_request=client_cpu_ms,
     )
 
 
 async def run_load(endpoint: str, requests: Sequence[Prepared], mode: str, offered: float, *,
                    warmup: float, duration: float, timeout: float = 30.0,
-                   max_connections: int = 256, seed: int = 0) -> LoadResult:
-    """One load level: `offered` clients (closed) or arrivals/s (open)."""
+                   max_connections: int = 256, seed: int = 0,
+                   cpu_pids: Sequence[int] = ()) -> LoadResult:
+    """One load level: `offered` clients (closed) or arrivals/s (open); CPU is measured
+    for `cpu_pids` (the stack's processes) and for this process."""
     if duration <= 0 or warmup < 0:
         raise ValueError("duration must be > 0 and warmup >= 0")
     if mode == "closed":
         if offered != int(offered):
             raise ValueError(f"closed loop needs a whole number of clients, got {offered}")
         return await closed_loop(endpoint, requests, int(offered), warmup=warmup,
-                                 duration=duration, timeout=timeout)
+                                 duration=duration, timeout=timeout, cpu_pids=cpu_pids)
     if mode == "open":
         return await open_loop(endpoint, requests, offered, warmup=warmup, duration=duration,
-                               timeout=timeout, max_connections=max_connections, seed=seed)
+                               timeout=timeout, max_connections=max_connections, seed=seed,
+                               cpu_pids=cpu_pids)
     raise ValueError(f"mode must be 'closed' or 'open', got {mode!r}")

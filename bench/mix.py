@@ -24,8 +24,15 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from bench.e2e import VOCABULARY
-
+VOCABULARY = (
+    "the", "a", "one", "every", "some", "small", "large", "quick", "slow", "bright", "dark", "old",
+    "new", "quiet", "loud", "cat", "dog", "river", "city", "train", "book", "garden", "window",
+    "teacher", "child", "market", "song", "storm", "mountain", "letter", "engine", "kitchen",
+    "ocean", "bridge", "doctor", "farmer", "painter", "runs", "walks", "reads", "finds", "builds",
+    "opens", "carries", "watches", "follows", "paints", "sings", "near", "under", "over", "behind",
+    "beside", "through", "across", "into", "from", "with", "today", "yesterday", "slowly",
+    "quickly", "often", "rarely", "again", "together", "alone",
+)
 SPEC_FORMS = ("N", "uniform:MIN:MAX", "pareto:SHAPE:MIN:MAX", "lognormal:MU:SIGMA:MIN:MAX",
               "choice:A,B,C...")
 
@@ -134,8 +141,15 @@ def parse_dist(spec: str) -> Dist:
 
 
 def make_text(rng: random.Random, words: int) -> str:
-    """A sentence of exactly `words` words from bench.e2e's vocabulary."""
+    """A sentence of exactly `words` words from the vocabulary."""
     return " ".join(rng.choice(VOCABULARY) for _ in range(words)).capitalize() + "."
+
+
+def make_texts(count: int = 200, seed: int = 0) -> list[str]:
+    """Deterministic short English-ish sentences of 5-15 words (the classic benchmark texts:
+    one text per request)."""
+    rng = random.Random(seed)
+    return [make_text(rng, rng.randint(5, 15)) for _ in range(count)]
 
 
 def make_requests(count: int, items_spec: str, words_spec: str,

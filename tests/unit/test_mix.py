@@ -7,8 +7,7 @@ import statistics
 
 import pytest
 
-from bench.e2e import VOCABULARY
-from bench.mix import describe, make_requests, parse_dist, summarize
+from bench.mix import VOCABULARY, describe, make_requests, parse_dist, summarize
 
 
 def draws(spec: str, n: int = 4000, seed: int = 1) -> list[int]:
