@@ -26,11 +26,12 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.knee import Knee, SweepPolicy, find_knee, next_load
 
 # What the search varies: the catalog profile field, the worker setting that overrides it,
 # and the candidate values tried.
@@ -42,27 +43,20 @@ PARAMETERS: dict[str, tuple[str, tuple[float, ...]]] = {
 }
 
 
-@dataclass(frozen=True)
-class Knee:
-    """What one setting achieved: its knee's throughput and latency."""
-
-    throughput: float  # req/s
-    p99_ms: float
-    load: float  # closed-loop clients at the knee
-
-
 Measure = Callable[[dict[str, float]], Knee | None]
 
 
 def better(a: Knee | None, b: Knee | None, tie: float = 0.02) -> bool:
-    """Whether `a` beats `b`: more throughput, or within `tie` of it with a lower p99."""
+    """Whether knee `a` beats `b`: more throughput, or within `tie` of it with a lower p99."""
     if a is None:
         return False
     if b is None:
         return True
-    if a.throughput > b.throughput * (1 + tie):
+    x, y = a.point, b.point
+    if x.throughput > y.throughput * (1 + tie):
         return True
-    return a.throughput >= b.throughput * (1 - tie) and a.p99_ms < b.p99_ms
+    # A knee's p99 is finite: find_knee never picks a point without one.
+    return x.throughput >= y.throughput * (1 - tie) and x.p99_ms < y.p99_ms  # type: ignore[operator]
 
 
 def coordinate_search(start: dict[str, float], grid: dict[str, Iterable[float]],
@@ -98,7 +92,7 @@ def coordinate_search(start: dict[str, float], grid: dict[str, Iterable[float]],
 
 def median_knee(knees: list[Knee | None]) -> Knee | None:
     """The median-throughput knee of repeated sweeps; None if most found none."""
-    found = sorted((k for k in knees if k is not None), key=lambda k: k.throughput)
+    found = sorted((k for k in knees if k is not None), key=lambda k: k.point.throughput)
     if len(found) * 2 < len(knees) or not found:
         return None
     return found[(len(found) - 1) // 2]
@@ -176,8 +170,8 @@ def measured_line(knee: Knee | None, args: argparse.Namespace, cost: tuple) -> s
     date = dt.date.today().isoformat()
     where = f"{platform.machine()}, {platform.node()}"
     what = ("no knee found" if knee is None else
-            f"knee {knee.throughput:.0f} req/s, p99 {knee.p99_ms:.0f} ms at {knee.load:.0f} "
-            "clients")
+            f"knee {knee.point.throughput:.0f} req/s, p99 {knee.point.p99_ms:.0f} ms at "
+            f"{knee.point.load:.0f} clients")
     return (f"shoal tune --device {args.device} --mix-items {args.mix_items} --mix-words "
             f"{args.mix_words} on {date} ({where}): {what}; cost fit a={cost[0]:.1f} ms "
             f"b={cost[1]:.1f} us/token")
@@ -188,7 +182,6 @@ def measure_live(model: str, setting: dict[str, float], args: argparse.Namespace
     """The knee of a closed-loop sweep against a fresh stack running `setting`."""
     import uvloop
 
-    from bench.knee import SweepPolicy, find_knee, next_load
     from bench.load import items_body, prepare, run_load
     from bench.stack import bench_stack
 
@@ -215,7 +208,7 @@ def measure_live(model: str, setting: dict[str, float], args: argparse.Namespace
     p = knee.point
     print(f"  {label}: knee {p.throughput:.0f} req/s, p99 {p.p99_ms:.0f} ms at {p.load:g} "
           "clients", file=sys.stderr)
-    return Knee(p.throughput, p.p99_ms or 0.0, p.load)
+    return knee
 
 
 def _grid(args: argparse.Namespace) -> dict[str, tuple[float, ...]]:

@@ -4,36 +4,43 @@ from __future__ import annotations
 
 import pytest
 
-from bench.tune import Knee, better, coordinate_search, fit_cost, write_profile
+from bench.knee import Knee, Point
+from bench.tune import better, coordinate_search, fit_cost, write_profile
+
+
+def knee_at(throughput: float, p99_ms: float, load: float) -> Knee:
+    """A knee (bench.knee) at `load` clients; the tuner reads only its point."""
+    point = Point(load, throughput, p99_ms / 2, p99_ms)
+    return Knee(point, 0, p99_ms, 2 * p99_ms, True, "synthetic")
 
 
 def test_more_throughput_wins_and_near_ties_go_to_the_lower_p99():
-    assert better(Knee(110, 90, 8), Knee(100, 50, 8))
-    assert not better(Knee(101, 90, 8), Knee(100, 50, 8))  # within 2%: p99 decides
-    assert better(Knee(99, 40, 8), Knee(100, 50, 8))
-    assert better(Knee(1, 1, 1), None) and not better(None, Knee(1, 1, 1))
+    assert better(knee_at(110, 90, 8), knee_at(100, 50, 8))
+    assert not better(knee_at(101, 90, 8), knee_at(100, 50, 8))  # within 2%: p99 decides
+    assert better(knee_at(99, 40, 8), knee_at(100, 50, 8))
+    assert better(knee_at(1, 1, 1), None) and not better(None, knee_at(1, 1, 1))
 
 
 def test_coordinate_search_finds_the_peak_of_a_synthetic_landscape():
     # Throughput peaks at max_items=32 and max_tokens=8192; delay only adds latency.
     def measure(s: dict[str, float]) -> Knee:
         throughput = 100 - abs(s["max_items"] - 32) / 2 - abs(s["max_tokens"] - 8192) / 512
-        return Knee(throughput, 50 + s["max_delay_ms"] * 10, 8)
+        return knee_at(throughput, 50 + s["max_delay_ms"] * 10, 8)
 
     grid = {"max_tokens": (2048, 8192, 16384), "max_items": (16, 32, 64),
             "max_delay_ms": (0.0, 5.0)}
     start = {"max_tokens": 16384, "max_items": 64, "max_delay_ms": 5.0}
     best, knee, history = coordinate_search(start, grid, measure)
     assert best == {"max_tokens": 8192, "max_items": 32, "max_delay_ms": 0.0}
-    assert knee == Knee(100, 50, 8)
+    assert knee == knee_at(100, 50, 8)
     settings = [tuple(sorted(s.items())) for s, _ in history]
     assert len(settings) == len(set(settings))  # nothing measured twice
 
 
 def test_a_setting_without_a_knee_never_wins():
     best, knee, _ = coordinate_search({"max_items": 64}, {"max_items": (16, 32)},
-                                      lambda s: None if s["max_items"] != 32 else Knee(5, 5, 1))
-    assert best == {"max_items": 32} and knee == Knee(5, 5, 1)
+                                      lambda s: None if s["max_items"] != 32 else knee_at(5, 5, 1))
+    assert best == {"max_items": 32} and knee == knee_at(5, 5, 1)
 
 
 def test_cost_fit_recovers_known_constants_and_never_goes_negative():
@@ -65,7 +72,7 @@ def test_write_profile_keeps_comments_and_other_keys(tmp_path):
 def test_repeated_sweeps_count_by_their_median_knee():
     from bench.tune import median_knee
 
-    knees = [Knee(90, 100, 8), Knee(140, 90, 16), Knee(100, 95, 8)]
-    assert median_knee(knees) == Knee(100, 95, 8)
-    assert median_knee([None, None, Knee(1, 1, 1)]) is None
-    assert median_knee([Knee(5, 5, 1), None]) == Knee(5, 5, 1)
+    knees = [knee_at(90, 100, 8), knee_at(140, 90, 16), knee_at(100, 95, 8)]
+    assert median_knee(knees) == knee_at(100, 95, 8)
+    assert median_knee([None, None, knee_at(1, 1, 1)]) is None
+    assert median_knee([knee_at(5, 5, 1), None]) == knee_at(5, 5, 1)
