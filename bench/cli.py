@@ -176,7 +176,7 @@ def dense_model_ref(model: str, env: dict[str, str]) -> str:
         raise ValueError(f"{model} is not in the catalog at {directory}")
     if entry.adapter != "dense":
         raise ValueError(f"--inproc measures dense models only; {model} is {entry.adapter}")
-    return resolve_source(entry.source)[0]
+    return resolve_source(entry.source)
 
 
 def measure_inproc(model: str, env: dict[str, str],

@@ -44,9 +44,8 @@ def _load_models(**_: Any) -> None:
     from runtimes.sources import resolve_source
 
     for entry in load_catalog(settings.catalog_dir).require(settings.models):
-        ref, local = resolve_source(entry.source)
-        _encoders[entry.id] = DenseEncoder(ref, local=local, pooling=entry.pooling,
-                                           normalize=entry.normalize,
+        _encoders[entry.id] = DenseEncoder(resolve_source(entry.source),
+                                           pooling=entry.pooling, normalize=entry.normalize,
                                            max_seq_length=entry.max_seq_length)
 
 
