@@ -25,7 +25,7 @@ import amqp
 import msgpack
 
 from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, H_MULTI, H_REPLY_BATCH
-from tasks.errors import ErrorCode
+from tasks.errors import ErrorCode, ShoalError
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,6 @@ def rpc_result(task_id: str, status: str, result: Any) -> dict[str, Any]:
         "children": [],
         "date_done": datetime.now(UTC).isoformat(),
     }
-
-
-def failure_result(code: str, text: str) -> dict[str, Any]:
-    """A ShoalError the way Celery serialises exceptions without pickle."""
-    return {"exc_type": "ShoalError", "exc_message": [str(code), text],
-            "exc_module": "tasks.errors"}
 
 
 class Replier:
@@ -94,7 +88,7 @@ class Replier:
     def failure(self, message: Any, task_id: str, code: str | None, text: str | None) -> None:
         code = code or ErrorCode.INTERNAL
         self._answer(message, task_id,
-                     rpc_result(task_id, FAILURE, failure_result(code, text or "")))
+                     rpc_result(task_id, FAILURE, ShoalError(code, text or "").as_celery_failure()))
         self.event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
                    traceback="")
 

@@ -20,7 +20,6 @@ from gateway.broker import Broker
 from gateway.codecs import encode_response
 from gateway.completions import create_chat_completion, create_completion
 from gateway.embeddings import create_embeddings
-from gateway.errors import ApiError
 from gateway.health import healthz, list_models, readyz
 from gateway.metrics import LATENCY, REQUESTS, metrics
 from gateway.native import classify, encode, extract, score
@@ -29,21 +28,16 @@ from tasks.errors import ErrorCode, ShoalError
 log = logging.getLogger(__name__)
 
 
-def _error_response(request: Request, error: ApiError) -> Response:
+def _error_response(request: Request, error: ShoalError) -> Response:
     headers = {"X-Request-Id": getattr(request.state, "request_id", "")}
     if error.retry_after is not None:
         headers["Retry-After"] = str(error.retry_after)
     return encode_response(request, error.body(), error.status, headers)
 
 
-async def _on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return _error_response(request, exc)
-
-
 async def _on_shoal_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ShoalError)
-    return _error_response(request, ApiError(exc.code, exc.message))
+    return _error_response(request, exc)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
@@ -51,14 +45,14 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
         exc.status_code, ErrorCode.INVALID_REQUEST
     )
-    error = ApiError(code, f"{request.method} {request.url.path}: {exc.detail}")
+    error = ShoalError(code, f"{request.method} {request.url.path}: {exc.detail}")
     error.status = exc.status_code
     return _error_response(request, error)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return _error_response(request, ApiError(ErrorCode.INTERNAL, "internal error; see the "
+    return _error_response(request, ShoalError(ErrorCode.INTERNAL, "internal error; see the "
                                              "gateway's log"))
 
 
@@ -135,7 +129,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
         ],
         exception_handlers={
-            ApiError: _on_api_error,
             ShoalError: _on_shoal_error,
             HTTPException: _on_http_error,
             Exception: _on_unexpected,

@@ -1,13 +1,17 @@
-"""Machine-readable error codes shared by workers, gateways and Celery clients.
+"""The one error type of shoal: codes, their HTTP status, and how a failure travels.
 
 A whole-request failure travels as a Celery FAILURE whose exception is a
-`ShoalError(code, message)`; a Celery client's `AsyncResult.get()` raises it
-again (the class is found through `exc_module`).
+`ShoalError(code, message)`, serialised without pickle the way Celery does it
+(`as_celery_failure`); a Celery client's `AsyncResult.get()` raises it again
+(the class is found through `exc_module`), and a gateway reads it back with
+`ShoalError.from_celery_failure`. The gateway answers any ShoalError as
+`{"error": {"code": ..., "message": ...}}` with `status`.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 
 class ErrorCode(StrEnum):
@@ -29,13 +33,65 @@ class ErrorCode(StrEnum):
     POISON_INPUT = "POISON_INPUT"
 
 
-class ShoalError(Exception):
-    """A request that cannot be served, with a code callers can branch on."""
+STATUS_OF_CODE: dict[str, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.VALIDATION_ERROR: 422,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.INPUT_TOO_LONG: 413,
+    ErrorCode.UNSUPPORTED_OPERATION: 422,
+    # The input crashed or broke the model every time it ran: retrying won't help.
+    ErrorCode.POISON_INPUT: 422,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.BROKER_UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.INTERNAL: 500,
+}
 
-    def __init__(self, code: str, message: str) -> None:
+
+class ShoalError(Exception):
+    """A request that cannot be served, with a code callers can branch on.
+
+    Its args are exactly (code, message): that is what Celery serialises and
+    what a client rebuilds it from. `status` and `retry_after` are the HTTP side.
+    """
+
+    def __init__(self, code: str, message: str, retry_after: int | None = None) -> None:
         super().__init__(code, message)
         self.code = ErrorCode(code) if code in ErrorCode.__members__ else code
         self.message = message
+        self.status = STATUS_OF_CODE.get(code, 500)
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
+
+    def body(self) -> dict[str, Any]:
+        """The HTTP error body."""
+        return {"error": {"code": str(self.code), "message": self.message}}
+
+    def as_celery_failure(self) -> dict[str, Any]:
+        """The `result` of a Celery FAILURE carrying this error, as Celery writes an
+        exception without pickle: a client finds the class through `exc_module`."""
+        return {"exc_type": ShoalError.__name__, "exc_message": [str(self.code), self.message],
+                "exc_module": __name__}
+
+    @classmethod
+    def from_celery_failure(cls, meta: Any) -> ShoalError:
+        """The error a Celery FAILURE result carries; any other exception a worker
+        reported becomes INTERNAL."""
+        if isinstance(meta, dict):
+            args = meta.get("exc_message")
+            if meta.get("exc_type") == ShoalError.__name__ and isinstance(args, list | tuple) \
+                    and len(args) == 2:
+                return cls(str(args[0]), str(args[1]))
+            return cls(ErrorCode.INTERNAL, f"worker error {meta.get('exc_type')}: {args}")
+        return cls(ErrorCode.INTERNAL, f"worker error: {meta!r}")
+
+
+def invalid(message: str) -> ShoalError:
+    """A request that is wrong in a way its message tells the caller how to fix."""
+    return ShoalError(ErrorCode.VALIDATION_ERROR, message)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, IMAGE, SCORE, TEXT
-from tasks.errors import ErrorCode, ShoalError
+from tasks.errors import ErrorCode, ShoalError, invalid
 
 DTYPES = ("float32", "float16", "int8", "binary")
 AGGREGATIONS = ("simple", "first", "average", "max", "none")
@@ -98,10 +98,6 @@ class ParsedRequest:
     @property
     def texts(self) -> list[str]:
         return [i.text or "" for i in self.items]
-
-
-def invalid(message: str) -> ShoalError:
-    return ShoalError(ErrorCode.VALIDATION_ERROR, message)
 
 
 # --- option checkers -----------------------------------------------------------------------

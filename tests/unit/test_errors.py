@@ -1,0 +1,43 @@
+"""One error type: its HTTP status, its body, and its Celery FAILURE both ways."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import ApiError, invalid
+from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
+
+
+def test_the_gateways_error_is_shoals():
+    assert ApiError is ShoalError
+    error = invalid("options.dtype must be one of [...]")
+    assert (error.code, error.status) == (ErrorCode.VALIDATION_ERROR, 422)
+    assert error.body() == {"error": {"code": "VALIDATION_ERROR",
+                                      "message": "options.dtype must be one of [...]"}}
+
+
+def test_every_code_has_a_status_and_unknown_codes_are_500():
+    assert set(STATUS_OF_CODE) == set(ErrorCode)
+    assert ShoalError(ErrorCode.QUEUE_FULL, "full", retry_after=1).status == 429
+    assert ShoalError("SOMETHING_NEW", "?").status == 500
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_a_failure_reads_back_as_the_error_it_carries(code):
+    failure = ShoalError(code, f"{code} happened").as_celery_failure()
+    assert failure == {"exc_type": "ShoalError", "exc_message": [str(code), f"{code} happened"],
+                       "exc_module": "tasks.errors"}
+    back = ShoalError.from_celery_failure(failure)
+    assert (back.code, back.message, back.status) == (code, f"{code} happened",
+                                                       STATUS_OF_CODE[code])
+
+
+@pytest.mark.parametrize("meta", [
+    {"exc_type": "KeyError", "exc_message": ["x"], "exc_module": "builtins"},
+    {"exc_type": "ShoalError", "exc_message": "not a pair"},
+    "a worker that answered a string",
+])
+def test_any_other_failure_is_internal(meta):
+    error = ShoalError.from_celery_failure(meta)
+    assert (error.code, error.status) == (ErrorCode.INTERNAL, 500)
+    assert error.message.startswith("worker error")
