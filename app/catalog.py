@@ -26,9 +26,15 @@ from pydantic import (
 
 from app.settings import PACKAGED_CATALOG_DIR
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
-from tasks.cost import DEFAULT_IMAGE_TOKENS
+from tasks.cost import DEFAULT_IMAGE_TOKENS, DEFAULT_MAX_TOKENS, Estimate, estimate_request
 from tasks.errors import ShoalError
-from tasks.schema import ParsedRequest, parse_encode, parse_options, parse_request
+from tasks.schema import (
+    GenerateOptions,
+    ParsedRequest,
+    parse_encode,
+    parse_options,
+    parse_request,
+)
 
 
 class CatalogError(ValueError):
@@ -148,6 +154,15 @@ class ModelEntry(BaseModel):
             return parse_encode(kwargs, self.dims, contract.inputs, self.defaults, self.id,
                                 contract.outputs[0])
         return parse_request(contract.operation, kwargs, contract.inputs, self.defaults, self.id)
+
+    def estimate(self, kwargs: Any) -> Estimate:
+        """(items, real tokens, longest item's tokens) of a request to this model, counted
+        without a tokenizer: the one estimate every scheduler input comes from (the
+        gateway's headers, a Celery client's, the sim's sleep, bench's messages). Anything
+        malformed counts as small; it is rejected where it is parsed."""
+        return estimate_request(self.operation, kwargs, self.max_seq_length or DEFAULT_MAX_TOKENS,
+                                self.image_tokens,
+                                self.defaults.get("max_tokens", GenerateOptions.max_tokens))
 
     def profile(self, device: str) -> BatchProfile | None:
         """The tuned profile for a device type ('cpu', 'l4', 'h100', ...), if any."""

@@ -8,7 +8,8 @@ routed to the queue of the model named in their kwargs.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery.signals import before_task_publish, worker_init
@@ -18,6 +19,10 @@ from app.settings import get_settings
 from tasks.envelope import annotate, now_ms
 from tasks.names import OPERATION_OF_TASK
 
+if TYPE_CHECKING:
+    from app.catalog import Catalog
+
+log = logging.getLogger(__name__)
 settings = get_settings()
 
 app = Celery("shoal", broker=settings.broker_url, backend="rpc://")
@@ -57,7 +62,9 @@ def _annotate_shoal_task(
     sender: str | None = None, body: Any = None, headers: dict | None = None,
     properties: dict | None = None, **_: Any,
 ) -> None:
-    """Give messages from plain Celery clients the headers a gateway would write."""
+    """Give messages from plain Celery clients the headers a gateway would write, from
+    the model's catalog entry. A model the catalog does not know gets none: the worker
+    answers MODEL_NOT_FOUND."""
     if sender not in OPERATION_OF_TASK or headers is None or "shoal_model" in headers:
         return
     kwargs = body[1] if isinstance(body, list | tuple) and len(body) == 3 else {}
@@ -69,7 +76,24 @@ def _annotate_shoal_task(
         deadline_ms = int(datetime.fromisoformat(expires).timestamp() * 1000)
         if properties is not None:
             properties["expiration"] = str(max(1, deadline_ms - now_ms()))
-    headers.update(annotate(sender, kwargs, deadline_ms=deadline_ms).as_headers())
+    model = kwargs.get("model") if isinstance(kwargs, dict) else None
+    catalog = _configured_catalog()
+    entry = catalog.get(model) if catalog is not None and isinstance(model, str) else None
+    if entry is not None:
+        headers.update(annotate(sender, kwargs, entry, deadline_ms=deadline_ms).as_headers())
+
+
+def _configured_catalog() -> Catalog | None:
+    """The catalog, read when a client first publishes (importing tasks.client reads no
+    files) and then kept by load_catalog; None if it cannot be read, tried again next time."""
+    from app.catalog import CatalogError, load_catalog
+
+    try:
+        return load_catalog(settings.catalog_dir)
+    except CatalogError as exc:
+        log.warning("a Celery task goes without shoal headers (the worker will estimate "
+                    "them): %s", exc)
+        return None
 
 
 @worker_init.connect

@@ -39,14 +39,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.catalog import load_catalog
 from app.settings import Settings
 from bench.e2e import machine_info
 from bench.knee import Point, SweepPolicy, find_knee, next_load
 from bench.mix import make_requests
 from bench.stack import BenchStack, bench_stack
 from gateway.broker import Broker
-from tasks.cost import estimate_request
-from tasks.envelope import H_REPLY_BATCH, Annotations, now_ms, task_body, task_headers
+from tasks.envelope import task_message
+from tasks.served import read_served
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # One simulated device: 40 ms per batch plus 0.2 ms per padded token, and
@@ -108,6 +109,7 @@ class Publisher:
     def __init__(self, prefixes: list[str]) -> None:
         self.brokers = [Broker(Settings(queue_prefix=p, models=[MODEL]), [MODEL])
                         for p in prefixes]
+        (self.entry,) = load_catalog(Settings().catalog_dir).require([MODEL])
         self.next = 0
 
     async def start(self) -> None:
@@ -127,25 +129,23 @@ class Publisher:
         broker = self.brokers[self.next % len(self.brokers)]
         self.next += 1
         kwargs = {"model": MODEL, "items": [{"text": t} for t in texts]}
-        items, cost, longest = estimate_request("encode", kwargs, 256)
-        sent = now_ms()
-        task_id = str(uuid.uuid4())
-        headers = task_headers(task_id, "shoal.encode", Annotations(
-            MODEL, "encode", items, cost, longest, sent + int(timeout_s * 1000), sent),
-            broker.origin)
-        headers[H_REPLY_BATCH] = 1
+        # The gateway's message: the entry's estimate in the headers, batched replies.
+        message = task_message(self.entry, kwargs, broker.origin, int(timeout_s * 1000))
+        items = len(texts)
         started = time.perf_counter()
         try:
-            reply = await broker.call(MODEL, task_id, task_body(kwargs), headers, timeout_s)
+            reply = await broker.call(MODEL, message.task_id, message.body, message.headers,
+                                      timeout_s)
         except Exception:
             return Outcome((time.perf_counter() - started) * 1000, items, 0.0, "", False)
         done = time.perf_counter()
         latency = (done - started) * 1000
-        result = reply.get("result") or {}
-        batch = result.get("batch") or {}
+        result = reply.get("result")
+        served = read_served(result if isinstance(result, dict) else {})
+        batch = served.batch or {}
         ok = reply.get("status") == "SUCCESS"
         share = batch.get("inference_ms", 0.0) / max(1, batch.get("requests", 1))
-        return Outcome(latency, items, share if ok else 0.0, str(result.get("worker")), ok,
+        return Outcome(latency, items, share if ok else 0.0, str(served.worker), ok,
                        started, done)
 
 

@@ -142,7 +142,6 @@ def calibrate(entry: Any, requests: list[list[str]], sizes: Iterable[int] = (1, 
     """(estimated padded tokens, estimated longest, seconds) of in-process batches."""
     from runtimes.base import Request
     from runtimes.host import ModelHost
-    from tasks.cost import estimate_request
 
     host = ModelHost()
     host.load([entry])
@@ -154,8 +153,7 @@ def calibrate(entry: Any, requests: list[list[str]], sizes: Iterable[int] = (1, 
                 batch = requests[rep * size:(rep + 1) * size] or requests[:size]
                 kwargs = [{"model": entry.id, "items": [{"text": t} for t in texts]}
                           for texts in batch]
-                estimates = [estimate_request(op, k, entry.max_seq_length or 512)
-                             for k in kwargs]
+                estimates = [entry.estimate(k) for k in kwargs]
                 items = sum(e[0] for e in estimates)
                 longest = max(e[2] for e in estimates)
                 started = time.perf_counter()

@@ -19,7 +19,6 @@ from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
 from gateway.submit import call_model, check_items, served_model
 from tasks.adapters import GENERATE
-from tasks.schema import parse_request
 
 # OpenAI name -> shoal option name.
 _OPTIONS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
@@ -66,8 +65,7 @@ async def _generate(request: Request, body: Any, items: list[dict[str, Any]],
                     ) -> tuple[Any, dict[str, Any], dict[str, str], list[dict[str, Any]]]:
     entry = served_model(request, body.get("model"), GENERATE)
     kwargs = {"model": entry.id, "items": items, "options": _options(body, allowed)}
-    check_items(request, parse_request(GENERATE, kwargs, defaults=entry.defaults,
-                                       model=entry.id))
+    check_items(request, entry.parse(kwargs))
     reply = await call_model(request, entry, kwargs)
     usage = reply.result["usage"]
     return entry, {

@@ -13,7 +13,6 @@ from gateway.errors import invalid
 from gateway.submit import call_model, check_items, served_model
 from tasks.adapters import DENSE, ENCODE
 from tasks.results import embedding_arrays
-from tasks.schema import parse_encode
 
 ENCODING_FORMATS = ("float", "base64")
 
@@ -47,8 +46,7 @@ async def create_embeddings(request: Request) -> Response:
         options["dimensions"] = body["dimensions"]
     kwargs = {"model": entry.id, "items": [{"text": t} for t in texts], "options": options}
     # 422 before anything is published; the entry's defaults (prompts, dims) apply.
-    check_items(request, parse_encode(kwargs, entry.dims, defaults=entry.defaults,
-                                      model=entry.id))
+    check_items(request, entry.parse(kwargs))
     reply = await call_model(request, entry, kwargs)
     result = reply.result
     data = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,18 +10,10 @@ from starlette.requests import Request
 
 from app.catalog import ModelEntry
 from gateway.errors import ApiError, invalid
-from tasks.cost import estimate_request
-from tasks.envelope import (
-    DEFAULT_MAX_TOKENS,
-    H_REPLY_BATCH,
-    Annotations,
-    now_ms,
-    task_body,
-    task_headers,
-)
-from tasks.errors import ErrorCode
-from tasks.names import TASK_OF_OPERATION
-from tasks.schema import GenerateOptions, ParsedRequest
+from tasks.envelope import task_message
+from tasks.errors import ErrorCode, ShoalError
+from tasks.schema import ParsedRequest
+from tasks.served import reply_headers
 
 
 @dataclass(slots=True)
@@ -104,44 +95,13 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     """Publish the entry's operation with `kwargs` (already checked) and await the result."""
     started = time.perf_counter()
     budget_ms = timeout_ms(request)
-    op = entry.operation
-    items, cost, longest = estimate_request(
-        op, kwargs, entry.max_seq_length or DEFAULT_MAX_TOKENS, entry.image_tokens,
-        entry.defaults.get("max_tokens", GenerateOptions.max_tokens),
-    )
-    sent = now_ms()
-    annotations = Annotations(entry.id, op, items, cost, longest, sent + budget_ms, sent)
-    task_id = str(uuid.uuid4())
     broker = request.app.state.broker
-    headers = task_headers(task_id, TASK_OF_OPERATION[op], annotations, broker.origin)
-    headers[H_REPLY_BATCH] = 1
-    reply = await broker.call(entry.id, task_id, task_body(kwargs), headers, budget_ms / 1000)
+    message = task_message(entry, kwargs, broker.origin, budget_ms)
+    reply = await broker.call(entry.id, message.task_id, message.body, message.headers,
+                              budget_ms / 1000)
     if reply.get("status") != "SUCCESS":
-        raise error_from_failure(reply.get("result"))
+        raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]
-    timing = result.get("timing") or {}
-    out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}"}
-    if timing.get("queue_ms") is not None:
-        out_headers["X-Queue-Time-Ms"] = str(timing["queue_ms"])
-    if timing.get("inference_ms") is not None:
-        out_headers["X-Inference-Time-Ms"] = f"{timing['inference_ms']:.1f}"
-    if result.get("worker"):
-        out_headers["X-Worker"] = str(result["worker"])
-    if result.get("simulated"):
-        # A `sim` runtime answered: shapes are right, numbers are not a model's.
-        out_headers["X-Simulated"] = str(result["simulated"].get("device", "true"))
-    batch = result.get("batch") or {}
-    if "requests" in batch:
-        out_headers["X-Batch-Requests"] = str(batch["requests"])
+    out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}",
+                   **reply_headers(result)}
     return Reply(result, out_headers)
-
-
-def error_from_failure(meta: Any) -> ApiError:
-    """A Celery FAILURE result (a serialised ShoalError) as an API error."""
-    if isinstance(meta, dict):
-        args = meta.get("exc_message")
-        is_shoal = meta.get("exc_type") == "ShoalError"
-        if is_shoal and isinstance(args, list | tuple) and len(args) == 2:
-            return ApiError(str(args[0]), str(args[1]))
-        return ApiError(ErrorCode.INTERNAL, f"worker error {meta.get('exc_type')}: {args}")
-    return ApiError(ErrorCode.INTERNAL, f"worker error: {meta!r}")

@@ -24,6 +24,7 @@ from runtimes.base import Outcome, Request, failed, prepare_each
 from runtimes.pytorch.adapter import Adapter
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
+from tasks.served import stamp_batch
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,8 @@ class ModelHost:
         if runnable:
             started = time.perf_counter()
             results = adapter.run([prepared for _, prepared in runnable])
-            stats = {
-                "requests": len(runnable),
-                "items": sum(len(r.kwargs.get("items") or ()) for r, _ in runnable),
-                "inference_ms": (time.perf_counter() - started) * 1000,
-            }
+            stamp_batch(results, model_id, (r.kwargs for r, _ in runnable), started)
             for (request, _), result in zip(runnable, results, strict=True):
-                result["model"] = model_id
-                result["batch"] = stats
                 outcomes[request.id] = Outcome(request.id, result=result)
         return [outcomes[r.id] for r in requests]
 

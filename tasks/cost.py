@@ -20,6 +20,10 @@ from tasks.schema import DEFAULT_HYPOTHESIS
 CHARS_PER_TOKEN = 4
 SPECIAL_TOKENS = 2
 DEFAULT_IMAGE_TOKENS = 50
+# The length a text is estimated at most when its model's catalog entry names none.
+DEFAULT_MAX_TOKENS = 512
+
+Estimate = tuple[int, int, int]  # (items, real tokens, longest item's tokens)
 # A chat turn's role markers and separators, roughly.
 TOKENS_PER_MESSAGE = 4
 
@@ -64,7 +68,7 @@ def _item_tokens(op: str, item: Any, query: str, max_tokens: int, image_tokens: 
 
 def estimate_request(op: str, kwargs: dict[str, Any], max_tokens: int,
                      image_tokens: int = DEFAULT_IMAGE_TOKENS,
-                     default_new_tokens: int = 16) -> tuple[int, int, int]:
+                     default_new_tokens: int = 16) -> Estimate:
     """(items, total tokens, longest sequence in tokens) of a task's kwargs.
 
     Tolerates anything malformed (it counts as small): a request is checked

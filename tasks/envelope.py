@@ -8,14 +8,15 @@ shoal's gateway builds them directly (no Celery import) and workers read the
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
-from tasks.cost import estimate_request
-from tasks.names import OPERATION_OF_TASK
+from tasks.cost import Estimate
+from tasks.names import OPERATION_OF_TASK, TASK_OF_OPERATION
 
 CONTENT_TYPE = "application/x-msgpack"
 CONTENT_ENCODING = "binary"
@@ -34,9 +35,6 @@ H_REPLY_BATCH = "shoal_reply_batch"
 H_MULTI = "shoal_multi"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-# Where no max_seq_length is known (a plain Celery client, a catalog entry
-# without one), cap cost estimates here.
-DEFAULT_MAX_TOKENS = 512
 
 
 def now_ms() -> int:
@@ -73,21 +71,41 @@ class Annotations:
         return headers
 
 
-def annotate(task_name: str, kwargs: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,
-             deadline_ms: int | None = None) -> Annotations:
-    """Annotations computed from a request's kwargs (for clients without a gateway)."""
-    op = OPERATION_OF_TASK.get(task_name, "unknown")
-    items, cost, longest = estimate_request(op, kwargs, max_tokens)
-    options = kwargs.get("options") or {}
+class EstimatingEntry(Protocol):
+    """What annotating needs of a catalog entry: `app.catalog.ModelEntry` (tasks does not
+    import app, which Celery clients may not have configured)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def operation(self) -> str: ...
+
+    def estimate(self, kwargs: Any) -> Estimate: ...
+
+
+def annotate(task_name: str, kwargs: Any, entry: EstimatingEntry | None,
+             deadline_ms: int | None = None, sent_ms: int | None = None) -> Annotations:
+    """The annotations of a request to `entry`: what a gateway, a Celery client's publish
+    hook and a worker given a message without them all write, from the entry's estimate.
+
+    The operation is the task's, not the entry's, so a task sent to a model that serves
+    another is refused by the runtime as UNSUPPORTED_OPERATION. Without an entry (a model
+    not in the catalog) only the model is known, and the worker answers MODEL_NOT_FOUND.
+    """
+    request = kwargs if isinstance(kwargs, dict) else {}
+    items, cost, longest = entry.estimate(request) if entry is not None else (0, 0, 0)
+    options = request.get("options")
+    lora = options.get("lora") if isinstance(options, dict) else None
     return Annotations(
-        model=str(kwargs.get("model", "")),
-        op=op,
+        model=entry.id if entry is not None else str(request.get("model", "")),
+        op=OPERATION_OF_TASK.get(task_name, "unknown"),
         items=items,
         cost=cost,
         longest=longest,
         deadline_ms=deadline_ms,
-        sent_ms=now_ms(),
-        lora=options.get("lora") if isinstance(options, dict) else None,
+        sent_ms=now_ms() if sent_ms is None else sent_ms,
+        lora=lora if isinstance(lora, str) else None,
     )
 
 
@@ -139,6 +157,29 @@ def task_headers(task_id: str, task_name: str, annotations: Annotations, origin:
 def task_body(kwargs: dict[str, Any]) -> bytes:
     """Celery protocol v2 body `[args, kwargs, embed]`, msgpack-encoded."""
     return msgpack.packb([[], kwargs, _EMBED], use_bin_type=True)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskMessage:
+    task_id: str
+    headers: dict[str, Any]
+    body: bytes
+
+
+def task_message(entry: EstimatingEntry, kwargs: dict[str, Any], origin: str,
+                 timeout_ms: int, reply_batch: bool = True) -> TaskMessage:
+    """The message of a request to `entry`'s operation, annotated and due in `timeout_ms`.
+
+    `reply_batch` tells the worker the caller's reply consumer reads several results to
+    a message (`gateway.broker.Broker` does; see app.replies)."""
+    task_id = str(uuid.uuid4())
+    sent = now_ms()
+    task_name = TASK_OF_OPERATION[entry.operation]
+    annotations = annotate(task_name, kwargs, entry, deadline_ms=sent + timeout_ms, sent_ms=sent)
+    headers = task_headers(task_id, task_name, annotations, origin)
+    if reply_batch:
+        headers[H_REPLY_BATCH] = 1
+    return TaskMessage(task_id, headers, task_body(kwargs))
 
 
 def decode_body(body: bytes) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from app.catalog import ModelEntry
 from tasks.adapters import GENERATE, SCORE, TEXT
-from tasks.schema import ParsedRequest, parse_request
+from tasks.schema import ParsedRequest
 
 
 class Adapter(ABC):
@@ -49,8 +49,8 @@ class Adapter(ABC):
         return [t.lower() for t in texts] if lower else texts
 
     def parse(self, kwargs: Any) -> ParsedRequest:
-        return parse_request(self.operation, kwargs, self.contract.inputs, self.entry.defaults,
-                             self.entry.id)
+        """The entry's own check (`ModelEntry.parse`), the one the gateway made."""
+        return self.entry.parse(kwargs)
 
     def prepare(self, kwargs: Any) -> Any:
         """What `run` needs for one request; ShoalError if this model cannot serve it."""

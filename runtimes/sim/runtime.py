@@ -3,17 +3,16 @@
 Fleet experiments (a dozen workers, several device kinds, queueing and
 hold-back behaviour) need workers whose batches take realistic time, which a
 small machine cannot give with real models. `SimRuntime` checks each request
-exactly as the real runtime does (the same `tasks.schema` parsers with the
-entry's inputs, defaults and dims, plus the model-independent checks of the
-adapters), sleeps once per batch for the latency the scheduler's own formula
-(`batching.cost`) predicts on the simulated device, and answers with results
+exactly as the real runtime does (`ModelEntry.parse`, plus the model-independent
+checks of the adapters), sleeps once per batch for the latency the scheduler's
+own formula (`batching.cost`) predicts on the simulated device, and answers with results
 of the right shape: deterministic pseudo-random numbers, never a model's.
-Every result carries `"simulated"` (the device and its constants), which the
-gateway turns into an `X-Simulated` header, so no one mistakes them for
-real embeddings.
+Every result carries `"simulated"` (the device and its constants, see
+`tasks.served`), which the gateway turns into an `X-Simulated` header, so no
+one mistakes them for real embeddings.
 
-Token counts come from `tasks.cost.estimate_request`, the estimate the
-gateway puts in the message headers, so the scheduler and the simulated
+Token counts come from `ModelEntry.estimate`, the estimate every message's
+headers carry, so the scheduler and the simulated
 device agree on what a batch costs. Checks that need a tokenizer (the
 `truncate: false` length checks, a causal LM's context) are not simulated.
 
@@ -39,10 +38,9 @@ from runtimes.process import RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
-from tasks.cost import estimate_request
-from tasks.envelope import DEFAULT_MAX_TOKENS
 from tasks.errors import ErrorCode
-from tasks.schema import GenerateOptions, ParsedRequest, invalid
+from tasks.schema import ParsedRequest, invalid
+from tasks.served import stamp_batch
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +68,21 @@ class _SimModel:
         self.entry = entry
         self.constants = constants
         self.cost: CostModel = constants.cost_model()
-        self.max_tokens = entry.max_seq_length or DEFAULT_MAX_TOKENS
-        # As the gateway does, so the scheduler's headers and the sleep agree.
-        self.new_tokens = entry.defaults.get("max_tokens", GenerateOptions.max_tokens)
 
     @property
     def operation(self) -> str:
         return self.entry.operation
 
-    def estimate(self, op: str, kwargs: dict[str, Any]) -> tuple[int, int, int]:
-        return estimate_request(op, kwargs, self.max_tokens, self.entry.image_tokens,
-                                self.new_tokens)
-
-    def item_tokens(self, op: str, kwargs: dict[str, Any]) -> list[int]:
+    def item_tokens(self, kwargs: dict[str, Any]) -> list[int]:
         """The estimate of each item alone (multivector lengths, generate's prompts)."""
         items = kwargs.get("items") or []
-        return [self.estimate(op, {**kwargs, "items": [item]})[1] for item in items]
+        return [self.entry.estimate({**kwargs, "items": [item]})[1] for item in items]
 
     # --- checks ----------------------------------------------------------------------------
 
     def parse(self, kwargs: Any) -> ParsedRequest:
-        """`tasks.schema` as the real adapter calls it, then the adapter's own checks that
-        need no weights (their messages copied from runtimes/pytorch)."""
+        """The entry's check, as the real adapter makes it, then the adapter's own checks
+        that need no weights (their messages copied from runtimes/pytorch)."""
         entry = self.entry
         parsed = entry.parse(kwargs)
         options = parsed.options
@@ -140,7 +131,7 @@ class _SimModel:
 
     def _sparse(self, p: _Prepared) -> dict[str, Any]:
         embeddings = []
-        for key, tokens in zip(_keys(p.parsed), self.item_tokens(ENCODE, p.request.kwargs),
+        for key, tokens in zip(_keys(p.parsed), self.item_tokens(p.request.kwargs),
                                strict=True):
             rng = self._rng(key)
             k = max(1, min(SPARSE_TERMS, tokens))
@@ -153,7 +144,7 @@ class _SimModel:
 
     def _multivector(self, p: _Prepared) -> dict[str, Any]:
         dims = self.entry.dims or 1
-        lengths = [max(1, n) for n in self.item_tokens(ENCODE, p.request.kwargs)]
+        lengths = [max(1, n) for n in self.item_tokens(p.request.kwargs)]
         rows = []
         for key, n in zip(_keys(p.parsed), lengths, strict=True):
             vectors = self._rng(key).standard_normal((n, dims), dtype=np.float32)
@@ -180,7 +171,7 @@ class _SimModel:
         choices = [
             {"index": i, "text": text, "finish_reason": "length",
              "prompt_tokens": max(tokens - max_tokens, 0), "completion_tokens": max_tokens}
-            for i, tokens in enumerate(self.item_tokens(GENERATE, p.request.kwargs))
+            for i, tokens in enumerate(self.item_tokens(p.request.kwargs))
         ]
         prompt = sum(c["prompt_tokens"] for c in choices)
         completion = sum(c["completion_tokens"] for c in choices)
@@ -239,7 +230,8 @@ class SimRuntime:
 
         def prepare(request: Request) -> _Prepared:
             parsed = model.parse(request.kwargs)
-            items, tokens, longest = model.estimate(request.op, request.kwargs)
+            # The entry's estimate, the one the scheduler's headers carry: the sleep agrees.
+            items, tokens, longest = model.entry.estimate(request.kwargs)
             return _Prepared(request, parsed, items, tokens, longest)
 
         outcomes, checked = prepare_each(model_id, model.operation, requests, prepare)
@@ -253,19 +245,13 @@ class SimRuntime:
             # not that plus the noise, as long as making the noise is the shorter.
             results = [model.result(p) for p in runnable]
             _sleep_until(started + self.latency(model_id, shape))
-            stats = {
-                "requests": len(runnable),
-                "items": sum(len(p.request.kwargs.get("items") or ()) for p in runnable),
-                "inference_ms": (time.perf_counter() - started) * 1000,
-            }
             c = model.constants
             simulated = {"device": self.device, "a_ms": c.a_ms, "b_us": c.b_us, "c_ns": c.c_ns,
                          "speed": self.speed}
+            stamp_batch(results, model_id, (p.request.kwargs for p in runnable), started,
+                        simulated)
             for p, result in zip(runnable, results, strict=True):
                 result["usage"] = {**result.get("usage", {}), "tokens": p.tokens}
-                result["simulated"] = dict(simulated)
-                result["model"] = model_id
-                result["batch"] = stats
                 outcomes[p.request.id] = Outcome(p.request.id, result=result)
         return [outcomes[r.id] for r in requests]
 

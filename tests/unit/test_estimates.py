@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.cost import estimate_request
+from app.catalog import ModelEntry, Source
+from tasks.cost import DEFAULT_MAX_TOKENS, estimate_request
 
 
 def test_encode_counts_text_tokens_and_a_fixed_cost_per_image():
@@ -37,3 +38,26 @@ def test_garbage_counts_as_small_instead_of_failing():
     assert estimate_request("score", {"items": "nope", "query": 5}, 512) == (0, 0, 0)
     assert estimate_request("generate", {"items": [7], "options": {"max_tokens": "x"}},
                             512) == (1, 2, 2)
+
+
+def _entry(**fields) -> ModelEntry:
+    return ModelEntry(id="m", source=Source(path="/nowhere"), **fields)
+
+
+def test_an_entry_estimates_with_its_own_cap_and_image_cost():
+    clip = _entry(adapter="clip", dims=4, max_seq_length=16, image_tokens=9)
+    kwargs = {"items": [{"text": "x" * 400}, {"image": b"\x89PNG"}]}
+    assert clip.estimate(kwargs) == estimate_request("encode", kwargs, 16, 9) == (2, 25, 16)
+
+
+def test_an_entry_without_a_length_caps_at_the_default():
+    dense = _entry(adapter="dense", dims=4)
+    long = {"items": [{"text": "x" * 100_000}]}
+    assert dense.estimate(long) == (1, DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
+
+
+def test_an_entry_counts_its_default_new_tokens_for_generate():
+    lm = _entry(adapter="causal-lm", defaults={"max_tokens": 40})
+    prompt = {"items": [{"text": "x" * 40}]}
+    assert lm.estimate(prompt) == (1, 12 + 40, 12 + 40)
+    assert lm.estimate({**prompt, "options": {"max_tokens": 4}}) == (1, 16, 16)

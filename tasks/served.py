@@ -1,0 +1,113 @@
+"""The envelope of a successful result: what it carries beside its operation's fields.
+
+Written in two places, read in one:
+- the runtime that computed it (`runtimes/host.py`, `runtimes/sim`) adds
+  `model`, `batch` (the batch it ran in) and, for the sim, `simulated`
+  (`stamp_batch`);
+- the worker that answered it (`app/dispatcher.py`) adds `timing` and `worker`
+  (`stamp_delivery`);
+- whoever awaits it reads them back with `read_served` (the gateway turns them
+  into response headers with `reply_headers`, bench counts device time with it).
+Celery clients get the same dict, so these keys are part of the result contract.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+MODEL = "model"
+BATCH = "batch"
+SIMULATED = "simulated"  # the sim's device and constants; absent for a real model
+TIMING = "timing"
+WORKER = "worker"  # the Celery hostname that answered
+
+
+class BatchStats(TypedDict):
+    """The batch a result was computed in (every result of the batch has the same)."""
+
+    requests: int
+    items: int
+    inference_ms: float
+
+
+class Timing(TypedDict):
+    queue_ms: int | None  # publish to the start of its batch; None without a sent time
+    inference_ms: float  # its batch's
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A result's envelope, read back; a field is None where the result lacks it."""
+
+    model: str | None
+    batch: BatchStats | None
+    timing: Timing | None
+    worker: str | None
+    simulated: dict[str, Any] | None  # set only when a `sim` runtime answered
+
+
+def stamp_batch(results: Iterable[dict[str, Any]], model: str,
+                kwargs: Iterable[Mapping[str, Any]], started: float,
+                simulated: Mapping[str, Any] | None = None) -> None:
+    """Mark the results of one batch with the model and the batch they ran in.
+
+    `kwargs` are the batch's requests, `started` its `time.perf_counter()` start.
+    """
+    requests = list(kwargs)
+    batch = BatchStats(
+        requests=len(requests),
+        items=sum(len(k.get("items") or ()) for k in requests),
+        inference_ms=(time.perf_counter() - started) * 1000,
+    )
+    for result in results:
+        result[MODEL] = model
+        result[BATCH] = batch
+        if simulated is not None:
+            result[SIMULATED] = dict(simulated)
+
+
+def stamp_delivery(result: dict[str, Any], queue_ms: int | None, worker: str) -> None:
+    """Mark a result with how long its request queued and which worker answered it."""
+    batch = result.get(BATCH) or {}
+    result[TIMING] = Timing(queue_ms=queue_ms,
+                            inference_ms=round(batch.get("inference_ms", 0.0), 3))
+    result[WORKER] = worker
+
+
+def _mapping(value: Any) -> Any:
+    return value if isinstance(value, Mapping) else None
+
+
+def read_served(result: Mapping[str, Any]) -> Served:
+    """The envelope of a result; tolerates a result without one (an older worker's)."""
+    worker = result.get(WORKER)
+    model = result.get(MODEL)
+    return Served(
+        model=str(model) if model else None,
+        batch=_mapping(result.get(BATCH)),
+        timing=_mapping(result.get(TIMING)),
+        worker=str(worker) if worker else None,
+        simulated=_mapping(result.get(SIMULATED)),
+    )
+
+
+def reply_headers(result: Mapping[str, Any]) -> dict[str, str]:
+    """The response headers a gateway derives from a result's envelope."""
+    served = read_served(result)
+    headers: dict[str, str] = {}
+    timing = served.timing or {}
+    if timing.get("queue_ms") is not None:
+        headers["X-Queue-Time-Ms"] = str(timing["queue_ms"])
+    if timing.get("inference_ms") is not None:
+        headers["X-Inference-Time-Ms"] = f"{timing['inference_ms']:.1f}"
+    if served.worker:
+        headers["X-Worker"] = served.worker
+    if served.simulated:
+        # A `sim` runtime answered: shapes are right, numbers are not a model's.
+        headers["X-Simulated"] = str(served.simulated.get("device", "true"))
+    if served.batch and "requests" in served.batch:
+        headers["X-Batch-Requests"] = str(served.batch["requests"])
+    return headers

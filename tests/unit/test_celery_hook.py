@@ -1,0 +1,44 @@
+"""A plain Celery client's message gets the headers a gateway would write."""
+
+from __future__ import annotations
+
+from app.catalog import load_catalog
+from app.celery import _annotate_shoal_task, settings
+from tasks.cost import DEFAULT_MAX_TOKENS
+from tasks.envelope import read_annotations
+from tasks.names import ENCODE, SCORE
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _publish(task: str, kwargs: dict, **headers) -> dict:
+    headers = {"task": task, "id": "t", **headers}
+    _annotate_shoal_task(sender=task, body=[[], kwargs, {}], headers=headers, properties={})
+    return headers
+
+
+def test_the_hook_writes_the_entrys_estimate():
+    kwargs = {"model": MINILM, "items": [{"text": "x" * 4000}, {"text": "hi"}]}
+    entry = load_catalog(settings.catalog_dir).get(MINILM)
+    assert entry is not None
+    ann = read_annotations(_publish(ENCODE, kwargs))
+    assert ann is not None and (ann.model, ann.op) == (MINILM, "encode")
+    assert (ann.items, ann.cost, ann.longest) == entry.estimate(kwargs)
+    assert ann.longest == (entry.max_seq_length or DEFAULT_MAX_TOKENS)
+
+
+def test_the_task_names_the_operation_so_the_worker_can_refuse_it():
+    ann = read_annotations(_publish(SCORE, {"model": MINILM, "items": [], "query": "q"}))
+    assert ann is not None and ann.op == "score"
+
+
+def test_a_model_the_catalog_lacks_gets_no_headers():
+    headers = _publish(ENCODE, {"model": "nobody/knows", "items": [{"text": "hi"}]})
+    assert read_annotations(headers) is None
+
+
+def test_headers_already_written_are_kept():
+    headers = _publish(ENCODE, {"model": MINILM, "items": []}, shoal_model=MINILM,
+                       shoal_op="encode", shoal_items=9, shoal_cost=9)
+    ann = read_annotations(headers)
+    assert ann is not None and ann.items == 9
