@@ -34,6 +34,7 @@ from runtimes.base import Outcome, Request, Runtime
 from tasks.envelope import Annotations, annotate, decode_body, now_ms, read_annotations
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
+from tasks.served import stamp_delivery
 
 log = logging.getLogger(__name__)
 
@@ -291,11 +292,8 @@ class Dispatcher:
         result = outcome.result
         assert result is not None
         sent = held.annotations.sent_ms
-        result["timing"] = {
-            "queue_ms": max(0, int(held.started * 1000) - sent) if sent else None,
-            "inference_ms": round(result.get("batch", {}).get("inference_ms", 0.0), 3),
-        }
-        result["worker"] = self.c.hostname
+        stamp_delivery(result, max(0, int(held.started * 1000) - sent) if sent else None,
+                       self.c.hostname)
         metrics.RESULTS.labels(model, "ok").inc()
         self.replier.success(held.message, held.task_id, result, time.time() - held.started)
 
