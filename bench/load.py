@@ -13,6 +13,9 @@ none free is counted as dropped rather than delayed, so the schedule never
 waits on the server. Latency counts from the scheduled arrival time, so a
 late event loop is charged to the result rather than hidden.
 
+`closed_loop_calls` is the closed loop through a client library (e.g. the
+official `openai` client) instead of raw HTTP, counted the same way.
+
 Counting, for both modes, over the measured window [warm-up end, end):
 - throughput (requests, items, req/s, items/s): successful responses that
   *completed* inside the window;
@@ -33,7 +36,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,6 +48,7 @@ from bench.knee import Point
 from bench.rawhttp import Connection, HttpError
 
 BodyFn = Callable[[list[str]], dict[str, Any]]
+CallFn = Callable[[list[str]], Awaitable[object]]  # one request through a client library
 
 
 def items_body(texts: list[str]) -> dict[str, Any]:
@@ -201,6 +205,34 @@ async def closed_loop(endpoint: str, requests: Sequence[Prepared], clients: int,
     tally, meter = _start(warmup, duration, cpu_pids)
     await asyncio.gather(*(_closed_client(endpoint, requests, k, clients, timeout, tally)
                            for k in range(clients)))
+    return _result("closed", clients, duration, tally, clients, await meter)
+
+
+async def closed_loop_calls(call: CallFn, requests: Sequence[list[str]], clients: int, *,
+                            warmup: float, duration: float, timeout: float = 30.0,
+                            cpu_pids: Sequence[int] = ()) -> LoadResult:
+    """`closed_loop` through a client library instead of raw HTTP (e.g. the official
+    `openai` client): `clients` tasks, each awaiting `call(texts)` in turn, counted
+    the same way; an exception counts as an error of its type."""
+    if clients < 1:
+        raise ValueError(f"clients must be >= 1, got {clients}")
+    if duration <= 0 or warmup < 0:
+        raise ValueError("duration must be > 0 and warmup >= 0")
+    tally, meter = _start(warmup, duration, cpu_pids)
+
+    async def client(index: int) -> None:
+        while time.perf_counter() < tally.window.end:
+            texts = requests[index % len(requests)]
+            index += clients
+            started = time.perf_counter()
+            error = None
+            try:
+                await asyncio.wait_for(call(texts), timeout)
+            except Exception as exc:
+                error = type(exc).__name__
+            tally.record(started, time.perf_counter(), len(texts), error, {})
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
     return _result("closed", clients, duration, tally, clients, await meter)
 
 
