@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 from app.metrics import DEAD_LETTERED
-from app.replies import Replier
+from app.replies import Delivery, Replier
+from tasks.envelope import H_COALESCED, read_coalesced
 from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,20 @@ class DeadLetterAnswerer:
         headers = message.headers or {}
         reason, count = death_reason(headers)
         DEAD_LETTERED.labels(self.model, reason).inc()
-        task_id = headers.get("id") or message.properties.get("correlation_id")
-        log.warning("dead-lettered request %s of %s: %s (delivered %d times)",
-                    task_id, self.model, reason, count)
-        if not task_id:
+        if H_COALESCED in headers:  # several requests: each caller gets the answer
+            try:
+                task_ids = [part.task_id for part in read_coalesced(headers, message.body)]
+            except ValueError:
+                task_ids = []
+        else:
+            task_id = headers.get("id") or message.properties.get("correlation_id")
+            task_ids = [task_id] if task_id else []
+        log.warning("dead-lettered requests %s of %s: %s (delivered %d times)",
+                    task_ids, self.model, reason, count)
+        if not task_ids:
             message.ack()  # nobody to answer
             return
         code, text = _ANSWERS.get(reason, (ErrorCode.INTERNAL, "the request was dead-lettered"))
-        self.replier.failure(message, task_id, code, text.format(count=count))
+        delivery = Delivery(message, len(task_ids))
+        for task_id in task_ids:
+            self.replier.failure(delivery, task_id, code, text.format(count=count))

@@ -5,14 +5,22 @@ channels are not thread-safe) except the batch itself, which runs on the
 runtime's own thread; its completion is handed back with `hub.call_soon`,
 which wakes the loop at once (no polling timer).
 
-Life of a message: delivered -> held by the scheduler (body not decoded;
+Life of a request: delivered -> held by the scheduler (body not decoded;
 headers carry the cost) -> taken into a batch -> result published to
-`reply_to` -> acked. On the way it may instead be answered DEADLINE_EXCEEDED
-(its deadline passed, or would pass before its batch ends) or returned
-(reject + requeue) for other workers. Every one of those decisions is
+`reply_to` -> its message acked. On the way it may instead be answered
+DEADLINE_EXCEEDED (its deadline passed, or would pass before its batch ends)
+or returned to the queue for other workers. Every one of those decisions is
 `batching.scheduler.Scheduler`'s; this module only feeds it events and
 applies its `Actions`: acks, rejects, consumer cancel/qos/consume, peer
 counts, Flower events and metrics.
+
+A message from a shoal gateway may carry several requests (coalesced, see
+`tasks.envelope.coalesce`). Each is held, scheduled, answered and shown in
+Flower on its own; the message is acked once all of them are settled
+(`app.replies.Delivery`). Requests of it that the scheduler gives back go
+back whole (reject + requeue) when nothing else of the message has been
+settled, else they are republished as a message of their own before the
+original is acked: a message cannot be requeued in part.
 """
 
 from __future__ import annotations
@@ -25,13 +33,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from app import metrics
-from app.replies import Replier
+from app.replies import Delivery, Replier
 from batching.former import batch_tokens
 from batching.hold import HoldLimits
 from batching.scheduler import Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
 from runtimes.base import Outcome, Request, Runtime
-from tasks.envelope import Annotations, annotate, decode_body, now_ms, read_annotations
+from tasks.envelope import (
+    H_COALESCED,
+    Annotations,
+    EstimatingEntry,
+    Part,
+    annotate,
+    coalesce,
+    decode_body,
+    now_ms,
+    read_annotations,
+    read_coalesced,
+)
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
 from tasks.served import stamp_delivery
@@ -46,11 +65,13 @@ TIMER_SLACK_S = 0.001
 
 @dataclass(slots=True)
 class Held:
-    """A delivered, unacked message and what the dispatcher knows about it."""
+    """A delivered request not yet settled, and what the dispatcher knows about it."""
 
-    message: Any  # kombu.Message
+    delivery: Delivery  # the message it came in (with others, if coalesced)
     task_id: str
     annotations: Annotations
+    body: bytes  # its Celery body, decoded only on the runtime's thread
+    returns: int = 0  # times a worker handed it on (republished) before
     started: float = 0.0  # epoch seconds when its batch started
 
 
@@ -59,16 +80,46 @@ class Consuming:
     """The kombu side of one served model: its consumer and how to count its peers."""
 
     consumer: Any  # kombu.Consumer of the model queue
+    queue: str
     count_peers: Callable[[], int]  # consumers of the queue, us included
     peers: int = 1
     checked: float = float("-inf")
 
 
+ReturnKey = tuple[str, str | None, bool]  # operation, reply_to, reply_batch
+
+
+def plan_returns(returned: list[Held]) -> tuple[list[Delivery], dict[ReturnKey, list[Held]]]:
+    """How to give requests back: (messages to requeue whole, requests to republish).
+
+    A message goes back whole (reject + requeue, which keeps its delivery count)
+    when every request it carries is returned and none is settled. A message
+    cannot be requeued in part, so the returned requests of any other message
+    are republished, grouped into one message per operation and caller (their
+    replies go where the original's would have); each counts one more return.
+    """
+    by_delivery: dict[int, list[Held]] = {}
+    for held in returned:
+        by_delivery.setdefault(id(held.delivery), []).append(held)
+    whole: list[Delivery] = []
+    handed_on: dict[ReturnKey, list[Held]] = {}
+    for helds in by_delivery.values():
+        delivery = helds[0].delivery
+        if delivery.untouched and len(helds) == delivery.requests:
+            whole.append(delivery)
+            continue
+        for held in helds:
+            key = (held.annotations.op, delivery.reply_to, delivery.reply_batch)
+            handed_on.setdefault(key, []).append(held)
+    return whole, handed_on
+
+
 class Dispatcher:
     def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
-                 hold: HoldLimits) -> None:
+                 hold: HoldLimits, entries: dict[str, EstimatingEntry]) -> None:
         self.c = consumer
         self.runtime = runtime
+        self.entries = entries  # to annotate a Celery client's message that came without
         self.scheduler = Scheduler(lanes, hold, self._peers)
         self.replier = Replier(consumer)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
@@ -79,9 +130,9 @@ class Dispatcher:
         self._tick_queued = False
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
 
-    def attach(self, model: str, consumer: Any, prefetch: int,
+    def attach(self, model: str, consumer: Any, queue: str, prefetch: int,
                count_peers: Callable[[], int]) -> None:
-        self.consuming[model] = Consuming(consumer, count_peers)
+        self.consuming[model] = Consuming(consumer, queue, count_peers)
         self.scheduler.prefetch_applied(model, prefetch)
         metrics.PREFETCH.labels(model).set(prefetch)
 
@@ -97,27 +148,54 @@ class Dispatcher:
 
     def _hold(self, message: Any) -> None:
         headers = message.headers or {}
-        task_id = headers.get("id") or message.properties.get("correlation_id")
         task_name = headers.get("task", ENCODE)
+        deliveries = 1 + int(headers.get("x-delivery-count") or 0)
+        if H_COALESCED in headers:
+            try:
+                parts = read_coalesced(headers, message.body)
+            except ValueError:
+                log.exception("coalesced message dead-lettered: it could not be read")
+                message.reject(requeue=False)
+                return
+            delivery = Delivery(message, len(parts))
+            for part in parts:
+                self._take(delivery, part.task_id, task_name, part.annotations, part.body,
+                           deliveries, part.returns)
+            self._queue_tick()
+            return
+        task_id = headers.get("id") or message.properties.get("correlation_id")
         if not task_id:
             log.error("message without a task id dead-lettered: %r", headers)
             message.reject(requeue=False)
             return
+        delivery = Delivery(message)
         annotations = read_annotations(headers)
         if annotations is None:  # a client that wrote no shoal headers
             try:
-                annotations = annotate(task_name, decode_body(message.body))
+                kwargs = decode_body(message.body)
             except ValueError as exc:
-                self.replier.failure(message, task_id, ErrorCode.INVALID_REQUEST, str(exc))
+                self.replier.failure(delivery, task_id, ErrorCode.INVALID_REQUEST, str(exc))
                 return
-        held = Held(message, task_id, annotations)
+            entry = self.entries.get(kwargs.get("model"))  # type: ignore[arg-type]
+            annotations = annotate(task_name, kwargs, entry)
+        self._take(delivery, task_id, task_name, annotations, message.body, deliveries, 0,
+                   headers)
+        self._queue_tick()
+
+    def _take(self, delivery: Delivery, task_id: str, task_name: str,
+              annotations: Annotations, body: bytes, deliveries: int, returns: int,
+              headers: dict[str, Any] | None = None) -> None:
+        """Hold one request (the only one of its message, or a part of a coalesced one)."""
+        held = Held(delivery, task_id, annotations, body, returns)
+        h = headers or {}
         self.replier.event("task-received", task_id, name=task_name, args="()",
-                           kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
-                           parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
-                           eta=None, expires=headers.get("expires"))
+                           kwargs=h.get("kwargsrepr") or
+                           f"{{'model': {annotations.model!r}, 'items': {annotations.items}}}",
+                           root_id=h.get("root_id", task_id), parent_id=h.get("parent_id"),
+                           retries=h.get("retries", 0), eta=None, expires=h.get("expires"))
         model = annotations.model
         if model not in self.scheduler.lanes:  # a message routed to the wrong queue
-            self.replier.failure(message, task_id, ErrorCode.MODEL_NOT_FOUND,
+            self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
                                  f"this worker does not serve {model!r}")
             return
         now = time.monotonic()
@@ -130,9 +208,8 @@ class Dispatcher:
             longest=annotations.longest,
             received=now,
             deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
-            deliveries=1 + int(headers.get("x-delivery-count") or 0),
+            deliveries=deliveries + returns,
         ))
-        self._queue_tick()
 
     def _queue_tick(self) -> None:
         # Let the loop finish reading the frames at hand first, so messages
@@ -162,8 +239,7 @@ class Dispatcher:
         for model, prefetch in actions.prefetch.items():
             self._set_prefetch(model, prefetch)
         for model, returned in actions.returned:
-            for pending in returned:
-                pending.handle.message.reject(requeue=True)
+            self._give_back(model, [pending.handle for pending in returned])
             metrics.RETURNS.labels(model).inc(len(returned))
             log.info("returned %d requests of %s to the queue", len(returned), model)
         for lane in self.scheduler.lanes.values():
@@ -172,7 +248,24 @@ class Dispatcher:
 
     def _refuse(self, model: str, held: Held, why: str) -> None:
         metrics.EXPIRED.labels(model).inc()
-        self.replier.failure(held.message, held.task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+        self.replier.failure(held.delivery, held.task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+
+    def _give_back(self, model: str, returned: list[Held]) -> None:
+        """Return requests to their queue (see `plan_returns`)."""
+        whole, handed_on = plan_returns(returned)
+        for delivery in whole:
+            delivery.requeue()
+        consuming = self.consuming.get(model)
+        if consuming is None:  # not consuming (connection lost): redelivered anyway
+            return
+        for (op, _, reply_batch), helds in handed_on.items():
+            parts = [Part(h.task_id, h.annotations, h.body, h.returns + 1) for h in helds]
+            message = coalesce(model, op, parts, self.c.hostname, reply_batch)
+            deadlines = [h.annotations.deadline_ms for h in helds]
+            expiration = (None if None in deadlines else
+                          max(d for d in deadlines if d is not None) / 1000 - time.time())
+            self.replier.forward([h.delivery for h in helds], consuming.queue, message.body,
+                                 message.headers, expiration)
 
     def _wake_in(self, seconds: float | None) -> None:
         if seconds is None:
@@ -241,7 +334,7 @@ class Dispatcher:
         undecodable: dict[str, Outcome] = {}
         for held in batch:
             try:
-                kwargs = decode_body(held.message.body)
+                kwargs = decode_body(held.body)
             except ValueError as exc:
                 undecodable[held.task_id] = Outcome(
                     held.task_id, error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc))
@@ -286,7 +379,7 @@ class Dispatcher:
     def _answer(self, model: str, held: Held, outcome: Outcome) -> None:
         if not outcome.ok:
             metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
-            self.replier.failure(held.message, held.task_id, outcome.error_code,
+            self.replier.failure(held.delivery, held.task_id, outcome.error_code,
                                  outcome.error_message)
             return
         result = outcome.result
@@ -295,7 +388,7 @@ class Dispatcher:
         stamp_delivery(result, max(0, int(held.started * 1000) - sent) if sent else None,
                        self.c.hostname)
         metrics.RESULTS.labels(model, "ok").inc()
-        self.replier.success(held.message, held.task_id, result, time.time() - held.started)
+        self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)
 
     # --- lifecycle -----------------------------------------------------------------------
 

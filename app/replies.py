@@ -2,11 +2,14 @@
 
 Results are Celery rpc result messages, so a Celery client's
 `AsyncResult.get()` reads them. They are published on a channel of the
-worker's own connection in publisher-confirm mode without waiting: the task
-message is acked when the broker confirms its result (`basic.ack` arrives on
-the event loop like any frame). That keeps delivery at-least-once without a
-round trip per request: if the worker dies in between, the message is
-redelivered and the gateway drops the duplicate reply.
+worker's own connection in publisher-confirm mode without waiting: a request
+is settled when the broker confirms its result (`basic.ack` arrives on the
+event loop like any frame), and its message is acked once every request it
+carries is settled (`Delivery`: one request for a Celery client's message,
+several for a shoal gateway's coalesced one). That keeps delivery
+at-least-once without a round trip per request: if the worker dies in
+between, the message is redelivered and the gateway drops the duplicate
+replies.
 
 A shoal gateway marks its messages with `shoal_reply_batch`; their results
 are collected while a batch is answered and go out as one message per reply
@@ -30,6 +33,46 @@ from tasks.errors import ErrorCode, ShoalError
 log = logging.getLogger(__name__)
 
 SUCCESS, FAILURE = "SUCCESS", "FAILURE"
+EVENT_BUFFER_LIMIT = 1024  # task events per event message (Celery's default: 24)
+
+
+class Delivery:
+    """A delivered message and how many of its requests are still open.
+
+    Acked when the last one is settled (answered and confirmed, or handed on);
+    requeued or dead-lettered as a whole at most once, after which nothing more
+    of it is acked (a second ack or reject of a tag closes the channel)."""
+
+    __slots__ = ("closed", "message", "open", "reply_batch", "reply_to", "requests")
+
+    def __init__(self, message: Any, requests: int = 1) -> None:
+        self.message = message
+        self.requests = requests
+        self.open = requests
+        self.closed = False
+        self.reply_to: str | None = message.properties.get("reply_to")
+        self.reply_batch = bool((message.headers or {}).get(H_REPLY_BATCH))
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing of it is settled yet: giving it back whole wastes no work."""
+        return not self.closed and self.open == self.requests
+
+    def settle(self) -> None:
+        self.open -= 1
+        if self.open == 0 and not self.closed:
+            self.closed = True
+            self.message.ack()
+
+    def requeue(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.message.reject(requeue=True)
+
+    def dead_letter(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.message.reject(requeue=False)
 
 
 def rpc_result(task_id: str, status: str, result: Any) -> dict[str, Any]:
@@ -49,8 +92,9 @@ class Replier:
         self.c = consumer
         self.channel: Any = None
         self._published = 0  # publisher sequence number of the last publish
-        self._unconfirmed: dict[int, list[Any]] = {}  # sequence -> task messages to ack
-        self._bundles: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+        # publish sequence number -> the requests its confirm settles
+        self._unconfirmed: dict[int, list[Delivery]] = {}
+        self._bundles: dict[str, list[tuple[dict[str, Any], Delivery]]] = {}
         self._batching = False
 
     def open(self, connection: Any) -> None:
@@ -76,18 +120,19 @@ class Replier:
         for reply_to, entries in bundles.items():
             body = msgpack.packb({"results": [payload for payload, _ in entries]},
                                  use_bin_type=True)
-            self._send(reply_to, "", body, [message for _, message in entries],
+            self._send(reply_to, "", body, [delivery for _, delivery in entries],
                        headers={H_MULTI: 1})
 
-    def success(self, message: Any, task_id: str, result: dict[str, Any],
+    def success(self, delivery: Delivery, task_id: str, result: dict[str, Any],
                 runtime_s: float) -> None:
-        self._answer(message, task_id, rpc_result(task_id, SUCCESS, result))
+        self._answer(delivery, task_id, rpc_result(task_id, SUCCESS, result))
         self.event("task-succeeded", task_id, result=f"<{result.get('count')} vectors>",
                    runtime=runtime_s)
 
-    def failure(self, message: Any, task_id: str, code: str | None, text: str | None) -> None:
+    def failure(self, delivery: Delivery, task_id: str, code: str | None,
+                text: str | None) -> None:
         code = code or ErrorCode.INTERNAL
-        self._answer(message, task_id,
+        self._answer(delivery, task_id,
                      rpc_result(task_id, FAILURE, ShoalError(code, text or "").as_celery_failure()))
         self.event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
                    traceback="")
@@ -95,51 +140,71 @@ class Replier:
     def event(self, kind: str, task_id: str, **fields: Any) -> None:
         dispatcher = getattr(self.c, "event_dispatcher", None)
         if dispatcher is not None and dispatcher.enabled:
+            # Celery buffers task events and flushes them on the loop's next turn; a batch
+            # of requests sends three events each, so let one flush carry them all.
+            dispatcher.buffer_limit = EVENT_BUFFER_LIMIT
             dispatcher.send(kind, uuid=task_id, **fields)
 
-    def _answer(self, message: Any, task_id: str, payload: dict[str, Any]) -> None:
-        props = message.properties
-        reply_to = props.get("reply_to")
+    def forward(self, deliveries: list[Delivery], routing_key: str, body: bytes,
+                headers: dict[str, Any], expiration_s: float | None) -> None:
+        """Publish a message of requests handed on (returned parts of coalesced messages)
+        to a queue; each request is settled when the broker confirms it."""
+        properties: dict[str, Any] = {"content_type": CONTENT_TYPE,
+                                      "content_encoding": CONTENT_ENCODING,
+                                      "application_headers": headers, "delivery_mode": 2}
+        reply_to = deliveries[0].reply_to if deliveries else None
+        if reply_to:
+            properties["reply_to"] = reply_to
+        if expiration_s is not None:
+            properties["expiration"] = str(max(1, int(expiration_s * 1000)))
+        self._publish(amqp.Message(body, **properties), routing_key, deliveries)
+
+    def _answer(self, delivery: Delivery, task_id: str, payload: dict[str, Any]) -> None:
+        reply_to = delivery.reply_to
         if not reply_to:  # fire-and-forget: nobody waits for a result
-            message.ack()
+            delivery.settle()
             return
-        headers = message.headers or {}
-        if self._batching and headers.get(H_REPLY_BATCH):
-            self._bundles.setdefault(reply_to, []).append((payload, message))
+        if self._batching and delivery.reply_batch:
+            self._bundles.setdefault(reply_to, []).append((payload, delivery))
             return
         body = msgpack.packb(payload, use_bin_type=True)
-        self._send(reply_to, props.get("correlation_id") or task_id, body, [message])
+        self._send(reply_to, task_id, body, [delivery])
 
-    def _send(self, reply_to: str, correlation_id: str, body: bytes, messages: list[Any],
-              headers: dict[str, Any] | None = None) -> None:
+    def _send(self, reply_to: str, correlation_id: str, body: bytes,
+              deliveries: list[Delivery], headers: dict[str, Any] | None = None) -> None:
+        self._publish(amqp.Message(body, content_type=CONTENT_TYPE,
+                                   content_encoding=CONTENT_ENCODING,
+                                   correlation_id=correlation_id,
+                                   application_headers=headers or {}),
+                      reply_to, deliveries)
+
+    def _publish(self, message: amqp.Message, routing_key: str,
+                 deliveries: list[Delivery]) -> None:
         try:
-            self.channel.basic_publish(
-                amqp.Message(body, content_type=CONTENT_TYPE, content_encoding=CONTENT_ENCODING,
-                             correlation_id=correlation_id, application_headers=headers or {}),
-                exchange="", routing_key=reply_to,
-            )
+            self.channel.basic_publish(message, exchange="", routing_key=routing_key)
         except Exception:
             # Left unacked, the messages come back once the connection is re-established.
-            log.exception("could not publish %d results; they will be redelivered",
-                          len(messages))
+            log.exception("could not publish for %d requests; they will be redelivered",
+                          len(deliveries))
             return
         self._published += 1
-        self._unconfirmed[self._published] = messages
+        self._unconfirmed[self._published] = deliveries
 
     # --- confirms -------------------------------------------------------------------------
 
-    def _confirmed(self, tag: int, multiple: bool) -> list[list[Any]]:
+    def _confirmed(self, tag: int, multiple: bool) -> list[list[Delivery]]:
         tags = [t for t in self._unconfirmed if t <= tag] if multiple else [tag]
         return [self._unconfirmed.pop(t) for t in tags if t in self._unconfirmed]
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
-        for messages in self._confirmed(tag, multiple):
-            for message in messages:
-                message.ack()
+        for deliveries in self._confirmed(tag, multiple):
+            for delivery in deliveries:
+                delivery.settle()
 
     def _on_nack(self, tag: int, multiple: bool) -> None:
-        # The broker lost the results: run those requests again.
-        for messages in self._confirmed(tag, multiple):
-            log.warning("broker refused %d results; requeueing their requests", len(messages))
-            for message in messages:
-                message.reject(requeue=True)
+        # The broker lost what was published: run those requests again.
+        for deliveries in self._confirmed(tag, multiple):
+            log.warning("broker refused a publish for %d requests; requeueing their messages",
+                        len(deliveries))
+            for delivery in deliveries:
+                delivery.requeue()

@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     max_items: int = Field(512, ge=1, description="items (texts) per request")
     max_text_chars: int = Field(100_000, ge=1, description="characters per text item")
     retry_after_s: int = Field(1, ge=0)
+    coalesce: bool = Field(
+        True, description="publish requests for one model that wait together as one message"
+    )
+    publishes_in_flight: int = Field(
+        2, ge=1, description="unconfirmed publishes per model; later requests wait and coalesce"
+    )
 
     # --- worker ---
     prefetch: int = Field(64, ge=1, description="unacked messages per model consumer")

@@ -128,7 +128,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         if c.hub is None:
             raise RuntimeError("shoal's worker needs Celery's event loop (an AMQP broker)")
         if self.dispatcher is None:
-            self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold)
+            self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold,
+                                         {e.id: e for e in self.entries})
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
@@ -138,7 +139,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                                 prefetch_count=self.settings.prefetch,
                                 accept=["msgpack", "json"])
             consumer.consume()
-            self.dispatcher.attach(entry.id, consumer, self.settings.prefetch,
+            self.dispatcher.attach(entry.id, consumer, queue.name, self.settings.prefetch,
                                    _consumer_counter(channel, queue.name))
             dead_channel = c.connection.channel()
             answerer = DeadLetterAnswerer(self.dispatcher.replier, entry.id)

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -76,6 +77,8 @@ class RequestIdMiddleware:
 
     def __init__(self, app) -> None:
         self.app = app
+        # (route, status) -> its counter and latency histogram (labels() takes a lock)
+        self._series: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -95,8 +98,13 @@ class RequestIdMiddleware:
                 headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
                 headers.append((b"x-request-id", request_id.encode("latin-1")))
                 message["headers"] = headers
-                REQUESTS.labels(route, str(message["status"])).inc()
-                LATENCY.labels(route).observe(time.perf_counter() - started)
+                key = (route, message["status"])
+                series = self._series.get(key)
+                if series is None:
+                    series = self._series[key] = (REQUESTS.labels(route, str(key[1])),
+                                                  LATENCY.labels(route))
+                series[0].inc()
+                series[1].observe(time.perf_counter() - started)
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -5,6 +5,15 @@ confirms (a nack from a full queue becomes 429), the other consumes this
 gateway's exclusive reply queue, whose messages resolve futures keyed by
 correlation id. A reply for an id nobody waits for (a duplicate after a
 redelivery, or a request that already timed out) is dropped.
+
+Requests are not published one message each under load. Each model has an
+outbox: a request goes out on the loop's next turn, alone when it is alone
+(a plain Celery message), and while `publishes_in_flight` publishes of its
+model await their confirms, the requests that arrive meanwhile wait and go
+out together as one coalesced message (`tasks.envelope.coalesce`). No timer
+is involved: an idle gateway publishes at once, a busy one sends fewer,
+fuller messages, and the broker and the worker handle one message for many
+requests.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import logging
 import os
 import socket
 import uuid
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -24,11 +35,37 @@ from pamqp.commands import Basic
 from app.settings import Settings
 from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
-from gateway.metrics import DUPLICATE_REPLIES
-from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, H_MULTI, decode_results
+from gateway.metrics import DUPLICATE_REPLIES, REQUESTS_PER_MESSAGE
+from tasks.envelope import (
+    CONTENT_ENCODING,
+    CONTENT_TYPE,
+    H_MULTI,
+    Part,
+    coalesce,
+    decode_results,
+    now_ms,
+    read_annotations,
+    single_message,
+)
 from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
+
+# A coalesced message carries at most this many requests and body bytes; a request
+# bigger than COALESCE_MAX_PART_BYTES (an image, a long document) goes alone.
+COALESCE_MAX_PARTS = 256
+COALESCE_MAX_BYTES = 1024 * 1024
+COALESCE_MAX_PART_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """A request waiting in its model's outbox, and the future its caller awaits until
+    the broker has confirmed it."""
+
+    part: Part
+    timeout_s: float
+    confirmed: asyncio.Future[None]
 
 
 class Broker:
@@ -39,6 +76,9 @@ class Broker:
         self.reply_to = f"{settings.queue_prefix}.reply.{uuid.uuid4().hex}"
         self.origin = f"gateway@{socket.gethostname()}:{os.getpid()}"
         self.pending: dict[str, asyncio.Future] = {}
+        self._outbox: dict[str, list[_Outgoing]] = {}
+        self._in_flight: defaultdict[str, int] = defaultdict(int)
+        self._flush_due: set[str] = set()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self._ready = False
@@ -127,14 +167,28 @@ class Broker:
     async def call(
         self, model: str, task_id: str, body: bytes, headers: dict, timeout_s: float
     ) -> dict:
-        """Publish one task and wait for its result until `timeout_s` runs out."""
+        """Publish one annotated task message (`tasks.envelope.task_message`) and wait for
+        its result until `timeout_s` runs out."""
+        annotations = read_annotations(headers)
+        if annotations is None:
+            raise ValueError("the gateway publishes annotated task messages only")
+        return await self.submit(model, Part(task_id, annotations, body), timeout_s)
+
+    async def submit(self, model: str, part: Part, timeout_s: float) -> dict:
+        """Publish a request (alone or coalesced with others waiting for the same model)
+        and wait for its result until `timeout_s` runs out."""
         if not self.ready or self._exchange is None:
             raise _unavailable("the message broker is not connected")
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        task_id = part.task_id
         self.pending[task_id] = future
         try:
             async with asyncio.timeout(timeout_s):
-                await self._publish(model, task_id, body, headers, timeout_s)
+                outgoing = _Outgoing(part, timeout_s, loop.create_future())
+                self._outbox.setdefault(model, []).append(outgoing)
+                self._schedule_flush(model)
+                await outgoing.confirmed
                 return await future
         except TimeoutError:
             raise ApiError(
@@ -144,6 +198,59 @@ class Broker:
             ) from None
         finally:
             self.pending.pop(task_id, None)
+
+    # --- the outbox ----------------------------------------------------------------------
+
+    def _schedule_flush(self, model: str) -> None:
+        # On the loop's next turn, so that requests that arrive together leave together.
+        if model in self._flush_due or self._in_flight[model] >= self.settings.publishes_in_flight:
+            return
+        self._flush_due.add(model)
+        asyncio.get_running_loop().call_soon(self._flush, model)
+
+    def _flush(self, model: str) -> None:
+        self._flush_due.discard(model)
+        # A caller that gave up (timeout, disconnect) cancelled its wait: not published.
+        waiting = [o for o in self._outbox.pop(model, ()) if not o.confirmed.done()]
+        if not waiting:
+            return
+        groups = _coalescible(waiting) if self.settings.coalesce else [[o] for o in waiting]
+        self._in_flight[model] += 1
+        task = asyncio.get_running_loop().create_task(self._publish_groups(model, groups))
+        task.add_done_callback(lambda _: self._flushed(model))
+
+    def _flushed(self, model: str) -> None:
+        self._in_flight[model] -= 1
+        if self._outbox.get(model):
+            self._schedule_flush(model)
+
+    async def _publish_groups(self, model: str, groups: list[list[_Outgoing]]) -> None:
+        async def publish(group: list[_Outgoing]) -> None:
+            REQUESTS_PER_MESSAGE.observe(len(group))
+            try:
+                if len(group) == 1:
+                    message = single_message(group[0].part, self.origin)
+                    timeout_s = group[0].timeout_s
+                else:
+                    parts = [o.part for o in group]
+                    message = coalesce(model, parts[0].annotations.op, parts, self.origin)
+                    # The message lives as long as its longest-lived request; each
+                    # request's own deadline is the worker's to enforce.
+                    deadline_ms = max(p.annotations.deadline_ms or 0 for p in parts)
+                    timeout_s = max((deadline_ms - now_ms()) / 1000,
+                                    max(o.timeout_s for o in group))
+                await self._publish(model, message.task_id, message.body, message.headers,
+                                    timeout_s)
+            except ApiError as exc:
+                for o in group:
+                    if not o.confirmed.done():
+                        o.confirmed.set_exception(exc)
+            else:
+                for o in group:
+                    if not o.confirmed.done():
+                        o.confirmed.set_result(None)
+
+        await asyncio.gather(*(publish(group) for group in groups))
 
     async def _publish(
         self, model: str, task_id: str, body: bytes, headers: dict, timeout_s: float
@@ -175,6 +282,26 @@ class Broker:
             raise _unavailable(f"the broker did not take the message: {exc}") from None
         except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
             raise _unavailable(f"the message broker is not reachable: {exc}") from None
+
+
+def _coalescible(waiting: list[_Outgoing]) -> list[list[_Outgoing]]:
+    """Groups to publish: big requests alone, the rest together within the caps."""
+    groups: list[list[_Outgoing]] = []
+    current: list[_Outgoing] = []
+    size = 0
+    for o in waiting:
+        if len(o.part.body) > COALESCE_MAX_PART_BYTES:
+            groups.append([o])
+            continue
+        if current and (len(current) >= COALESCE_MAX_PARTS
+                        or size + len(o.part.body) > COALESCE_MAX_BYTES):
+            groups.append(current)
+            current, size = [], 0
+        current.append(o)
+        size += len(o.part.body)
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _unavailable(message: str) -> ApiError:

@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from app.catalog import ModelEntry
 from gateway.errors import ApiError, invalid
-from tasks.envelope import task_message
+from tasks.envelope import task_part
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest
 from tasks.served import reply_headers
@@ -96,9 +96,7 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     started = time.perf_counter()
     budget_ms = timeout_ms(request)
     broker = request.app.state.broker
-    message = task_message(entry, kwargs, broker.origin, budget_ms)
-    reply = await broker.call(entry.id, message.task_id, message.body, message.headers,
-                              budget_ms / 1000)
+    reply = await broker.submit(entry.id, task_part(entry, kwargs, budget_ms), budget_ms / 1000)
     if reply.get("status") != "SUCCESS":
         raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]

@@ -33,6 +33,8 @@ H_LORA = "shoal_lora"
 H_REPLY_BATCH = "shoal_reply_batch"
 # On a reply message that carries {"results": [...]} instead of one result.
 H_MULTI = "shoal_multi"
+# On a message that carries several requests (see `coalesce`): how many.
+H_COALESCED = "shoal_coalesced"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
@@ -172,14 +174,25 @@ def task_message(entry: EstimatingEntry, kwargs: dict[str, Any], origin: str,
 
     `reply_batch` tells the worker the caller's reply consumer reads several results to
     a message (`gateway.broker.Broker` does; see app.replies)."""
-    task_id = str(uuid.uuid4())
+    return single_message(task_part(entry, kwargs, timeout_ms), origin, reply_batch)
+
+
+def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int) -> Part:
+    """A request to `entry`'s operation, annotated and due in `timeout_ms`, before it is
+    framed: alone (`single_message`) or with others (`coalesce`)."""
     sent = now_ms()
-    task_name = TASK_OF_OPERATION[entry.operation]
-    annotations = annotate(task_name, kwargs, entry, deadline_ms=sent + timeout_ms, sent_ms=sent)
-    headers = task_headers(task_id, task_name, annotations, origin)
+    annotations = annotate(TASK_OF_OPERATION[entry.operation], kwargs, entry,
+                           deadline_ms=sent + timeout_ms, sent_ms=sent)
+    return Part(str(uuid.uuid4()), annotations, task_body(kwargs))
+
+
+def single_message(part: Part, origin: str, reply_batch: bool = True) -> TaskMessage:
+    """A request as a message of its own: a plain Celery task message."""
+    headers = task_headers(part.task_id, TASK_OF_OPERATION[part.annotations.op],
+                           part.annotations, origin)
     if reply_batch:
         headers[H_REPLY_BATCH] = 1
-    return TaskMessage(task_id, headers, task_body(kwargs))
+    return TaskMessage(part.task_id, headers, part.body)
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -206,3 +219,75 @@ def decode_results(body: bytes, multi: bool) -> list[dict[str, Any]]:
     ):
         raise ValueError("not a Celery result message")
     return results
+
+
+# --- several requests in one message (shoal gateway -> shoal worker only) ------------------
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One request carried by a coalesced message: its id, annotations and Celery body
+    (kept encoded: the runtime decodes it), and how often it was returned before."""
+
+    task_id: str
+    annotations: Annotations
+    body: bytes
+    returns: int = 0
+
+
+def coalesce(model: str, op: str, parts: list[Part], origin: str,
+             reply_batch: bool = True) -> TaskMessage:
+    """One message carrying `parts` (requests of `model`, operation `op`).
+
+    Between a shoal gateway and shoal workers only: Celery clients never see it.
+    Headers: the task and the model (for routing and logs) and `shoal_coalesced`;
+    the body: a msgpack list of `[task_id, items, cost, longest, deadline_ms,
+    sent_ms, lora, returns, body]`, each `body` the request's own Celery body.
+    Every request keeps its own id, deadline, result and Flower task.
+    """
+    message_id = str(uuid.uuid4())
+    task_name = TASK_OF_OPERATION[op]
+    deadlines = [p.annotations.deadline_ms for p in parts]
+    headers: dict[str, Any] = {
+        "lang": "py", "task": task_name, "id": message_id, "root_id": message_id,
+        "parent_id": None, "group": None, "retries": 0, "eta": None,
+        "expires": None, "timelimit": [None, None], "origin": origin,
+        "argsrepr": "()", "kwargsrepr": f"{{'model': {model!r}, 'requests': {len(parts)}}}",
+        H_MODEL: model, H_OP: op, H_COALESCED: len(parts),
+        H_ITEMS: sum(p.annotations.items for p in parts),
+        H_COST: sum(p.annotations.cost for p in parts),
+        H_LONGEST: max((p.annotations.longest for p in parts), default=0),
+    }
+    if deadlines and None not in deadlines:
+        headers[H_DEADLINE] = max(d for d in deadlines if d is not None)
+    if reply_batch:
+        headers[H_REPLY_BATCH] = 1
+    body = msgpack.packb(
+        [[p.task_id, a.items, a.cost, a.longest, a.deadline_ms, a.sent_ms, a.lora,
+          p.returns, p.body] for p in parts for a in (p.annotations,)],
+        use_bin_type=True)
+    return TaskMessage(message_id, headers, body)
+
+
+def read_coalesced(headers: dict[str, Any], body: bytes) -> list[Part]:
+    """The requests of a coalesced message; raises ValueError on anything malformed."""
+    model, op = headers.get(H_MODEL), headers.get(H_OP)
+    if not isinstance(model, str) or not isinstance(op, str):
+        raise ValueError("a coalesced message needs shoal_model and shoal_op headers")
+    try:
+        parts = [Part(task_id, Annotations(model, op, int(items), int(cost), int(longest),
+                                           deadline, sent, lora), bytes(part_body), int(returns))
+                 for task_id, items, cost, longest, deadline, sent, lora, returns, part_body
+                 in msgpack.unpackb(body, raw=False)]
+    except Exception as exc:  # msgpack and unpacking raise several unrelated types
+        raise ValueError(f"malformed coalesced message: {exc}") from exc
+    if not all(isinstance(p.task_id, str) and p.task_id for p in parts):
+        raise ValueError("malformed coalesced message: every request needs a task id")
+    return parts
+
+
+def as_part(message: TaskMessage) -> Part:
+    """A single-request message (from `task_message`) as a part to coalesce."""
+    annotations = read_annotations(message.headers)
+    if annotations is None:
+        raise ValueError("only annotated messages can be coalesced")
+    return Part(message.task_id, annotations, message.body)

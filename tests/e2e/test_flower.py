@@ -7,6 +7,7 @@ import uuid
 import httpx
 import pytest
 
+from tasks.envelope import task_part
 from tests.conftest import MINILM, queue_name
 from tests.stack import free_port, wait_for
 
@@ -55,3 +56,39 @@ def test_flower_lists_worker_tasks_and_queues(stack):
         lambda: (page := httpx.get(f"{url}/broker", timeout=10).text)
         and queue_name(MINILM) in page and page, 30, "the model queue on the broker tab")
     assert queue_name(MINILM) in broker_page
+
+
+def test_flower_shows_each_request_of_a_coalesced_message(stack):
+    """Requests that shared one broker message are one Flower task each."""
+    from tests.e2e.test_coalescing import _collect, _delete, _entry, _publish, _reply_queue
+
+    port = free_port()
+    stack.stack.flower("flower-coalesced", port)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: [w for w in httpx.get(f"{url}/api/workers", params={"refresh": "true"},
+                                           timeout=10).json() if w.startswith("main@")],
+             60, "Flower to list the worker")
+    entry = _entry(MINILM)
+    reply_to = _reply_queue()
+
+    def shown() -> list[dict]:
+        # Flower sees only events sent after it connected: publish until they show up.
+        parts = [task_part(entry, {"model": MINILM, "items": [{"text": f"flower {i}"}]},
+                           30_000) for i in range(3)]
+        _publish(queue_name(MINILM), MINILM, parts, reply_to)
+        _collect(reply_to, {p.task_id for p in parts}, 30)
+
+        def succeeded() -> list[dict]:
+            infos = [httpx.get(f"{url}/api/task/info/{p.task_id}").json() for p in parts]
+            return infos if all(i.get("state") == "SUCCESS" for i in infos) else []
+
+        return wait_for(succeeded, 5, "the requests in Flower")
+
+    try:
+        infos = wait_for(shown, 60, "Flower to show the coalesced requests", interval=0.5)
+    finally:
+        _delete(reply_to)
+    assert len({i["uuid"] for i in infos}) == 3
+    for info in infos:
+        assert info["name"] == "shoal.encode" and info["runtime"] is not None
+        assert info["received"] and info["started"] and info["succeeded"]

@@ -4,14 +4,23 @@ import pytest
 from app.catalog import ModelEntry, Source
 from tasks.adapters import ADAPTERS
 from tasks.envelope import (
+    H_COALESCED,
+    H_DEADLINE,
+    H_MODEL,
+    H_OP,
     H_REPLY_BATCH,
     Annotations,
+    Part,
     annotate,
+    coalesce,
     decode_body,
     read_annotations,
+    read_coalesced,
+    single_message,
     task_body,
     task_headers,
     task_message,
+    task_part,
 )
 from tasks.names import ENCODE, SCORE
 
@@ -88,3 +97,49 @@ def test_task_message_is_the_entrys_operation_due_in_its_timeout():
 
 def test_missing_annotations_read_as_none():
     assert read_annotations({"task": "shoal.encode"}) is None
+
+
+def _parts() -> list[Part]:
+    entry = _entry()
+    first = task_part(entry, {"model": "m", "items": [{"text": "abc"}]}, 1_000)
+    second = task_part(entry, {"model": "m", "items": [{"text": "x" * 40}, {"text": "y"}],
+                               "options": {"lora": "a"}}, 5_000)
+    return [first, Part(second.task_id, second.annotations, second.body, returns=2)]
+
+
+def test_a_coalesced_message_carries_each_request_whole():
+    parts = _parts()
+    message = coalesce("m", "encode", parts, "gw")
+    assert message.headers[H_COALESCED] == 2 and message.headers["task"] == ENCODE
+    assert (message.headers[H_MODEL], message.headers[H_OP]) == ("m", "encode")
+    assert message.headers[H_REPLY_BATCH] == 1
+    # the message lives as long as its longest-lived request
+    assert message.headers[H_DEADLINE] == max(p.annotations.deadline_ms for p in parts)
+    assert message.task_id not in {p.task_id for p in parts}
+    read = read_coalesced(message.headers, message.body)
+    assert read == parts
+    assert [decode_body(p.body)["items"][0]["text"] for p in read] == ["abc", "x" * 40]
+    assert read[1].annotations.lora == "a" and read[1].returns == 2
+
+
+def test_a_request_alone_is_a_plain_celery_message():
+    part = _parts()[0]
+    message = single_message(part, "gw", reply_batch=False)
+    assert message.task_id == part.task_id == message.headers["id"]
+    assert H_COALESCED not in message.headers and H_REPLY_BATCH not in message.headers
+    assert read_annotations(message.headers) == part.annotations
+    assert message.body == part.body
+
+
+@pytest.mark.parametrize("body", [b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([[1, 2]]),
+                                  msgpack.packb([["id", "x", 1, 1, None, None, None, 0, b""]]),
+                                  msgpack.packb([[7, 1, 1, 1, None, None, None, 0, b""]])])
+def test_malformed_coalesced_messages_raise_value_error(body):
+    with pytest.raises(ValueError):
+        read_coalesced({H_MODEL: "m", H_OP: "encode", H_COALESCED: 1}, body)
+
+
+def test_a_coalesced_message_needs_its_model_and_operation():
+    message = coalesce("m", "encode", _parts(), "gw")
+    with pytest.raises(ValueError, match="shoal_model"):
+        read_coalesced({H_COALESCED: 2}, message.body)
