@@ -87,3 +87,22 @@ def test_worker_answers_instead_of_dropping(stack, case):
     assert reply["status"] == "FAILURE"
     assert reply["result"]["exc_type"] == "ShoalError"
     assert reply["result"]["exc_message"][0] == expected
+
+
+@pytest.mark.parametrize("model, status, code", [(MINILM, "SUCCESS", None),
+                                                  ("nobody/knows", "FAILURE", "MODEL_NOT_FOUND")])
+def test_a_message_without_shoal_headers_is_annotated_by_the_worker(stack, model, status, code):
+    """A Celery client whose publish hook could not annotate (no catalog at hand) still
+    gets its answer: the worker estimates the request from the model's catalog entry."""
+    task_id, reply_to = str(uuid.uuid4()), f"test-reply-{uuid.uuid4().hex}"
+    with Connection(BROKER_URL) as conn:
+        conn.default_channel.queue_declare(queue=reply_to)
+    headers = {"task": "shoal.encode", "id": task_id}
+    body = msgpack.packb([[], {"model": model, "items": [{"text": "no headers"}]}, {}])
+    _publish_raw(headers, body, reply_to, task_id)
+    reply = _await_reply(reply_to, task_id)
+    assert reply["status"] == status, reply
+    if code is None:
+        assert reply["result"]["count"] == 1
+    else:
+        assert reply["result"]["exc_message"][0] == code
