@@ -385,7 +385,7 @@ class Dispatcher:
         result = outcome.result
         assert result is not None
         sent = held.annotations.sent_ms
-        stamp_delivery(result, max(0, int(held.started * 1000) - sent) if sent else None,
+        stamp_delivery(result, round(max(0.0, held.started * 1000 - sent), 2) if sent else None,
                        self.c.hostname)
         metrics.RESULTS.labels(model, "ok").inc()
         self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)

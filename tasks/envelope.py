@@ -27,7 +27,9 @@ H_ITEMS = "shoal_items"
 H_COST = "shoal_cost"  # estimated tokens of the whole request
 H_LONGEST = "shoal_longest"  # estimated tokens of its longest item
 H_DEADLINE = "shoal_deadline"  # epoch milliseconds
-H_SENT = "shoal_sent"  # epoch milliseconds, when the message was published
+# Epoch microseconds when the request was sent: an integer, because AMQP libraries write
+# a Python float as a 32-bit one, far too coarse for an epoch.
+H_SENT = "shoal_sent_us"
 H_LORA = "shoal_lora"
 # Set by shoal gateways: "my replies may come several to a message" (see app.replies).
 H_REPLY_BATCH = "shoal_reply_batch"
@@ -43,6 +45,12 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def sent_now_ms() -> float:
+    """The time a request is sent, in epoch milliseconds to the microsecond: queue times of
+    an idle stack are a fraction of a millisecond."""
+    return round(time.time() * 1000, 3)
+
+
 @dataclass(frozen=True, slots=True)
 class Annotations:
     """What a worker needs to schedule a message, read from its headers."""
@@ -53,7 +61,7 @@ class Annotations:
     cost: int
     longest: int
     deadline_ms: int | None
-    sent_ms: int | None
+    sent_ms: float | None
     lora: str | None = None
 
     def as_headers(self) -> dict[str, Any]:
@@ -67,7 +75,7 @@ class Annotations:
         if self.deadline_ms is not None:
             headers[H_DEADLINE] = self.deadline_ms
         if self.sent_ms is not None:
-            headers[H_SENT] = self.sent_ms
+            headers[H_SENT] = round(self.sent_ms * 1000)
         if self.lora:
             headers[H_LORA] = self.lora
         return headers
@@ -87,7 +95,7 @@ class EstimatingEntry(Protocol):
 
 
 def annotate(task_name: str, kwargs: Any, entry: EstimatingEntry | None,
-             deadline_ms: int | None = None, sent_ms: int | None = None) -> Annotations:
+             deadline_ms: int | None = None, sent_ms: float | None = None) -> Annotations:
     """The annotations of a request to `entry`: what a gateway, a Celery client's publish
     hook and a worker given a message without them all write, from the entry's estimate.
 
@@ -106,7 +114,7 @@ def annotate(task_name: str, kwargs: Any, entry: EstimatingEntry | None,
         cost=cost,
         longest=longest,
         deadline_ms=deadline_ms,
-        sent_ms=now_ms() if sent_ms is None else sent_ms,
+        sent_ms=sent_now_ms() if sent_ms is None else sent_ms,
         lora=lora if isinstance(lora, str) else None,
     )
 
@@ -121,7 +129,7 @@ def read_annotations(headers: dict[str, Any]) -> Annotations | None:
             cost=int(headers[H_COST]),
             longest=int(headers.get(H_LONGEST, 0)),
             deadline_ms=headers.get(H_DEADLINE),
-            sent_ms=headers.get(H_SENT),
+            sent_ms=None if headers.get(H_SENT) is None else int(headers[H_SENT]) / 1000,
             lora=headers.get(H_LORA),
         )
     except (KeyError, TypeError, ValueError):
@@ -180,9 +188,9 @@ def task_message(entry: EstimatingEntry, kwargs: dict[str, Any], origin: str,
 def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int) -> Part:
     """A request to `entry`'s operation, annotated and due in `timeout_ms`, before it is
     framed: alone (`single_message`) or with others (`coalesce`)."""
-    sent = now_ms()
+    sent = sent_now_ms()
     annotations = annotate(TASK_OF_OPERATION[entry.operation], kwargs, entry,
-                           deadline_ms=sent + timeout_ms, sent_ms=sent)
+                           deadline_ms=int(sent) + timeout_ms, sent_ms=sent)
     return Part(str(uuid.uuid4()), annotations, task_body(kwargs))
 
 

@@ -34,7 +34,7 @@ class BatchStats(TypedDict):
 
 
 class Timing(TypedDict):
-    queue_ms: int | None  # publish to the start of its batch; None without a sent time
+    queue_ms: float | None  # sent to the start of its batch; None without a sent time
     inference_ms: float  # its batch's
 
 
