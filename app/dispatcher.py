@@ -21,6 +21,12 @@ Flower on its own; the message is acked once all of them are settled
 back whole (reject + requeue) when nothing else of the message has been
 settled, else they are republished as a message of their own before the
 original is acked: a message cannot be requeued in part.
+
+A request too big for one batch of its model is split into budget-sized
+parts (`tasks.split`) that run one after another: the next part joins the
+backlog when the previous one ends, so requests that arrived meanwhile go
+first and nobody waits behind one long batch. The caller is answered once,
+with the parts' results joined in order (or the first part's error).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app import metrics
@@ -50,10 +56,12 @@ from tasks.envelope import (
     now_ms,
     read_annotations,
     read_coalesced,
+    task_body,
 )
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
-from tasks.served import stamp_delivery
+from tasks.served import read_served, stamp_delivery, stamp_parts
+from tasks.split import SPLITTABLE, items_per_part, merge_results, split_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,28 @@ class Held:
     body: bytes  # its Celery body, decoded only on the runtime's thread
     returns: int = 0  # times a worker handed it on (republished) before
     started: float = 0.0  # epoch seconds when its batch started
+    split: Split | None = None  # set on each part of a request run in parts
+    part: int = 0  # which part
+
+
+@dataclass(slots=True)
+class Split:
+    """A request run as parts, one at a time; answered once, when all are done."""
+
+    parts: list[tuple[Annotations, bytes]]  # each part's annotations and Celery body
+    results: list[dict[str, Any]] = field(default_factory=list)  # of the parts done
+    inference_ms: float = 0.0  # summed over the parts' batches
+    answered: bool = False
+
+    def part_held(self, whole: Held, index: int) -> Held:
+        annotations, body = self.parts[index]
+        return Held(whole.delivery, whole.task_id, annotations, body, whole.returns,
+                    whole.started, self, index)
+
+    def describe(self, index: int) -> str:
+        first = sum(a.items for a, _ in self.parts[:index])
+        return (f"items {first}-{first + self.parts[index][0].items - 1} "
+                f"(part {index + 1} of {len(self.parts)})")
 
 
 @dataclass(slots=True)
@@ -112,6 +142,14 @@ def plan_returns(returned: list[Held]) -> tuple[list[Delivery], dict[ReturnKey, 
             key = (held.annotations.op, delivery.reply_to, delivery.reply_batch)
             handed_on.setdefault(key, []).append(held)
     return whole, handed_on
+
+
+def merged_result(split: Split) -> dict[str, Any]:
+    """A split request's result: its parts' joined; the inference time it reports is that
+    of all its parts' batches."""
+    result = merge_results(split.results)
+    stamp_parts(result, split.inference_ms, len(split.parts))
+    return result
 
 
 class Dispatcher:
@@ -198,7 +236,15 @@ class Dispatcher:
             self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
                                  f"this worker does not serve {model!r}")
             return
+        split = self._split(held)
+        if split is not None:
+            metrics.SPLIT.labels(model).inc()
+            held = split.part_held(held, 0)
+        self._append(model, held, deliveries + returns)
+
+    def _append(self, model: str, held: Held, deliveries: int) -> None:
         now = time.monotonic()
+        annotations = held.annotations
         deadline = annotations.deadline_ms
         self.scheduler.append(model, Pending(
             handle=held,
@@ -208,8 +254,31 @@ class Dispatcher:
             longest=annotations.longest,
             received=now,
             deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
-            deliveries=deliveries + returns,
+            deliveries=deliveries,
+            returnable=held.split is None,
         ))
+
+    def _split(self, held: Held) -> Split | None:
+        """The parts of a request too big for one batch of its model, or None."""
+        a = held.annotations
+        limits = self.scheduler.lanes[a.model].limits
+        entry = self.entries.get(a.model)
+        if a.op not in SPLITTABLE or a.items <= 1 or entry is None:
+            return None
+        per_part = items_per_part(a.items, a.longest, a.cost, limits.max_items,
+                                  limits.max_tokens, limits.padded)
+        if per_part >= a.items:
+            return None
+        try:
+            kwargs = decode_body(held.body)
+        except ValueError:
+            return None  # runs whole, and is answered INVALID_REQUEST
+        parts = []
+        for part in split_kwargs(kwargs, per_part):
+            items, cost, longest = entry.estimate(part)
+            parts.append((Annotations(a.model, a.op, items, cost, longest, a.deadline_ms,
+                                      a.sent_ms, a.lora), task_body(part)))
+        return Split(parts)
 
     def _queue_tick(self) -> None:
         # Let the loop finish reading the frames at hand first, so messages
@@ -247,6 +316,11 @@ class Dispatcher:
         self._wake_in(actions.wake_in)
 
     def _refuse(self, model: str, held: Held, why: str) -> None:
+        if held.split is not None:
+            if held.split.answered:
+                return
+            held.split.answered = True
+            why = f"{held.split.describe(held.part)}: {why}"
         metrics.EXPIRED.labels(model).inc()
         self.replier.failure(held.delivery, held.task_id, ErrorCode.DEADLINE_EXCEEDED, why)
 
@@ -309,8 +383,9 @@ class Dispatcher:
         started = time.time()
         for pending in batch.members:
             held: Held = pending.handle
-            held.started = started
-            self.replier.event("task-started", held.task_id)
+            if held.part == 0:  # a split request starts with its first part
+                held.started = started
+                self.replier.event("task-started", held.task_id)
             sent_ms = held.annotations.sent_ms
             if sent_ms:
                 metrics.QUEUE_WAIT.labels(model).observe(max(0.0, started - sent_ms / 1000))
@@ -366,6 +441,7 @@ class Dispatcher:
                                 error_message=f"runtime failed: {failure!r}") for h in held]
         elif seconds is not None:
             metrics.BATCH_SECONDS.labels(model).observe(seconds)
+        self._continue_splits(model, held, outcomes)
         # Start the next batch before answering this one: the runtime computes
         # while the loop publishes results, instead of idling until they are out.
         self.tick()
@@ -376,7 +452,33 @@ class Dispatcher:
             self.replier.end_batch()
         # else: the connection was lost meanwhile; the messages are redelivered.
 
+    def _continue_splits(self, model: str, helds: list[Held], outcomes: list[Outcome]) -> None:
+        """Keep each split request's part result and put its next part in the backlog
+        (behind what arrived meanwhile)."""
+        for held, outcome in zip(helds, outcomes, strict=True):
+            split = held.split
+            if split is None or split.answered or not outcome.ok:
+                continue
+            assert outcome.result is not None
+            split.results.append(outcome.result)
+            split.inference_ms += (read_served(outcome.result).batch or {}).get(
+                "inference_ms", 0.0)
+            if len(split.results) < len(split.parts):
+                # Parts are never returned, so their delivery count does not matter.
+                self._append(model, split.part_held(held, len(split.results)), 1)
+
     def _answer(self, model: str, held: Held, outcome: Outcome) -> None:
+        split = held.split
+        if split is not None:
+            if split.answered or (outcome.ok and len(split.results) < len(split.parts)):
+                return  # answered already, or more parts to run
+            split.answered = True
+            if outcome.ok:
+                outcome = Outcome(held.task_id, result=merged_result(split))
+            else:
+                outcome = Outcome(held.task_id, error_code=outcome.error_code,
+                                  error_message=f"{split.describe(held.part)}: "
+                                                f"{outcome.error_message}")
         if not outcome.ok:
             metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
             self.replier.failure(held.delivery, held.task_id, outcome.error_code,

@@ -23,6 +23,8 @@ BATCH_SECONDS = Histogram("shoal_batch_seconds", "wall time of a batch in the ru
                           ["model"], buckets=_SECONDS)
 QUEUE_WAIT = Histogram("shoal_queue_wait_seconds", "from publish to batch start", ["model"],
                        buckets=_SECONDS)
+SPLIT = Counter("shoal_split_requests_total",
+                "requests too big for one batch, run as several parts", ["model"])
 RETURNS = Counter("shoal_returned_total", "messages given back to the queue", ["model"])
 EXPIRED = Counter("shoal_expired_total", "messages whose deadline passed before running",
                   ["model"])

@@ -39,8 +39,11 @@ def may_return(pending: Pending, delivery_limit: int) -> bool:
     """Whether giving `pending` back can never be what dead-letters it.
 
     Only while it has used at most half of the delivery limit; a negative
-    limit means the queue has none (RabbitMQ accepts -1 for that).
+    limit means the queue has none (RabbitMQ accepts -1 for that). A request
+    the worker has begun (`returnable` false: a part of a split request) stays.
     """
+    if not pending.returnable:
+        return False
     if delivery_limit < 0:
         return True
     return pending.deliveries <= delivery_limit // 2

@@ -23,6 +23,7 @@ class Pending:
     received: float  # seconds, same clock as `now`
     deadline: float | None = None  # seconds, same clock; None = none
     deliveries: int = 1  # 1 + RabbitMQ's x-delivery-count header
+    returnable: bool = True  # False: the worker must run it (a part of a begun request)
 
 
 @dataclass(frozen=True, slots=True)

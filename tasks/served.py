@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 MODEL = "model"
 BATCH = "batch"
@@ -31,6 +31,7 @@ class BatchStats(TypedDict):
     requests: int
     items: int
     inference_ms: float
+    parts: NotRequired[int]  # a request run in parts: how many (their summed inference_ms)
 
 
 class Timing(TypedDict):
@@ -77,6 +78,14 @@ def stamp_delivery(result: dict[str, Any], queue_ms: int | None, worker: str) ->
     result[WORKER] = worker
 
 
+def stamp_parts(result: dict[str, Any], inference_ms: float, parts: int) -> None:
+    """Mark the joined result of a request run as `parts` batches (`tasks.split`): its
+    batch is the last part's, with the inference time of all of them."""
+    batch = dict(result.get(BATCH) or {})
+    batch.update(inference_ms=inference_ms, parts=parts)
+    result[BATCH] = batch
+
+
 def _mapping(value: Any) -> Any:
     return value if isinstance(value, Mapping) else None
 
@@ -110,4 +119,6 @@ def reply_headers(result: Mapping[str, Any]) -> dict[str, str]:
         headers["X-Simulated"] = str(served.simulated.get("device", "true"))
     if served.batch and "requests" in served.batch:
         headers["X-Batch-Requests"] = str(served.batch["requests"])
+    if served.batch and served.batch.get("parts"):
+        headers["X-Batch-Parts"] = str(served.batch["parts"])  # run as this many batches
     return headers
