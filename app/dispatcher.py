@@ -32,6 +32,7 @@ with the parts' results joined in order (or the first part's error).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from app import metrics
 from app.replies import Delivery, Replier
 from batching.former import batch_tokens
 from batching.hold import HoldLimits
+from batching.parts import items_per_part
 from batching.scheduler import Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
 from runtimes.base import Outcome, Request, Runtime
@@ -61,7 +63,7 @@ from tasks.envelope import (
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
 from tasks.served import read_served, stamp_delivery, stamp_parts
-from tasks.split import SPLITTABLE, items_per_part, merge_results, split_kwargs
+from tasks.split import SPLITTABLE, merge_results, split_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,9 @@ class Split:
 
     def describe(self, index: int) -> str:
         first = sum(a.items for a, _ in self.parts[:index])
-        return (f"items {first}-{first + self.parts[index][0].items - 1} "
-                f"(part {index + 1} of {len(self.parts)})")
+        last = first + self.parts[index][0].items - 1
+        items = f"item {first}" if first == last else f"items {first}-{last}"
+        return f"{items} (part {index + 1} of {len(self.parts)})"
 
 
 @dataclass(slots=True)
@@ -154,10 +157,12 @@ def merged_result(split: Split) -> dict[str, Any]:
 
 class Dispatcher:
     def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
-                 hold: HoldLimits, entries: dict[str, EstimatingEntry]) -> None:
+                 hold: HoldLimits, entries: dict[str, EstimatingEntry],
+                 part_target_s: float | None = None) -> None:
         self.c = consumer
         self.runtime = runtime
         self.entries = entries  # to annotate a Celery client's message that came without
+        self.part_target_s = part_target_s  # the longest a part of a split request should run
         self.scheduler = Scheduler(lanes, hold, self._peers)
         self.replier = Replier(consumer)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
@@ -261,12 +266,14 @@ class Dispatcher:
     def _split(self, held: Held) -> Split | None:
         """The parts of a request too big for one batch of its model, or None."""
         a = held.annotations
-        limits = self.scheduler.lanes[a.model].limits
+        lane = self.scheduler.lanes[a.model]
         entry = self.entries.get(a.model)
         if a.op not in SPLITTABLE or a.items <= 1 or entry is None:
             return None
-        per_part = items_per_part(a.items, a.longest, a.cost, limits.max_items,
-                                  limits.max_tokens, limits.padded)
+        target = min(t for t in (self.part_target_s, lane.limits.latency_target_s, math.inf)
+                     if t is not None)
+        per_part = items_per_part(a.items, a.longest, a.cost, lane.limits, lane.cost,
+                                  None if math.isinf(target) else target)
         if per_part >= a.items:
             return None
         try:

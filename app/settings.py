@@ -75,6 +75,14 @@ class Settings(BaseSettings):
     hold_horizon_batches: float = Field(
         2.0, gt=0, description="predicted batches of work held beyond the running one"
     )
+    hold_horizon_ms: float = Field(
+        100.0, gt=0, allow_inf_nan=False, description="held work must be predicted to start "
+        "within this (default: this or the smallest latency_target_ms of the served profiles)"
+    )
+    part_target_ms: float = Field(
+        100.0, gt=0, allow_inf_nan=False, description="a request too big for one batch runs "
+        "in parts predicted to take at most this (or the profile's latency_target_ms)"
+    )
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
     runtime: Literal["pytorch", "sim"] = Field(

@@ -129,7 +129,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             raise RuntimeError("shoal's worker needs Celery's event loop (an AMQP broker)")
         if self.dispatcher is None:
             self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold,
-                                         {e.id: e for e in self.entries})
+                                         {e.id: e for e in self.entries},
+                                         self.settings.part_target_ms / 1000)
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:

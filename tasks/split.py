@@ -2,9 +2,10 @@
 put back together in order.
 
 A worker splits a request whose items would not fit one batch of its model
-(more items than the batch's item cap, or more tokens than its budget), so
-that it runs as several batches the scheduler interleaves with other work
-instead of one long batch every other caller waits behind. The caller sees
+(more items than the batch's item cap, or more tokens than its budget), or
+would take longer than a part may (`batching.parts`), so that it runs as
+several batches the scheduler interleaves with other work instead of one long
+batch every other caller waits behind. The caller sees
 one request and one result, the same as if it had run whole: the items of
 every operation except `generate` are computed independently of each other,
 so a part's result is exactly that slice of the whole result.
@@ -12,7 +13,6 @@ so a part's result is exactly that slice of the whole result.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,21 +20,6 @@ from typing import Any
 # seeds and stop strings belong to the request).
 SPLITTABLE = frozenset({"encode", "score", "extract", "classify"})
 _SUMMED = frozenset({"count"})
-
-
-def items_per_part(items: int, longest: int, cost: int, max_items: int, max_tokens: int,
-                   padded: bool) -> int:
-    """How many items one part may carry to fit a batch (at least 1; `items` if the
-    request fits whole).
-
-    Padded runtimes pay every item at the longest's length, so a part of `n`
-    items costs n x longest; unpadded ones pay real tokens, taken as the
-    request's mean item."""
-    if items <= 0:
-        return max(items, 1)
-    per_item = longest if padded else cost / items
-    by_tokens = math.floor(max_tokens / per_item) if per_item > 0 else items
-    return max(1, min(items, max_items, by_tokens))
 
 
 def split_kwargs(kwargs: Mapping[str, Any], per_part: int) -> list[dict[str, Any]]:

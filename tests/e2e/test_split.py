@@ -22,7 +22,7 @@ def test_small_requests_go_between_the_parts_of_a_big_one(stack):
     worker = stack.stack.worker(f"split-{uuid.uuid4().hex[:6]}", [RESTART],
                                 SHOAL_RUNTIME="sim", SHOAL_SIM_COST_A_MS="300",
                                 SHOAL_SIM_COST_B_US="0", SHOAL_SIM_COST_C_NS="0",
-                                SHOAL_BATCH_MAX_ITEMS="8",
+                                SHOAL_BATCH_MAX_ITEMS="8", SHOAL_PART_TARGET_MS="60000",
                                 SHOAL_WORKER_METRICS_PORT=str(metrics_port))
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     url = f"{stack.url}/v1/encode/{RESTART}"

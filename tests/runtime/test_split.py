@@ -12,7 +12,7 @@ import pytest
 from app.catalog import ModelEntry
 from runtimes.base import Request
 from runtimes.host import ModelHost
-from tasks.split import items_per_part, merge_results, split_kwargs
+from tasks.split import merge_results, split_kwargs
 from tests.tiny_classifiers import (
     build_tiny_cross_encoder,
     build_tiny_ner,
@@ -96,17 +96,6 @@ def test_a_split_request_gives_its_whole_result(host, name):
         merged = {**merged, "embeddings": b""}
         whole = {**whole, "embeddings": b""}
     _assert_close(whole, merged)
-
-
-def test_items_per_part_fits_the_budget():
-    # padded: n x longest within max_tokens, and the item cap
-    assert items_per_part(512, 2000, 512 * 1500, 64, 4096, padded=True) == 2
-    assert items_per_part(512, 10, 5120, 64, 4096, padded=True) == 64
-    assert items_per_part(8, 10, 80, 64, 4096, padded=True) == 8  # fits whole
-    # an item longer than the whole budget still runs, one per part
-    assert items_per_part(3, 9000, 27000, 64, 4096, padded=True) == 1
-    # unpadded: the mean item's real tokens
-    assert items_per_part(100, 500, 10_000, 64, 4096, padded=False) == 40
 
 
 def test_merge_joins_items_and_adds_counts_and_usage():
