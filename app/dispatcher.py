@@ -253,7 +253,9 @@ class Dispatcher:
         deadline = annotations.deadline_ms
         self.scheduler.append(model, Pending(
             handle=held,
-            group=(annotations.op, annotations.lora),
+            # Parts batch only with parts: a short request batched with a part would be
+            # padded to the part's length and wait as long as it.
+            group=(annotations.op, annotations.lora, held.split is not None),
             items=annotations.items,
             cost=annotations.cost,
             longest=annotations.longest,
