@@ -21,11 +21,13 @@ here.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 import amqp
 import msgpack
+from celery.utils.time import utcoffset
 
 from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, H_MULTI, H_REPLY_BATCH
 from tasks.errors import ErrorCode, ShoalError
@@ -96,6 +98,8 @@ class Replier:
         self._unconfirmed: dict[int, list[Delivery]] = {}
         self._bundles: dict[str, list[tuple[dict[str, Any], Delivery]]] = {}
         self._batching = False
+        self._utcoffset_value = 0
+        self._utcoffset_until = float("-inf")
 
     def open(self, connection: Any) -> None:
         """(Re)open the confirm-mode channel on the consumer's connection."""
@@ -143,7 +147,15 @@ class Replier:
             # Celery buffers task events and flushes them on the loop's next turn; a batch
             # of requests sends three events each, so let one flush carry them all.
             dispatcher.buffer_limit = EVENT_BUFFER_LIMIT
-            dispatcher.send(kind, uuid=task_id, **fields)
+            dispatcher.send(kind, utcoffset=self._utcoffset, uuid=task_id, **fields)
+
+    def _utcoffset(self) -> int:
+        # Celery asks the OS for the UTC offset on every event; once a minute will do.
+        now = time.monotonic()
+        if now >= self._utcoffset_until:
+            self._utcoffset_value = utcoffset()
+            self._utcoffset_until = now + 60.0
+        return self._utcoffset_value
 
     def forward(self, deliveries: list[Delivery], routing_key: str, body: bytes,
                 headers: dict[str, Any], expiration_s: float | None) -> None:

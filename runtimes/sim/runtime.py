@@ -107,8 +107,7 @@ class _SimModel:
                 return self._sparse(p)
             if kind == MULTIVECTOR:
                 return self._multivector(p)
-            rows = np.stack([self._rng(item).standard_normal(self.entry.dims, dtype=np.float32)
-                             for item in _keys(parsed)])
+            rows = np.stack([self._noise(item) for item in _keys(parsed)])
             normalize = True if self.entry.normalize is None else self.entry.normalize
             return dense_result(rows, parsed.options, normalize, p.tokens)
         if op == SCORE:
@@ -122,6 +121,14 @@ class _SimModel:
         if op == GENERATE:
             return self._generate(p)
         raise AssertionError(f"no simulated output for {op!r}")  # the contracts list every op
+
+    def _noise(self, key: Any) -> np.ndarray:
+        """A dense vector of deterministic noise for `key`, cheap to make: the sim's own CPU
+        per item would otherwise blur the pipeline's that it is there to measure."""
+        digest = hashlib.blake2b(repr((self.entry.id, key)).encode(), digest_size=64).digest()
+        dims = self.entry.dims or 1
+        raw = np.frombuffer(digest * (dims // len(digest) + 1), dtype=np.uint8)[:dims]
+        return raw.astype(np.float32) - 127.5
 
     def _rng(self, key: Any) -> np.random.Generator:
         """A generator seeded by the model and the input, so a text always gets the same
