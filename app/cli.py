@@ -11,22 +11,46 @@ from app import models_cli
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    """uvicorn serving `gateway.app:create_app`; with N > 1 workers, uvicorn's own supervisor
+    runs N processes on one socket, each creating its app (so its own Broker and exclusive
+    reply queue) after the spawn. Their Prometheus counters are summed through a fresh
+    PROMETHEUS_MULTIPROC_DIR, set here before they start and removed when they have stopped."""
     import uvicorn
 
     from app.settings import get_settings
 
     settings = get_settings()
-    uvicorn.run(
-        "gateway.app:create_app",
-        factory=True,
-        host=args.host or settings.host,
-        port=args.port or settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=args.log_level,
-        access_log=args.access_log,
-    )
+    workers = args.workers or settings.gateway_workers
+    options = {
+        "factory": True,
+        "host": args.host or settings.host,
+        "port": args.port or settings.port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "log_level": args.log_level,
+        "access_log": args.access_log,
+    }
+    if workers == 1:  # one process, in this one: no supervisor, no metrics folder
+        uvicorn.run("gateway.app:create_app", **options)
+        return 0
+    import shutil
+    import tempfile
+
+    # Always a fresh folder: prometheus_client sums every file in it, a stale one included.
+    metrics_dir = tempfile.mkdtemp(prefix="shoal-gateway-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the spawned workers
+    try:
+        uvicorn.run("gateway.app:create_app", workers=workers, **options)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -93,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     gateway.add_argument("--port", type=int)
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--access-log", action="store_true")
+    gateway.add_argument("--workers", type=_positive,
+                         help="gateway processes on one port (default: SHOAL_GATEWAY_WORKERS, 1)")
     gateway.set_defaults(run=_gateway)
 
     worker = sub.add_parser("worker", help="run a Celery worker serving SHOAL_MODELS")

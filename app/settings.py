@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     # --- gateway ---
     host: str = "127.0.0.1"
     port: int = 8080
+    gateway_workers: int = Field(1, ge=1, description="gateway processes (uvicorn workers)")
     default_timeout_ms: int = Field(30_000, ge=1)
     max_timeout_ms: int = Field(300_000, ge=1)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)

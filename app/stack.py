@@ -127,9 +127,14 @@ class Stack:
                 "--hostname", f"{name}@%h"]
         return self.start(name, argv, SHOAL_MODELS=",".join(models), **overrides)
 
-    def gateway(self, name: str, port: int, models: list[str], **overrides: str) -> Process:
+    def gateway(self, name: str, port: int, models: list[str], workers: int | None = None,
+                **overrides: str) -> Process:
+        """`shoal gateway` on `port`; `workers` > 1 runs that many gateway processes under
+        uvicorn's supervisor (the Process is the supervisor; they are its children)."""
         argv = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port),
                 "--log-level", "warning"]
+        if workers is not None:
+            argv += ["--workers", str(workers)]
         return self.start(name, argv, SHOAL_MODELS=",".join(models), **overrides)
 
     def flower(self, name: str, port: int, management_url: str | None = None) -> Process:

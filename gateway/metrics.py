@@ -1,8 +1,25 @@
-"""Prometheus metrics of the gateway, served on GET /metrics."""
+"""Prometheus metrics of the gateway, served on GET /metrics.
+
+`shoal gateway --workers N` (N > 1) runs N processes and sets PROMETHEUS_MULTIPROC_DIR
+before they start: prometheus_client then keeps every value in a file per process
+there, and /metrics answers, whichever process serves it, with the counters and
+histograms summed over all of them. A Gauge added here needs a `multiprocess_mode`
+("livesum", "max", ...) to say how processes combine. One process (no folder) is
+served from the default registry as before.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,5 +39,20 @@ LATENCY = Histogram(
 )
 
 
+def _registry() -> CollectorRegistry:
+    """The default registry, or one that reads every process's files (prometheus_client
+    chose its mode from the same variable when it was imported)."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return registry
+
+
+_REGISTRY = _registry()
+
+
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_REGISTRY), media_type=CONTENT_TYPE_LATEST)
