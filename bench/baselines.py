@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +31,7 @@ from bench.amqp_loop import run_loop
 from bench.e2e import inproc_throughput, machine_info, medians
 from bench.load import prepare, run_load
 from bench.mix import make_texts
+from bench.output import emit
 from bench.stack import bench_stack
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     data = run(args)
-    print(report(data))
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=2))
-    return 0
+    return emit(report(data), data, args.json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ the kernel's choice when it is accepted, so the split need not be even.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -210,12 +209,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.output import emit
+
     args = parse_args(argv)
     data = run(args)
-    print(report(data))
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=2))
-    return 0
+    return emit(report(data), data, args.json)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from bench.baselines import ZERO_COST_SIM
 from bench.e2e import machine_info
 from bench.mix import make_texts
+from bench.output import emit
 from bench.stack import bench_stack
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -121,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result = run(args)
-    print(table(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    return emit(table(result), result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,16 @@
+"""Where a benchmark's results go: its table on stdout, everything as JSON if asked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def emit(table: str, data: Any, json_path: Path | None) -> int:
+    """Print the markdown table; write `data` to `json_path` when given. Returns 0 (the
+    exit status of a benchmark that ran)."""
+    print(table)
+    if json_path:
+        json_path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return 0
