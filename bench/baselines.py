@@ -12,8 +12,9 @@
 5. a plain aio-pika publish -> consume -> reply loop (`bench.amqp_loop`), the
    broker's practical limit on this machine.
 
-Every HTTP level is N closed-loop clients (`bench.load.run_load`). A peer
-server (e.g. infinity-emb) is not measured: none is installed here.
+Every HTTP level is N closed-loop clients (`bench.load.run_load`). The peer
+server users pick instead (Infinity) is measured by `bench.peers`
+(`make bench-peers` installs it in a venv of its own).
 """
 
 from __future__ import annotations
