@@ -288,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write runs and summary here")
+    parser.add_argument("--png", type=Path, help="plot throughput and p99 per level here")
     parser.add_argument("--client", choices=["raw", "openai"], default="raw",
                         help="bench.load's raw HTTP client, or the official openai client")
     args = parser.parse_args(argv)
@@ -307,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print(f"\nwarning: {errors} failed requests (see error_kinds in the runs)",
               file=sys.stderr)
+    if args.png:
+        from bench.plot import plot_peers
+
+        plot_peers(args.png, data["summary"],
+                   title_text=f"shoal vs Infinity {data['infinity']['version']}, MiniLM-L6 on "
+                              f"{data['machine'].get('nproc')} CPU cores, {args.client} client")
     if args.json:
         args.json.write_text(json.dumps(data, indent=2))
     return 0

@@ -113,3 +113,29 @@ def plot_fleet(path: Path, data: dict) -> Path:
         fig.suptitle(f"SIMULATED: pull vs push, {data['workers']} workers (bench.fleet)")
     fig.savefig(path, dpi=80)
     return path
+
+
+def plot_peers(path: Path, summary: Sequence[dict], *, title_text: str) -> Path:
+    """Throughput and p99 per client level, shoal beside a peer server (bench.peers)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    levels = [str(row["clients"]) for row in summary]
+    x = list(range(len(levels)))
+    fig = Figure(figsize=(9, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    for axis, key, label in ((left, "req_per_s", "requests/s (higher is better)"),
+                             (right, "p99_ms", "p99 latency, ms (lower is better)")):
+        for offset, server, color in ((-0.2, "shoal", "tab:blue"),
+                                      (0.2, "infinity", "tab:orange")):
+            values = [row[f"{server}_{key}"] or 0 for row in summary]
+            axis.bar([i + offset for i in x], values, width=0.4, color=color,
+                     label="shoal" if server == "shoal" else "Infinity")
+        axis.set_xticks(x, levels)
+        axis.set_xlabel("concurrent clients (one text per request)")
+        axis.set_title(label)
+        axis.legend()
+    fig.suptitle(title_text)
+    fig.savefig(path, dpi=110)
+    return path
