@@ -73,6 +73,9 @@ class BatchProfile(BaseModel):
     hold_horizon_batches: float | None = Field(
         None, gt=0, description="batches of work held beyond the running one (default: "
         "SHOAL_HOLD_HORIZON_BATCHES)")
+    hold_horizon_ms: float | None = Field(
+        None, gt=0, description="held work must be predicted to start within this (default: "
+        "SHOAL_HOLD_HORIZON_MS, or latency_target_ms if smaller)")
     # Seed of the cost model, latency = a + b*T + c*T*L (T padded tokens, L longest);
     # the worker refines it from measured batches.
     cost_a_ms: float = Field(5.0, ge=0)

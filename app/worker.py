@@ -75,6 +75,24 @@ def hold_horizon(entries: list[ModelEntry], settings: Settings) -> float:
     return min(tuned, default=settings.hold_horizon_batches)
 
 
+def hold_horizon_s(entries: list[ModelEntry], settings: Settings) -> float:
+    """The most seconds ahead a worker holds work: SHOAL_HOLD_HORIZON_MS if set, else the
+    smallest the served models' profiles ask for (hold_horizon_ms, or else their latency
+    target when that is smaller than the setting's default: a request should not sit on
+    one worker longer than a batch is meant to take)."""
+    if "hold_horizon_ms" in settings.model_fields_set:
+        return settings.hold_horizon_ms / 1000
+    bounds = []
+    for entry in entries:
+        profile = device_profile(entry, settings)
+        if profile.hold_horizon_ms is not None:
+            bounds.append(profile.hold_horizon_ms)
+        else:
+            bounds.append(min(settings.hold_horizon_ms,
+                              profile.latency_target_ms or settings.hold_horizon_ms))
+    return min(bounds, default=settings.hold_horizon_ms) / 1000
+
+
 def cost_model(entry: ModelEntry, settings: Settings) -> CostModel:
     """A cost model seeded from the device's tuned profile (refined online)."""
     profile = device_profile(entry, settings)
@@ -99,6 +117,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         }
         self.hold = HoldLimits(
             horizon_batches=hold_horizon(self.entries, settings),
+            max_horizon_s=hold_horizon_s(self.entries, settings),
             delivery_limit=settings.queue_delivery_limit,
             max_prefetch=max(settings.prefetch, 1),
         )

@@ -31,11 +31,24 @@ moment vector, sample weight), with three safeguards:
 - the coefficients are constrained to be non-negative (an exact 3-variable
   NNLS), so predictions are never negative and grow with every dimension,
   which the former relies on when it drops a request that does not fit.
+
+A catalog profile is measured on one device; the worker may run on a slower
+or faster one (another GPU, a loaded host, a simulated device), and a prior
+worth ten samples, fitted through Huber weights, would need dozens of batches
+to learn a device 5x slower, all of them predicted far too short (and a
+worker that under-predicts keeps work its peers could run). So the prior's
+*level* is learnt at once: the seed's terms keep their proportions, scaled by
+the median ratio of measured to seeded time over the last `_LEVEL_WINDOW`
+batches, from the `_LEVEL_MIN`-th batch on (a median, so one stall among them
+moves nothing). After a handful of batches the model predicts the device, and
+the least squares then learn where its proportions differ from the seed's.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from itertools import combinations
 
 from batching.shapes import BatchShape
@@ -46,6 +59,10 @@ _HUBER_K = 3.0  # relative misses beyond this (a batch 4x slower than predicted)
 _SHARE_FLOOR = 0.1  # the least prior variance a term gets, as a share of the total
 _MIN_WEIGHT = 1e-6  # samples that would weigh less than this are ignored
 _TINY = 1e-12  # seconds: a floor for the prediction a sample is divided by
+_LEVEL_WINDOW = 5  # batches whose median (measured / seeded) time sets the prior's level
+_LEVEL_MIN = 3  # batches before the level moves: a median of three outvotes one stall
+_DISAGREE = math.log(1.3)  # a batch this far from the rescaled seed ...
+_DISAGREE_DECAY = 0.5  # ... halves what is left of the prior
 
 
 class CostModel:
@@ -58,8 +75,8 @@ class CostModel:
     Predictions are never negative.
     """
 
-    __slots__ = ("_decay", "_gram", "_moment", "_seed", "_theta", "_weight", "forgetting",
-                 "padded", "prior_weight", "samples")
+    __slots__ = ("_catalog", "_decay", "_gram", "_level", "_levels", "_moment", "_seed",
+                 "_theta", "_weight", "forgetting", "padded", "prior_weight", "samples")
 
     def __init__(
         self,
@@ -82,12 +99,20 @@ class CostModel:
         self.forgetting = float(forgetting)
         self.prior_weight = float(prior_weight)
         self.samples = 0  # observations so far
+        self._catalog = seed  # as given; the prior is this times the learnt level
+        self._levels: deque[float] = deque(maxlen=_LEVEL_WINDOW)  # log(measured / seeded)
+        self._level = 1.0
         self._seed = seed
         self._theta = seed
         self._gram = [[0.0] * 3 for _ in range(3)]  # decayed sum of z z^T
         self._moment = [0.0] * 3  # decayed sum of z * target
         self._weight = 0.0  # decayed number of samples
         self._decay = 1.0  # forgetting ** samples: how much of the prior is left
+
+    @property
+    def level(self) -> float:
+        """How many times the given seed the device has been measured to take (1 at first)."""
+        return self._level
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -119,6 +144,7 @@ class CostModel:
         weight = min(1.0, _HUBER_K / miss) if miss > 0 else 1.0
         if not math.isfinite(target) or weight < _MIN_WEIGHT:
             return  # millions of times the prediction: a broken clock, not a batch
+        self._learn_level(shape, seconds)
         z = [v / scale for v in self.features(shape)]
         lam = self.forgetting
         for i in range(3):
@@ -129,6 +155,23 @@ class CostModel:
         self._decay *= lam
         self.samples += 1
         self._theta = self._solve()
+
+    def _learn_level(self, shape: BatchShape, seconds: float) -> None:
+        """Rescale the prior to the median measured/seeded ratio of the recent batches."""
+        a, b, c = self._catalog
+        tokens = shape.items * shape.longest if self.padded else shape.tokens
+        seeded = a + tokens * (b + c * shape.longest)
+        if seeded <= _TINY or seconds <= _TINY:
+            return  # no scale to compare with (a zero seed), or no time measured
+        ratio = math.log(seconds / seeded)
+        if len(self._levels) >= _LEVEL_MIN and abs(ratio - math.log(self._level)) > _DISAGREE:
+            # The seed's proportions are wrong for this device, not only its level:
+            # let the measurements outweigh it sooner.
+            self._decay *= _DISAGREE_DECAY
+        self._levels.append(ratio)
+        if len(self._levels) >= _LEVEL_MIN:
+            self._level = level = math.exp(statistics.median(self._levels))
+            self._seed = (a * level, b * level, c * level)
 
     def _solve(self) -> tuple[float, float, float]:
         """The non-negative coefficients minimising the decayed squared relative

@@ -2,9 +2,15 @@
 
 A worker that holds more than it can start soon makes those requests wait
 while an idler worker could run them. So a worker keeps what it expects to
-start within a horizon of `horizon_batches` typical batches beyond the one
-running, returns the rest to the queue, and asks the broker (prefetch) for
-about that much.
+start within a horizon, returns the rest to the queue, and asks the broker
+(prefetch) for about that much.
+
+The horizon is a time: `horizon_batches` typical batches, but never more than
+`max_horizon_s` seconds. Counted in batches alone it grows with the batch: a
+budget that makes one batch take seconds on a slow device would let a busy
+worker sit on several seconds of work while a peer is idle. The seconds bound
+(`max_horizon_s`) is what keeps a shared queue a shared queue: work stays in
+the broker, where whichever worker frees up first takes it.
 
 Returning has a price on quorum queues: every requeue counts toward the
 queue's `x-delivery-limit`, and a message past it is dead-lettered. So a
@@ -30,6 +36,7 @@ FIT_SLACK = 0.01  # of a request
 @dataclass(frozen=True, slots=True)
 class HoldLimits:
     horizon_batches: float = 2.0  # batches of predicted work kept beyond the running one
+    max_horizon_s: float | None = None  # ... but never work predicted to start later than this
     delivery_limit: int = 20  # the queue's x-delivery-limit
     min_prefetch: int = 1
     max_prefetch: int = 256
@@ -142,15 +149,26 @@ def typical_batch_s(backlog: list[Pending], limits: BatchLimits, cost_model: Cos
     mean = MeanRequest.of(backlog)
     if mean is None:
         return limits.max_delay_s
-    shape = mean.batch_of(mean_per_batch(mean, limits, cost_model))
-    return max(cost_model.predict(shape), limits.max_delay_s)
+    return mean_batch_s(mean, mean_per_batch(mean, limits, cost_model), limits, cost_model)
+
+
+def mean_batch_s(mean: MeanRequest, per_batch: int, limits: BatchLimits,
+                 cost_model: CostModel) -> float:
+    """Predicted latency of a batch of `per_batch` of `mean`, at least `max_delay_s`."""
+    return max(cost_model.predict(mean.batch_of(per_batch)), limits.max_delay_s)
+
+
+def bounded_horizon_s(typical_s: float, hold: HoldLimits) -> float:
+    """`horizon_batches` batches of `typical_s`, capped at `max_horizon_s`."""
+    horizon = hold.horizon_batches * typical_s
+    return horizon if hold.max_horizon_s is None else min(horizon, hold.max_horizon_s)
 
 
 def horizon_s(
     backlog: list[Pending], limits: BatchLimits, hold: HoldLimits, cost_model: CostModel
 ) -> float:
-    """Seconds of predicted work a worker keeps ahead of it."""
-    return hold.horizon_batches * typical_batch_s(backlog, limits, cost_model)
+    """Seconds from now within which the work a worker keeps must be predicted to start."""
+    return bounded_horizon_s(typical_batch_s(backlog, limits, cost_model), hold)
 
 
 def overflow(
@@ -191,6 +209,32 @@ def target_prefetch(
     return prefetch_for(MeanRequest.of(backlog), limits, hold, cost_model, default)
 
 
+def may_hold(
+    mean: MeanRequest | None,
+    limits: BatchLimits,
+    hold: HoldLimits,
+    cost_model: CostModel,
+    running_left_s: float,
+) -> int | None:
+    """How many requests like `mean` a worker may hold beside its running batch, when
+    the runtime is predicted to be free in `running_left_s`: what `overflow` would keep.
+
+    Zero while the runtime ends later than the horizon: a busy worker takes no work
+    an idle peer could start now. From then on the batches that start within the
+    horizon: the next one, or the horizon's worth when that is more. None without
+    traffic to estimate from (`mean` None).
+    """
+    if mean is None:
+        return None
+    per_batch = mean_per_batch(mean, limits, cost_model)
+    typical = mean_batch_s(mean, per_batch, limits, cost_model)
+    horizon = bounded_horizon_s(typical, hold)
+    if running_left_s > horizon:
+        return 0
+    batches = horizon / typical if typical > 0 else hold.horizon_batches
+    return math.ceil(max(1.0, batches) * per_batch - FIT_SLACK)
+
+
 def prefetch_for(
     mean: MeanRequest | None,
     limits: BatchLimits,
@@ -198,14 +242,32 @@ def prefetch_for(
     cost_model: CostModel,
     default: int,
 ) -> int:
-    """How many unacked messages to let the broker send, so that what the worker
-    holds is about the running batch plus `horizon_batches` more of `mean`.
+    """How many unacked messages to let the broker send, for a worker whose prefetch
+    does not follow its running batch (a lone one): a full running batch plus what
+    `may_hold` allows when it ends (at least the next batch, so it never waits for
+    the broker between two; the horizon's worth when that is more).
 
-    With no traffic to estimate from (`mean` None), `default` (clamped).
+    With no traffic to estimate from (`mean` None), `default`. Clamped.
     """
     if mean is None:
         wanted = default
     else:
         per_batch = mean_per_batch(mean, limits, cost_model)
-        wanted = math.ceil((1.0 + hold.horizon_batches) * per_batch)
+        wanted = per_batch + (may_hold(mean, limits, hold, cost_model, 0.0) or 0)
     return max(hold.min_prefetch, min(hold.max_prefetch, wanted))
+
+
+def credit_opens_in(
+    mean: MeanRequest | None,
+    limits: BatchLimits,
+    hold: HoldLimits,
+    cost_model: CostModel,
+    running_left_s: float,
+) -> float | None:
+    """Seconds until the runtime's batch is predicted to end within the horizon, when
+    `may_hold` lets in the next batch; None if it already does (or no traffic)."""
+    if mean is None:
+        return None
+    per_batch = mean_per_batch(mean, limits, cost_model)
+    horizon = bounded_horizon_s(mean_batch_s(mean, per_batch, limits, cost_model), hold)
+    return running_left_s - horizon if running_left_s > horizon else None

@@ -20,15 +20,23 @@ The rules, each owned by a pure function of `batching/`:
 - a request whose deadline has passed is answered DEADLINE_EXCEEDED; so is a
   request whose batch is predicted to finish after its deadline: running it
   would spend the device on an answer nobody waits for;
+- the prefetch is per consumer (quorum queues refuse global QoS), so it
+  counts only the messages that consumer delivered, and changing it means a
+  new consumer (the dispatcher cancels and consumes again) whose credit is
+  the whole new prefetch, never less than one message;
 - while another consumer of the queue exists, what would not start within the
-  hold horizon goes back to the queue (`overflow`), and the prefetch first
-  shrinks to what is kept so the broker offers it to the others; a lone
-  worker keeps everything (a return would only come back to it);
-- after each batch the prefetch is set to what the traffic calls for
-  (`prefetch_for` the recent mean request, tracked over arrivals, not over
-  what happens to be held at that moment: after returns the backlog is small
-  or empty, and estimating from it would keep the prefetch as low as the
-  returns left it).
+  hold horizon (a time: `batching.hold`) goes back to the queue (`overflow`),
+  except what the current consumer delivered (returning that would reopen its
+  credit and draw another at once); a lone worker keeps everything (a return
+  would only come back to it);
+- with peers, what a worker may take in follows the same bound on every tick
+  (`may_hold` beside the running batch, for the recent mean request, tracked
+  over arrivals): while the running batch is predicted to end later than the
+  horizon, nothing (a new consumer with the least prefetch, so a busy worker
+  takes at most one request an idle peer could have started); from when it
+  ends within the horizon, the next batch (woken then). A lone worker sets
+  its prefetch after each batch, for a full running batch plus the horizon
+  (`prefetch_for`).
 """
 
 from __future__ import annotations
@@ -38,7 +46,14 @@ from dataclasses import dataclass, field
 
 from batching.cost import CostModel
 from batching.former import BatchLimits, seconds_to_wait, split_expired, take_batch
-from batching.hold import HoldLimits, MeanRequest, overflow, prefetch_for
+from batching.hold import (
+    HoldLimits,
+    MeanRequest,
+    credit_opens_in,
+    may_hold,
+    overflow,
+    prefetch_for,
+)
 from batching.shapes import BatchShape, Pending
 
 # Re-consuming to change prefetch costs two round trips: only for real changes.
@@ -137,6 +152,10 @@ class Scheduler:
         self.running: Batch | None = None
         self.last_finished: float | None = None
         self._adapt: Lane | None = None  # the lane whose batch just ended
+        # Per lane, the requests (ids) its current consumer delivered that are still held
+        # or running: a per-consumer prefetch counts only these, and a re-consume starts
+        # a new consumer whose credit is the whole new prefetch.
+        self._drawn: dict[str, set[int]] = {model: set() for model in lanes}
 
     # --- commands ------------------------------------------------------------------------
 
@@ -144,6 +163,10 @@ class Scheduler:
         lane = self.lanes[model]
         lane.backlog.append(pending)
         lane.mix.add(pending)
+        # A part of a split request is never returned, and the parts after its first are
+        # no deliveries: left out, the worker only believes its credit larger than it is.
+        if pending.returnable:
+            self._drawn[model].add(id(pending))
 
     def finish(self, now: float, seconds: float | None) -> Batch | None:
         """The running batch ended; learn its time. Returns it (None if none ran)."""
@@ -154,6 +177,7 @@ class Scheduler:
         if seconds is not None:
             batch.lane.cost.observe(batch.shape, seconds)
         self._adapt = batch.lane
+        self._settled(batch.lane.model, batch.members)  # acked once answered, after `tick`
         return batch
 
     def clear(self) -> None:
@@ -162,22 +186,31 @@ class Scheduler:
         for lane in self.lanes.values():
             lane.backlog.clear()
         self._adapt = None
+        for drawn in self._drawn.values():
+            drawn.clear()
 
     def prefetch_applied(self, model: str, prefetch: int) -> None:
+        """The dispatcher (re)started the consumer of `model` with this prefetch."""
         self.lanes[model].prefetch = prefetch
+        self._drawn[model].clear()
 
     def tick(self, now: float) -> Actions:
         actions = Actions()
         for lane in self.lanes.values():
             if lane.backlog:
-                actions.expired.extend((lane.model, p) for p in split_expired(lane.backlog, now))
+                expired = split_expired(lane.backlog, now)
+                self._settled(lane.model, expired)
+                actions.expired.extend((lane.model, p) for p in expired)
         wait = None
         if self.running is None:
             wait = self._maybe_start(now, actions)
         if self._adapt is not None:
-            self._adapt_prefetch(self._adapt, actions)
+            if self.peers(self._adapt.model, now) < 2:  # with peers: _bound_holdings
+                self._adapt_prefetch(self._adapt, actions)
             self._adapt = None
-        self._give_back(now, actions)
+        credit_in = self._bound_holdings(now, actions)
+        if credit_in is not None:
+            wait = credit_in if wait is None else min(wait, credit_in)
         actions.wake_in = self._wake_in(now, wait)
         return actions
 
@@ -199,6 +232,7 @@ class Scheduler:
             predicted = lane.cost.predict(shape)
             late = [p for p in members if p.deadline is not None and p.deadline < now + predicted]
             if late:
+                self._settled(lane.model, late)
                 actions.late.extend((lane.model, Late(p, predicted, p.deadline - now))
                                     for p in late)
                 # The rest finish no later than predicted for the whole batch.
@@ -214,20 +248,71 @@ class Scheduler:
             return None
         return None
 
-    def _give_back(self, now: float, actions: Actions) -> None:
-        running_left = self.running.left_s(now) if self.running is not None else 0.0
+    def _bound_holdings(self, now: float, actions: Actions) -> float | None:
+        """For every lane with peers, keep what it holds and may take in within the hold
+        horizon; the seconds until one may take more (None: no such wait).
+
+        What a lane could end up holding is what it holds plus its consumer's open credit
+        (its prefetch less what that consumer delivered and is still unsettled). Over
+        what `may_hold` allows, it re-consumes with the least prefetch that lowers that
+        (a new consumer's credit is the whole new prefetch, at least `min_prefetch`).
+        Far under it (by PREFETCH_CHANGE_RATIO), with the allowance less what it holds,
+        unless it already holds work beyond the horizon (the allowance counts requests
+        of the mean size; the batches actually planned say there is no room).
+
+        Then what would start after the horizon goes back (`overflow`), except what the
+        current consumer delivered: returning that would reopen its credit, so the
+        broker would hand over another request (or the same one) at once. A re-consume
+        just before makes everything held returnable."""
+        running = self.running
+        left = running.left_s(now) if running is not None else 0.0
+        opens: float | None = None
         for lane in self.lanes.values():
-            if not lane.backlog or self.peers(lane.model, now) < 2:
+            if self.peers(lane.model, now) < 2:
                 continue  # nobody else would take it: returning would only loop back here
-            returned = overflow(lane.backlog, lane.limits, self.hold, lane.cost,
-                                running_left, now)
-            if not returned:
-                continue
-            ids = {id(p) for p in returned}
-            lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
-            # Shrink our credit first, so the broker offers them to the others.
-            self._set_prefetch(lane, max(self.hold.min_prefetch, len(lane.backlog)), actions)
-            actions.returned.append((lane.model, returned))
+            beyond = (overflow(lane.backlog, lane.limits, self.hold, lane.cost, left, now)
+                      if lane.backlog else [])
+            allowed = may_hold(lane.mix.mean, lane.limits, self.hold, lane.cost, left)
+            if allowed is not None:
+                self._bound_intake(lane, allowed, len(beyond), actions)
+                later = credit_opens_in(lane.mix.mean, lane.limits, self.hold, lane.cost, left)
+                if later is not None:
+                    later = max(later, MIN_WAIT_S)
+                    opens = later if opens is None else min(opens, later)
+            drawn = self._drawn[lane.model]
+            returned = [p for p in beyond if id(p) not in drawn]
+            if returned:
+                ids = {id(p) for p in returned}
+                lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
+                actions.returned.append((lane.model, returned))
+        return opens
+
+    def _bound_intake(self, lane: Lane, allowed: int, beyond: int, actions: Actions) -> None:
+        """Re-consume if that lowers what the lane could end up holding past `allowed`
+        (after a re-consume, the `beyond` requests past the horizon can go back), or
+        raises it far towards `allowed` when nothing held is past the horizon."""
+        held = len(lane.backlog)
+        could = held + max(0, lane.prefetch - len(self._drawn[lane.model]))
+        floor, cap = self.hold.min_prefetch, self.hold.max_prefetch
+        kept = held - beyond
+        fresh = min(cap, max(floor, allowed - kept))
+        if could > allowed:
+            if kept + fresh < could:
+                self._reconsume(lane, fresh, actions)
+        elif not beyond and allowed > could and allowed >= PREFETCH_CHANGE_RATIO * could:
+            self._reconsume(lane, fresh, actions)
+
+    def _reconsume(self, lane: Lane, prefetch: int, actions: Actions) -> None:
+        """Have the dispatcher start a new consumer with this prefetch (even an equal one:
+        its credit starts afresh)."""
+        lane.prefetch = prefetch
+        actions.prefetch[lane.model] = prefetch
+        self._drawn[lane.model].clear()
+
+    def _settled(self, model: str, pendings: list[Pending]) -> None:
+        drawn = self._drawn[model]
+        for p in pendings:
+            drawn.discard(id(p))
 
     def _adapt_prefetch(self, lane: Lane, actions: Actions) -> None:
         target = prefetch_for(lane.mix.mean, lane.limits, self.hold, lane.cost,
@@ -238,8 +323,7 @@ class Scheduler:
 
     def _set_prefetch(self, lane: Lane, prefetch: int, actions: Actions) -> None:
         if prefetch != lane.prefetch:
-            lane.prefetch = prefetch
-            actions.prefetch[lane.model] = prefetch
+            self._reconsume(lane, prefetch, actions)
 
     def _wake_in(self, now: float, wait: float | None) -> float | None:
         running = self.running

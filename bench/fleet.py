@@ -2,6 +2,8 @@
 
     .venv/bin/python -m bench.fleet scaling --workers 1,2,4,8
     .venv/bin/python -m bench.fleet pull-vs-push --workers 4 --loads 0.5,0.8,0.95
+    .venv/bin/python -m bench.fleet pull-vs-push --workers 4 --seeds 1,2,3 \
+        --png docs/bench/pull-vs-push.png
 
 Every worker runs the `sim` runtime (no math: it sleeps a + b*T + c*T*L per
 batch, see runtimes/sim), so eight "devices" fit on this 2-core machine; the
@@ -20,19 +22,26 @@ arrivals at 50/80/95% of the fleet's measured capacity, (a) through one shared
 queue that every worker pulls from (shoal), (b) through a router that assigns
 requests round-robin to per-worker queues (each worker still batches what it
 is given with the same batch former; only who decides changes). Reports each
-worker's device utilisation (simulated busy time / wall time) and p50/p99.
+worker's device utilisation (simulated busy time / wall time), p50/p99, and
+how many messages the broker redelivered (returns, read from the RabbitMQ
+management API a stats interval after each load). `--seeds 1,2,3` runs the
+whole experiment once per request mix and Poisson schedule and reports every
+seed's rows and the median over seeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import random
 import statistics
 import sys
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -40,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from app.catalog import load_catalog
-from app.settings import Settings
+from app.settings import Settings, get_settings
+from app.topology import queue_for
 from bench.e2e import machine_info
 from bench.knee import Point, SweepPolicy, find_knee, next_load
 from bench.mix import make_requests
@@ -68,6 +78,8 @@ class Outcome:
     ok: bool
     sent: float = 0.0  # perf_counter seconds
     done: float = 0.0
+    queue_ms: float | None = None  # publish to the start of its batch (the worker's stamp)
+    inference_ms: float = 0.0  # its batch's run time
 
 
 @dataclass
@@ -91,7 +103,16 @@ class Run:
         span_s = max(span_s, self.duration) if all(o.done for o in ok) else self.duration
         utilisation = sorted(b / (span_s * 1000) for b in busy.values())
         utilisation += [0.0] * (workers - len(utilisation))
+        # Where the tail's time went: the slowest 1% of requests, split into queueing
+        # (broker and worker, to the start of their batch), their batch, and the rest
+        # (publishing, replies, the client's own loop).
+        tail = sorted(ok, key=lambda o: o.latency_ms)[-max(1, len(ok) // 100):] if ok else []
+        timed = [o for o in tail if o.queue_ms is not None]
         return {
+            "tail_queue_ms": statistics.fmean(o.queue_ms for o in timed) if timed else None,
+            "tail_inference_ms": statistics.fmean(o.inference_ms for o in tail) if tail else None,
+            "tail_rest_ms": (statistics.fmean(o.latency_ms - o.queue_ms - o.inference_ms
+                                              for o in timed) if timed else None),
             "label": self.label, "offered": self.offered, "requests": len(ok),
             "errors": len(self.outcomes) - len(ok), "dropped": self.dropped,
             "req_per_s": len(ok) / self.duration,
@@ -145,8 +166,11 @@ class Publisher:
         batch = served.batch or {}
         ok = reply.get("status") == "SUCCESS"
         share = batch.get("inference_ms", 0.0) / max(1, batch.get("requests", 1))
+        timing = served.timing or {}
+        queue_ms = timing.get("queue_ms")
         return Outcome(latency, items, share if ok else 0.0, str(served.worker), ok,
-                       started, done)
+                       started, done, None if queue_ms is None else float(queue_ms),
+                       float(batch.get("inference_ms", 0.0)))
 
 
 async def closed_loop(publisher: Publisher, requests: list[list[str]], clients: int,
@@ -254,8 +278,53 @@ async def scaling(args: argparse.Namespace) -> dict[str, Any]:
     return {"experiment": "scaling", "simulated": SIM_ENV, "results": out}
 
 
+# RabbitMQ's management API refreshes queue statistics every 5 s (collect_statistics_interval).
+STATS_LAG_S = 5.5
+
+
+def redelivered(prefixes: list[str]) -> int | None:
+    """Messages the broker has redelivered from the model queues of these stacks so far
+    (returns: reject + requeue), or None where the management API cannot be read."""
+    base = get_settings().management_url
+    url = urllib.parse.urlsplit(base)
+    auth = base64.b64encode(f"{url.username or ''}:{url.password or ''}".encode()).decode()
+    netloc = url.hostname + (f":{url.port}" if url.port else "")
+    root = urllib.parse.urlunsplit((url.scheme, netloc, url.path, "", "")).rstrip("/")
+    total = 0
+    for prefix in prefixes:
+        name = queue_for(MODEL, Settings(queue_prefix=prefix)).name
+        request = urllib.request.Request(f"{root}/queues/%2F/{urllib.parse.quote(name, '')}")
+        request.add_header("Authorization", f"Basic {auth}")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                stats = json.load(response).get("message_stats") or {}
+        except (OSError, ValueError):
+            return None
+        total += int(stats.get("redeliver", 0))
+    return total
+
+
+async def _redelivered_after_stats(prefixes: list[str]) -> int | None:
+    await asyncio.sleep(STATS_LAG_S)
+    return redelivered(prefixes)
+
+
 async def pull_vs_push(args: argparse.Namespace) -> dict[str, Any]:
-    requests = make_requests(2000, args.items, args.words, seed=args.seed)
+    """The experiment once per seed (`--seeds`, else `--seed`)."""
+    seeds = args.seeds or [args.seed]
+    rows: list[dict[str, Any]] = []
+    capacities: dict[int, float] = {}
+    for seed in seeds:
+        one = await pull_vs_push_seed(args, seed)
+        capacities[seed] = one["capacity_req_per_s"]
+        rows += one["results"]
+    return {"experiment": "pull-vs-push", "simulated": SIM_ENV, "workers": args.workers[0],
+            "seeds": seeds, "capacity_req_per_s": capacities, "results": rows,
+            "medians": medians(rows)}
+
+
+async def pull_vs_push_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    requests = make_requests(2000, args.items, args.words, seed=seed)
     n = args.workers[0]
     with fleet(n, shared=True, tag="cap") as stacks:
         publisher = Publisher(_prefixes(stacks))
@@ -266,26 +335,144 @@ async def pull_vs_push(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await publisher.close()
     capacity = saturated.summary(n)["req_per_s"]
-    print(f"  capacity of {n} workers: {capacity:.0f} req/s [SIMULATED]", file=sys.stderr)
+    print(f"  seed {seed}: capacity of {n} workers: {capacity:.0f} req/s [SIMULATED]",
+          file=sys.stderr)
     rows = []
     for mode, shared in (("pull: one shared queue", True), ("push: round-robin router", False)):
         with fleet(n, shared=shared, tag="push" if not shared else "pull") as stacks:
             publisher = Publisher(_prefixes(stacks))
             await publisher.start()
             try:
+                before = await _redelivered_after_stats(_prefixes(stacks))
                 for fraction in args.loads:
                     run = await open_loop(publisher, requests, fraction * capacity,
-                                          args.warmup, args.duration, seed=args.seed)
+                                          args.warmup, args.duration, seed=seed)
                     summary = run.summary(n)
-                    summary.update(mode=mode, fraction=fraction)
+                    after = await _redelivered_after_stats(_prefixes(stacks))
+                    returned = None if before is None or after is None else after - before
+                    before = after
+                    summary.update(mode=mode, fraction=fraction, seed=seed,
+                                   capacity_req_per_s=capacity, redelivered=returned)
                     rows.append(summary)
-                    print(f"  {mode} at {fraction:.0%}: p99 {summary['p99_ms']:.0f} ms, "
-                          f"utilisation {summary['utilisation_mean']:.0%} [SIMULATED]",
-                          file=sys.stderr)
+                    print(f"  seed {seed}, {mode} at {fraction:.0%}: p99 "
+                          f"{summary['p99_ms']:.0f} ms (slowest 1%: queued "
+                          f"{_ms(summary['tail_queue_ms'])}, batch "
+                          f"{_ms(summary['tail_inference_ms'])}, rest "
+                          f"{_ms(summary['tail_rest_ms'])} ms), utilisation "
+                          f"{summary['utilisation_mean']:.0%}, redelivered {returned} "
+                          "[SIMULATED]", file=sys.stderr)
             finally:
                 await publisher.close()
-    return {"experiment": "pull-vs-push", "simulated": SIM_ENV, "workers": n,
-            "capacity_req_per_s": capacity, "results": rows}
+    return {"capacity_req_per_s": capacity, "results": rows}
+
+
+def _mode(row: dict[str, Any]) -> str:
+    return "pull" if row["mode"].startswith("pull") else "push"
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per load, the median over seeds of each side's p50, p99 and utilisation, and of the
+    per-seed ratio pull p99 / push p99 (pairs of one seed: the same mix and schedule)."""
+    out = []
+    for fraction in sorted({r["fraction"] for r in rows}):
+        at = [r for r in rows if r["fraction"] == fraction]
+        row: dict[str, Any] = {"fraction": fraction}
+        for side in ("pull", "push"):
+            mine = [r for r in at if _mode(r) == side]
+            for key in ("p50_ms", "p99_ms", "utilisation_mean", "req_per_s"):
+                row[f"{side}_{key}"] = statistics.median(r[key] for r in mine) if mine else None
+        pairs = [(p, q) for p in at for q in at
+                 if _mode(p) == "pull" and _mode(q) == "push" and p["seed"] == q["seed"]]
+        row["p99_ratio"] = (statistics.median(p["p99_ms"] / q["p99_ms"] for p, q in pairs)
+                            if pairs else None)
+        row["seeds"] = len(pairs)
+        out.append(row)
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def pull_vs_push_report(data: dict[str, Any]) -> list[str]:
+    capacities = data["capacity_req_per_s"]
+    if not isinstance(capacities, dict):  # a result file of one seed, before --seeds
+        capacities = {data.get("seed", "-"): capacities}
+    lines = [f"{data['workers']} workers; capacity (closed loop, saturated, pull) per seed: "
+             + ", ".join(f"seed {s}: {c:.0f} req/s" for s, c in capacities.items()), "",
+             "| seed | load | pull p50 ms | pull p99 ms | push p50 ms | push p99 ms | "
+             "pull/push p99 | pull util (min-max) | push util (min-max) | pull redelivered |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = data["results"]
+    keys = sorted({(r.get("seed", "-"), r["fraction"]) for r in rows}, key=str)
+    for seed, fraction in keys:
+        pull = next((r for r in rows if r.get("seed", "-") == seed and r["fraction"] == fraction
+                     and _mode(r) == "pull"), None)
+        push = next((r for r in rows if r.get("seed", "-") == seed and r["fraction"] == fraction
+                     and _mode(r) == "push"), None)
+
+        def util(r: dict[str, Any] | None) -> str:
+            if r is None:
+                return "-"
+            return (f"{r['utilisation_mean']:.0%} ({r['utilisation_min']:.0%}-"
+                    f"{r['utilisation_max']:.0%})")
+
+        ratio = (_pct(pull["p99_ms"] / push["p99_ms"]) if pull and push and push["p99_ms"]
+                 else "-")
+        returned = pull.get("redelivered") if pull else None
+        lines.append(f"| {seed} | {fraction:.0%} | {_ms(pull and pull['p50_ms'])} | "
+                     f"{_ms(pull and pull['p99_ms'])} | {_ms(push and push['p50_ms'])} | "
+                     f"{_ms(push and push['p99_ms'])} | {ratio} | {util(pull)} | {util(push)} | "
+                     f"{'-' if returned is None else returned} |")
+    lines += ["", f"Median over {len(data.get('seeds') or [1])} seed(s):", "",
+              "| load | pull p50 ms | pull p99 ms | push p50 ms | push p99 ms | "
+              "pull/push p99 (median of seeds) | pull util | push util |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m in data.get("medians") or medians(rows):
+        lines.append(f"| {m['fraction']:.0%} | {_ms(m['pull_p50_ms'])} | "
+                     f"{_ms(m['pull_p99_ms'])} | {_ms(m['push_p50_ms'])} | "
+                     f"{_ms(m['push_p99_ms'])} | {_pct(m['p99_ratio'])} | "
+                     f"{_pct(m['pull_utilisation_mean'])} | {_pct(m['push_utilisation_mean'])} |")
+    return lines
+
+
+def plot_pull_vs_push(path: Path, data: dict[str, Any]) -> Path:
+    """p99 and utilisation against load: each seed's points and the median line per side."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    rows = data["results"]
+    for side, style, color in (("pull", "o-", "tab:blue"), ("push", "s--", "tab:orange")):
+        mine = [r for r in rows if _mode(r) == side]
+        meds = data.get("medians") or medians(rows)
+        loads = [m["fraction"] * 100 for m in meds]
+        label = "pull: one shared queue" if side == "pull" else "push: round-robin router"
+        left.plot(loads, [m[f"{side}_p99_ms"] for m in meds], style, color=color,
+                  label=f"{label} (median)")
+        left.scatter([r["fraction"] * 100 for r in mine], [r["p99_ms"] for r in mine],
+                     color=color, alpha=0.35, s=14)
+        right.plot(loads, [m[f"{side}_utilisation_mean"] * 100 for m in meds], style,
+                   color=color, label=side)
+        right.scatter([r["fraction"] * 100 for r in mine],
+                      [r["utilisation_mean"] * 100 for r in mine], color=color, alpha=0.35, s=14)
+    left.set_xlabel("offered load, % of capacity")
+    left.set_ylabel("p99 ms (dots: each seed)")
+    left.legend(fontsize="small")
+    right.set_xlabel("offered load, % of capacity")
+    right.set_ylabel("mean device utilisation, %")
+    right.legend(fontsize="small")
+    seeds = ", ".join(str(s) for s in data.get("seeds") or [])
+    fig.suptitle(f"SIMULATED: pull vs push, {data['workers']} workers, seeds {seeds} "
+                 "(bench.fleet)")
+    fig.savefig(path, dpi=80)
+    return path
 
 
 def report(data: dict[str, Any]) -> str:
@@ -306,15 +493,7 @@ def report(data: dict[str, Any]) -> str:
             lines.append(f"| {r['workers']} | {k['load']:.0f} | {k['throughput']:.0f} | "
                          f"{k['p50_ms']:.0f} | {k['p99_ms']:.0f} | {ratio} |")
     else:
-        lines += [f"{data['workers']} workers, capacity {data['capacity_req_per_s']:.0f} req/s "
-                  "(closed loop, saturated, pull)", "",
-                  "| mode | load | req/s | p50 ms | p99 ms | utilisation mean (min-max) |",
-                  "|---|---|---|---|---|---|"]
-        for r in data["results"]:
-            lines.append(f"| {r['mode']} | {r['fraction']:.0%} | {r['req_per_s']:.0f} | "
-                         f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
-                         f"{r['utilisation_mean']:.0%} ({r['utilisation_min']:.0%}-"
-                         f"{r['utilisation_max']:.0%}) |")
+        lines += pull_vs_push_report(data)
     return "\n".join(lines)
 
 
@@ -337,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the knee: p99 within this multiple of its low-load value (a "
                         "batching device's latency grows with its batch, so 3 rather than 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")],
+                        help="pull-vs-push: run once per seed (request mix and arrivals), "
+                        "e.g. 1,2,3; reports each seed and the medians")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -349,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(data))
     if args.json:
         args.json.write_text(json.dumps(data, indent=2))
-    if args.png:
+    if args.png and args.experiment == "pull-vs-push":
+        plot_pull_vs_push(args.png, data)
+    elif args.png:
         from bench.plot import plot_fleet
 
         plot_fleet(args.png, data)

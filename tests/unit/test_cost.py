@@ -95,6 +95,84 @@ def test_a_seed_far_too_fast_is_corrected_within_a_few_hundred_batches():
         assert model.predict(shape) == pytest.approx(slow, rel=0.10)
 
 
+class FakeDevice:
+    """A device whose true batch time is a + b*T + c*T*L (T padded tokens), with noise."""
+
+    def __init__(self, coefficients: tuple[float, float, float], noise: float,
+                 rng: random.Random) -> None:
+        self.coefficients, self.noise, self.rng = coefficients, noise, rng
+
+    def true_seconds(self, shape: BatchShape) -> float:
+        a, b, c = self.coefficients
+        tokens = shape.items * shape.longest
+        return a + b * tokens + c * tokens * shape.longest
+
+    def run(self, shape: BatchShape) -> float:
+        return self.true_seconds(shape) * (1 + self.rng.gauss(0, self.noise))
+
+
+SEED = (0.005, 2e-5, 0.0)
+
+
+@pytest.mark.parametrize("rng_seed", [1, 2, 3])
+@pytest.mark.parametrize("factor", [5.0, 8.0, 10.0, 0.2])
+def test_a_device_5_to_10x_slower_than_seeded_is_learnt_within_a_handful_of_batches(
+        factor, rng_seed):
+    """The catalog profile was measured elsewhere; the device takes `factor` times as long.
+    Five batches in, every shape is predicted as the device runs it."""
+    rng = random.Random(rng_seed)
+    device = FakeDevice(tuple(factor * v for v in SEED), 0.03, rng)
+    model = CostModel(*SEED)
+    for _ in range(5):
+        shape = _random_shape(rng)
+        model.observe(shape, device.run(shape))
+    assert model.level == pytest.approx(factor, rel=0.10)
+    for shape in GRID:
+        assert model.predict(shape) == pytest.approx(device.true_seconds(shape), rel=0.10)
+
+
+@pytest.mark.parametrize("rng_seed", [1, 2, 3])
+def test_a_device_with_other_proportions_is_learnt_within_ten_batches(rng_seed):
+    """8x the overhead, 6x the per-token cost and an attention term the seed lacks: the
+    level is right after three batches, the proportions soon after (the prior gives way
+    when batches keep disagreeing with it)."""
+    rng = random.Random(rng_seed)
+    device = FakeDevice((0.04, 1.2e-4, 5e-8), 0.03, rng)
+    model = CostModel(*SEED)
+    for _ in range(10):
+        shape = _random_shape(rng)
+        model.observe(shape, device.run(shape))
+    for shape in GRID:
+        assert model.predict(shape) == pytest.approx(device.true_seconds(shape), rel=0.20)
+
+
+def test_one_stall_among_the_first_batches_does_not_set_the_level():
+    rng = random.Random(4)
+    device = FakeDevice(tuple(6 * v for v in SEED), 0.03, rng)
+    model = CostModel(*SEED)
+    for n in range(5):
+        shape = _random_shape(rng)
+        model.observe(shape, device.run(shape) * (1000 if n == 1 else 1))  # a first CUDA call
+    assert model.level == pytest.approx(6, rel=0.10)
+    for _ in range(5):  # the stall itself still pulls like one 4x miss (Huber), and fades
+        shape = _random_shape(rng)
+        model.observe(shape, device.run(shape))
+    for shape in GRID:
+        assert model.predict(shape) == pytest.approx(device.true_seconds(shape), rel=0.25)
+
+
+def test_a_seed_that_was_right_stays_right_under_noisy_timings():
+    rng = random.Random(8)
+    device = FakeDevice(TRUTH, 0.15, rng)
+    model = CostModel(*TRUTH)
+    for _ in range(300):
+        shape = _random_shape(rng)
+        model.observe(shape, device.run(shape))
+    assert model.level == pytest.approx(1.0, rel=0.15)
+    for shape in GRID:
+        assert model.predict(shape) == pytest.approx(device.true_seconds(shape), rel=0.15)
+
+
 def test_a_few_wild_samples_cannot_make_it_absurd():
     shape = BatchShape(16, 128, 2048)
     model = CostModel(*TRUTH)

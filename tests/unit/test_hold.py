@@ -4,11 +4,15 @@ from batching.cost import CostModel
 from batching.former import BatchLimits, take_batch
 from batching.hold import (
     HoldLimits,
+    MeanRequest,
+    credit_opens_in,
     horizon_s,
+    may_hold,
     may_return,
     messages_per_batch,
     overflow,
     plan,
+    prefetch_for,
     target_prefetch,
     typical_batch_s,
 )
@@ -110,5 +114,47 @@ def test_target_prefetch_is_running_plus_horizon_batches_clamped():
     quick = BatchLimits(max_tokens=100_000, max_items=64, latency_target_s=0.031)
     assert messages_per_batch(_uniform(5), quick, MODEL) == 2  # 0.01 + 200 x 1e-4 = 0.03
     assert target_prefetch(_uniform(5), quick, HOLD, MODEL, default=10) == 6
+
+def test_the_horizon_is_capped_in_seconds():
+    """Two batches of a slow device are seconds: `max_horizon_s` caps what is kept."""
+    slow = CostModel(0.1, 1e-3, 0.0)  # a batch of 4 x 100 padded tokens: 0.5 s
+    capped = HoldLimits(horizon_batches=2.0, max_horizon_s=0.3, delivery_limit=20)
+    assert typical_batch_s(_uniform(8), LIMITS, slow) == pytest.approx(0.5)
+    assert horizon_s(_uniform(8), LIMITS, HOLD, slow) == pytest.approx(1.0)
+    assert horizon_s(_uniform(8), LIMITS, capped, slow) == pytest.approx(0.3)
+    # batches start at 0, 0.5, 1.0 s: in batches the first three stay, in seconds one
+    assert overflow(_uniform(12), LIMITS, HOLD, slow, running_left_s=0.0, now=1.0) == []
+    returned = overflow(_uniform(12), LIMITS, capped, slow, running_left_s=0.0, now=1.0)
+    assert [p.handle for p in returned] == list(range(4, 12))
+    # a cap above the batches' horizon changes nothing
+    loose = HoldLimits(horizon_batches=2.0, max_horizon_s=5.0)
+    assert horizon_s(_uniform(8), LIMITS, loose, slow) == pytest.approx(1.0)
+
+
+def test_may_hold_nothing_while_the_running_batch_ends_after_the_horizon():
+    mean = MeanRequest.of(_uniform(5))  # 4 a batch, 50 ms each
+    capped = HoldLimits(horizon_batches=2.0, max_horizon_s=0.03)
+    assert may_hold(None, LIMITS, capped, MODEL, 0.0) is None  # no traffic yet
+    assert may_hold(mean, LIMITS, capped, MODEL, 0.031) == 0
+    assert credit_opens_in(mean, LIMITS, capped, MODEL, 0.05) == pytest.approx(0.02)
+    # from when it ends within the horizon: the next batch (the horizon is less than one)
+    assert may_hold(mean, LIMITS, capped, MODEL, 0.03) == 4
+    assert may_hold(mean, LIMITS, capped, MODEL, 0.0) == 4
+    assert credit_opens_in(mean, LIMITS, capped, MODEL, 0.03) is None
+    # a horizon of several batches: that many
+    assert may_hold(mean, LIMITS, HOLD, MODEL, 0.05) == 8  # 100 ms = 2 batches
+    assert may_hold(mean, LIMITS, HOLD, MODEL, 0.101) == 0
+    assert may_hold(mean, LIMITS, HoldLimits(horizon_batches=2.0, max_horizon_s=0.075),
+                    MODEL, 0.0) == 6  # 1.5 batches
+
+
+def test_a_lone_workers_prefetch_follows_the_same_bound():
+    """A full batch plus what may be held when it ends: at least the next batch, the
+    horizon in batches when that is more (as it was before the cap in seconds)."""
+    mean = MeanRequest.of(_uniform(5))
+    capped = HoldLimits(horizon_batches=2.0, max_horizon_s=0.03)
+    assert prefetch_for(mean, LIMITS, capped, MODEL, 10) == 8
+    assert prefetch_for(mean, LIMITS, HOLD, MODEL, 10) == 12  # (1 + 2) x 4
+
 
 # The policy as a whole, on the real scheduler: tests/unit/test_scheduler.py.

@@ -1,14 +1,21 @@
 """The worker's real scheduler, driven on a fake clock by a model of the broker.
 
 `FakeBroker` is the environment only: it publishes requests at their times,
-delivers them while the consumer has credit (prefetch minus unacked), runs a
-started batch for its predicted time times a slowdown, and fires the one
-timer the scheduler asked for. Every decision is `batching.scheduler`'s.
+delivers them while the consumer has credit, runs a started batch for its
+predicted time times a slowdown (or for a fake device's time), and fires the
+one timer the scheduler asked for. Credit is RabbitMQ's per-consumer
+prefetch: a consumer may have `prefetch` of the messages *it* delivered
+unsettled, and a prefetch change is a new consumer (the dispatcher cancels
+and consumes again) whose credit is the whole new prefetch, whatever earlier
+consumers delivered. Acks go out after the tick that follows a batch's end
+(the dispatcher starts the next batch first). Every decision is
+`batching.scheduler`'s.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,8 +25,15 @@ from hypothesis import strategies as st
 
 from batching.cost import BatchShape, CostModel
 from batching.former import BatchLimits, batch_tokens, is_due, take_batch
-from batching.hold import HoldLimits, may_return, target_prefetch, typical_batch_s
-from batching.scheduler import PREFETCH_CHANGE_RATIO, Actions, Lane, Scheduler
+from batching.hold import (
+    HoldLimits,
+    MeanRequest,
+    may_hold,
+    may_return,
+    target_prefetch,
+    typical_batch_s,
+)
+from batching.scheduler import PREFETCH_CHANGE_RATIO, Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
 
 MODEL = "m"
@@ -52,13 +66,21 @@ class FakeBroker:
     timer: float | None = None
     returns: int = 0
     prefetch_seen: list[int] = field(default_factory=list)
+    device: CostModel | None = None  # the true batch time, if not predicted x slowdown
+    consumer: int = 0  # which consumer delivers now (a new one per prefetch change)
+    delivered_by: dict[int, int] = field(default_factory=dict)  # handle -> its consumer
+    to_ack: list[Pending] = field(default_factory=list)  # acked after the next tick
 
     @property
     def lane(self) -> Lane:
         return self.scheduler.lanes[MODEL]
 
-    def unacked(self) -> int:
-        return len(self.lane.backlog) + (len(self.running.members) if self.running else 0)
+    def outstanding(self) -> int:
+        """What the current consumer delivered and is not settled: its prefetch counts these."""
+        return sum(1 for handle, c in self.delivered_by.items() if c == self.consumer)
+
+    def credit(self) -> int:
+        return max(0, self.lane.prefetch - self.outstanding())
 
     def publish(self, at: float, p: Pending) -> None:
         self.published.append((at, p))
@@ -66,13 +88,15 @@ class FakeBroker:
     def settle(self, p: Pending, kind: str) -> None:
         assert p.handle not in self.settled, "a request settled twice"
         self.settled[p.handle] = Settled(kind, self.t)
+        if kind != "run":  # a run request is acked after the tick that follows its batch
+            self.delivered_by.pop(p.handle, None)
 
     def deliver(self) -> int:
         n = 0
-        while self.published and self.published[0][0] <= self.t \
-                and self.unacked() < self.lane.prefetch:
+        while self.published and self.published[0][0] <= self.t and self.credit() > 0:
             _, p = self.published.popleft()
             p.received = self.t
+            self.delivered_by[p.handle] = self.consumer
             self.scheduler.append(MODEL, p)
             n += 1
         return n
@@ -80,7 +104,7 @@ class FakeBroker:
     def run(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
             candidates = [math.inf]
-            if self.published and self.unacked() < self.lane.prefetch:
+            if self.published and self.credit() > 0:
                 candidates.append(max(self.published[0][0], self.t))
             if self.running is not None:
                 candidates.append(self.running.end)
@@ -94,6 +118,9 @@ class FakeBroker:
                 done, self.running = self.running, None
                 batch = self.scheduler.finish(self.t, done.end - done.start)
                 assert batch is not None and batch.members == done.members
+                self.step()  # the dispatcher starts the next batch, then answers and acks
+                for p in done.members:
+                    self.delivered_by.pop(p.handle, None)
             if self.timer is not None and self.timer <= self.t:
                 self.timer = None
             # Deliver, decide, and deliver again while decisions open credit.
@@ -131,31 +158,30 @@ class FakeBroker:
             if not late:
                 live = [p for p in before if p.deadline is None or p.deadline > t]
                 check_batch(live, batch.members, lane.limits, lane.cost, t)
-            duration = max(batch.predicted_s * self.slowdown, 1e-6)
+            true = self.device.predict(batch.shape) if self.device else batch.predicted_s
+            duration = max(true * self.slowdown, 1e-6)
             self.running = Ran(t, t + duration, batch.members, consumed)
             self.ran.append(self.running)
         returned = [p for _, ps in actions.returned for p in ps]
+        for prefetch in actions.prefetch.values():  # applied before the returns go out
+            assert hold.min_prefetch <= prefetch <= hold.max_prefetch
+            assert lane.prefetch == prefetch
+            self.prefetch_seen.append(prefetch)
+            self.consumer += 1
         if self.peers < 2:
             assert not returned, "a lone worker returned work that would only come back"
         else:
             held = sorted(lane.backlog + returned, key=lambda p: p.handle)
-            left = 0.0
-            if self.running is not None:
-                elapsed = t - self.running.start
-                predicted = self.scheduler.running.predicted_s
-                left = max(predicted - elapsed, elapsed - predicted, 0.0)
+            left = self.scheduler.running.left_s(t) if self.scheduler.running else 0.0
+            # Never what the current consumer delivered: that would reopen its credit.
+            current = {h for h, c in self.delivered_by.items() if c == self.consumer}
             assert {p.handle for p in returned} == expected_returns(
-                held, lane.limits, hold, lane.cost, left, t)
+                held, lane.limits, hold, lane.cost, left, t) - current
+            check_credit(self, left)
         for p in returned:
             assert may_return(p, hold.delivery_limit) and not is_due(p, lane.limits, t)
             self.settle(p, "returned")
         self.returns += len(returned)
-        if returned:
-            assert lane.prefetch == max(hold.min_prefetch, len(lane.backlog))
-        for prefetch in actions.prefetch.values():
-            assert hold.min_prefetch <= prefetch <= hold.max_prefetch
-            assert lane.prefetch == prefetch
-            self.prefetch_seen.append(prefetch)
         if actions.wake_in is not None:
             assert actions.wake_in > 0
             self.timer = t + actions.wake_in
@@ -179,6 +205,8 @@ def expected_returns(backlog, limits, hold, model, running_left_s, now) -> set[i
     rest, start, expected = list(backlog), running_left_s, set()
     horizon = hold.horizon_batches * typical_batch_s(backlog, limits, model)
     assert horizon >= hold.horizon_batches * limits.max_delay_s
+    if hold.max_horizon_s is not None:
+        horizon = min(horizon, hold.max_horizon_s)
     while rest:
         batch = take_batch(rest, limits, model, now)
         if start > horizon:
@@ -186,6 +214,22 @@ def expected_returns(backlog, limits, hold, model, running_left_s, now) -> set[i
                          if may_return(p, hold.delivery_limit) and not is_due(p, limits, now)}
         start += model.predict(BatchShape.of(batch))
     return expected
+
+
+def check_credit(broker: FakeBroker, left: float) -> None:
+    """The bound on intake: what the worker could end up holding beside its running batch
+    (what it holds plus the broker's open credit) is what `may_hold` allows for the time
+    the runtime is still busy, or at most `min_prefetch` more than it holds (the least
+    credit a consumer can have). So while the running batch ends later than the horizon,
+    a busy worker takes in at most one request."""
+    lane, hold = broker.lane, broker.scheduler.hold
+    allowed = may_hold(lane.mix.mean, lane.limits, hold, lane.cost, left)
+    if allowed is None:
+        return
+    could = len(lane.backlog) + broker.credit()
+    assert could <= max(allowed, len(lane.backlog) + hold.min_prefetch), (could, allowed)
+    if lane.mix.mean is not None and allowed == 0:
+        assert broker.credit() <= hold.min_prefetch
 
 
 def check_batch(before: list[Pending], batch: list[Pending], limits, model, now) -> None:
@@ -252,6 +296,7 @@ sim_limits = st.builds(
     latency_target_s=st.one_of(st.none(), st.floats(0.002, 0.1)),
 )
 sim_hold = st.builds(HoldLimits, horizon_batches=st.floats(0.0, 3.0),
+                     max_horizon_s=st.one_of(st.none(), st.floats(0.0, 0.05)),
                      delivery_limit=st.sampled_from([-1, 0, 1, 2, 5, 20, 21]),
                      max_prefetch=st.sampled_from([4, 32, 256]))
 sim_models = st.tuples(st.floats(1e-4, 0.01), st.floats(0.0, 3e-5), st.floats(0.0, 1e-7))
@@ -382,8 +427,8 @@ def test_a_lone_worker_keeps_everything_and_a_worker_with_a_peer_returns_the_ove
         assert len(scheduler.lanes[MODEL].backlog) == kept
         returned = [p.handle for _, ps in actions.returned for p in ps]
         assert returned == ([] if peers == 1 else list(range(12, 20)))
-        if peers == 2:  # the credit shrinks to what is kept, before the rejects go out
-            assert actions.prefetch == {MODEL: 8}
+        if peers == 2:  # before the rejects go out, a new consumer with the least credit
+            assert actions.prefetch == {MODEL: 1}  # (else the rejects would reopen it)
 
 
 def test_a_batch_that_overruns_its_prediction_is_looked_at_again():
@@ -405,7 +450,9 @@ def test_a_batch_that_overruns_its_prediction_is_looked_at_again():
 def test_after_returns_stop_prefetch_grows_back_to_what_the_traffic_calls_for(max_items,
                                                                                horizon):
     """The sequence seen on a running stack: large requests make a worker with a peer
-    return work and shrink its prefetch; then only 1-item requests come."""
+    return work and shrink its intake; then only 1-item requests come. What it may take
+    in (held + the broker's credit) grows back to what they call for (`may_hold` of an
+    idle worker), not staying as low as the returns left it."""
     limits = BatchLimits(max_tokens=100_000, max_items=max_items, max_wait_s=10.0)
     hold = HoldLimits(horizon_batches=horizon, delivery_limit=20)
     broker = make(limits, hold, CostModel(0.005, 2e-5), peers=2, prefetch=hold.max_prefetch)
@@ -413,15 +460,16 @@ def test_after_returns_stop_prefetch_grows_back_to_what_the_traffic_calls_for(ma
         broker.publish(0.0, Pending(i, "g", max_items, 64 * 100, 100, received=0.0))
     broker.run()
     assert broker.returns > 0
-    after_returns = broker.lane.prefetch
+    after_returns = len(broker.lane.backlog) + broker.credit()
     small = [Pending(1000 + i, "g", 1, 10, 10, received=0.0) for i in range(400)]
-    called_for = target_prefetch(small[:8], limits, hold, broker.lane.cost, default=1)
-    assert after_returns * PREFETCH_CHANGE_RATIO < called_for
+    called_for = may_hold(MeanRequest.of(small), limits, hold, broker.lane.cost, 0.0)
+    assert called_for is not None and after_returns * PREFETCH_CHANGE_RATIO < called_for
     t = broker.t
     for i, p in enumerate(small):
         broker.publish(t + 0.001 * i, p)
     broker.run()
-    assert called_for / PREFETCH_CHANGE_RATIO < broker.lane.prefetch <= called_for
+    could = len(broker.lane.backlog) + broker.credit()
+    assert called_for / PREFETCH_CHANGE_RATIO < could <= called_for
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -441,3 +489,186 @@ def test_prefetch_settles_near_what_a_steady_mix_calls_for(max_items, horizon, i
     assume(called_for >= hold.min_prefetch)
     lo, hi = called_for / PREFETCH_CHANGE_RATIO, called_for * PREFETCH_CHANGE_RATIO
     assert lo < broker.lane.prefetch < hi
+
+
+# --- a fleet on one shared queue ---------------------------------------------------------
+
+
+@dataclass
+class FleetWorker:
+    scheduler: Scheduler
+    consumer: int = 0
+    running: Batch | None = None
+    ends: float = math.inf
+    timer: float = math.inf
+    busy_s: float = 0.0
+
+    @property
+    def lane(self) -> Lane:
+        return self.scheduler.lanes[MODEL]
+
+
+@dataclass
+class FakeFleet:
+    """Workers pulling from one queue, RabbitMQ's way: a message goes to the next worker
+    (round robin) whose current consumer has credit; a returned one goes back to the head
+    of the queue; a prefetch change is a new consumer. Each batch takes what `device`
+    says, whatever the workers predict."""
+
+    workers: list[FleetWorker]
+    device: CostModel
+    t: float = 0.0
+    queue: deque[Pending] = field(default_factory=deque)
+    arrivals: deque[Pending] = field(default_factory=deque)
+    owner: dict[int, tuple[int, int]] = field(default_factory=dict)  # handle -> (worker, consumer)
+    delivered_at: dict[int, float] = field(default_factory=dict)  # handle -> its last delivery
+    held_s: dict[int, float] = field(default_factory=dict)  # handle -> delivery to start, if run
+    ran_by: dict[int, int] = field(default_factory=dict)
+    returns: int = 0
+    next_worker: int = 0
+
+    def credit(self, i: int) -> int:
+        w = self.workers[i]
+        mine = sum(1 for owner in self.owner.values() if owner == (i, w.consumer))
+        return w.lane.prefetch - mine
+
+    def dispatch(self) -> set[int]:
+        touched = set()
+        n = len(self.workers)
+        while self.queue:
+            i = next((k % n for k in range(self.next_worker, self.next_worker + n)
+                      if self.credit(k % n) > 0), None)
+            if i is None:
+                break
+            p = self.queue.popleft()
+            p.received = self.t
+            p.deliveries += 1
+            self.owner[p.handle] = (i, self.workers[i].consumer)
+            self.delivered_at[p.handle] = self.t
+            self.workers[i].scheduler.append(MODEL, p)
+            self.next_worker = i + 1
+            touched.add(i)
+        return touched
+
+    def tick(self, i: int) -> None:
+        w = self.workers[i]
+        actions = w.scheduler.tick(self.t)
+        assert not actions.expired and not actions.late  # no deadlines here
+        if actions.start is not None:
+            batch = actions.start
+            w.running, w.ends = batch, self.t + self.device.predict(batch.shape)
+            w.busy_s += w.ends - self.t
+            for p in batch.members:
+                assert p.handle not in self.ran_by, "a request ran twice"
+                self.ran_by[p.handle] = i
+                self.held_s[p.handle] = self.t - self.delivered_at[p.handle]
+        if actions.prefetch:
+            w.consumer += 1
+        for _, returned in actions.returned:
+            for p in reversed(returned):
+                del self.owner[p.handle]
+                self.queue.appendleft(p)
+            self.returns += len(returned)
+        w.timer = self.t + actions.wake_in if actions.wake_in is not None else math.inf
+
+    def run(self) -> None:
+        for _ in range(200_000):
+            events = [w.ends for w in self.workers] + [w.timer for w in self.workers]
+            if self.arrivals:
+                events.append(self.arrivals[0].received)
+            if min(events) == math.inf:
+                break
+            self.t = max(self.t, min(events))
+            due = set()
+            while self.arrivals and self.arrivals[0].received <= self.t:
+                self.queue.append(self.arrivals.popleft())
+            for i, w in enumerate(self.workers):
+                if w.ends <= self.t:
+                    batch, w.running, w.ends = w.running, None, math.inf
+                    assert batch is not None
+                    w.scheduler.finish(self.t, self.device.predict(batch.shape))
+                    self.tick(i)  # the next batch starts, then the finished one is acked
+                    for p in batch.members:
+                        del self.owner[p.handle]
+                if w.timer <= self.t:
+                    due.add(i)
+            for _ in range(1000):
+                due |= self.dispatch()
+                if not due:
+                    break
+                for i in sorted(due):
+                    self.tick(i)
+                due = set()
+        else:
+            pytest.fail("the fleet did not finish")
+        assert not self.queue and not self.arrivals
+        assert all(w.running is None and not w.lane.backlog for w in self.workers)
+
+
+def fleet(workers: int, seed_model: tuple[float, float, float], device: CostModel,
+          limits: BatchLimits, hold: HoldLimits) -> FakeFleet:
+    members = []
+    for _ in range(workers):
+        scheduler = Scheduler({MODEL: Lane(MODEL, limits, CostModel(*seed_model))}, hold,
+                              lambda _model, _now: workers)
+        scheduler.prefetch_applied(MODEL, hold.max_prefetch)
+        members.append(FleetWorker(scheduler))
+    return FakeFleet(members, device)
+
+
+def heavy_tailed_arrivals(rng, n: int, rate: float) -> list[Pending]:
+    """Poisson arrivals; texts per request from a Pareto tail (4 to 64), 10-30 tokens."""
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        items = min(64, int(4 / (1 - rng.random()) ** (1 / 1.5)))
+        longest = rng.randint(10, 30)
+        out.append(Pending(i, "g", items, items * (longest - 5), longest, received=t))
+    return out
+
+
+SLOW_SEED = (0.005, 2e-5, 0.0)  # the catalog's profile: 10x faster than the device below
+SLOW_DEVICE = CostModel(0.05, 2e-4, 0.0)
+FLEET_LIMITS = BatchLimits(max_tokens=4096, max_items=64, max_wait_s=10.0)
+
+
+def run_fleet(rng_seed: int, rate: float, max_horizon_s: float | None):
+    hold = HoldLimits(horizon_batches=2.0, max_horizon_s=max_horizon_s, delivery_limit=-1,
+                      max_prefetch=64)
+    fake = fleet(3, SLOW_SEED, SLOW_DEVICE, FLEET_LIMITS, hold)
+    arrivals = heavy_tailed_arrivals(random.Random(rng_seed), 1500, rate)
+    fake.arrivals.extend(arrivals)
+    fake.run()
+    assert set(fake.ran_by) == {p.handle for p in arrivals}  # each ran, and once
+    # From the 300th request on, every worker has timed enough batches to know the device.
+    held = [fake.held_s[p.handle] for p in arrivals[300:]]
+    return fake, arrivals, held
+
+
+LONGEST_BATCH_S = SLOW_DEVICE.predict(BatchShape(64, 30, 64 * 30))
+
+
+@pytest.mark.parametrize("rng_seed", [1, 2, 3])
+def test_on_a_shared_queue_no_worker_sits_on_work_beyond_the_horizon(rng_seed):
+    """Three workers on one queue, a device ten times slower than their profile, a
+    heavy-tailed mix keeping them ~80% busy. A worker takes in its next batch only when
+    its running one is about to end (100 ms), so no request waits in a worker's hands
+    (delivery to batch start) longer than one running batch plus the horizon, and few
+    longer than the horizon at all: those are the one request a consumer's least credit
+    lets in while its worker is busy. Returns stay rare and the work is shared evenly."""
+    assert LONGEST_BATCH_S > 4 * 0.1  # counted in batches, the horizon would be seconds
+    fake, arrivals, held = run_fleet(rng_seed, rate=30.0, max_horizon_s=0.1)
+    assert max(held) <= 0.1 + LONGEST_BATCH_S, max(held)
+    assert sum(h > 0.2 for h in held) <= 0.05 * len(held)
+    assert fake.returns <= 0.05 * len(arrivals)
+    busy = [w.busy_s for w in fake.workers]
+    assert max(busy) <= 1.1 * min(busy), busy
+
+
+def test_without_the_seconds_bound_a_worker_holds_work_longer_than_its_batch_and_more():
+    """The same fleet (a little busier) with the horizon in batches only: 2 batches of
+    the device are most of a second, and the bound checked above fails."""
+    _, _, held = run_fleet(1, rate=40.0, max_horizon_s=None)
+    assert max(held) > 0.1 + LONGEST_BATCH_S
+    _, _, bounded = run_fleet(1, rate=40.0, max_horizon_s=0.1)
+    assert max(bounded) <= 0.1 + LONGEST_BATCH_S
