@@ -469,7 +469,8 @@ def plot_pull_vs_push(path: Path, data: dict[str, Any]) -> Path:
     right.set_ylabel("mean device utilisation, %")
     right.legend(fontsize="small")
     seeds = ", ".join(str(s) for s in data.get("seeds") or [])
-    fig.suptitle(f"SIMULATED: pull vs push, {data['workers']} workers, seeds {seeds} "
+    env = "".join(f", {k}={v}" for k, v in (data.get("env") or {}).items())
+    fig.suptitle(f"SIMULATED: pull vs push, {data['workers']} workers, seeds {seeds}{env} "
                  "(bench.fleet)")
     fig.savefig(path, dpi=80)
     return path
