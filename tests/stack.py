@@ -15,7 +15,7 @@ from app import stack
 from app.stack import Process, free_port, http_status, wait_for
 
 __all__ = ["BROKER_URL", "REPO", "Process", "Stack", "delete_queues", "free_port",
-           "http_status", "queue_counts", "wait_for"]
+           "http_status", "metric_sum", "queue_counts", "wait_for"]
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER_URL = os.environ.get("SHOAL_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -35,3 +35,14 @@ def queue_counts(name: str) -> tuple[int, int]:
 
 def delete_queues(names: Iterable[str]) -> None:
     stack.delete_queues(names, BROKER_URL)
+
+
+def metric_sum(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) at a /metrics URL."""
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -27,21 +27,13 @@ from tasks.envelope import (
     task_part,
 )
 from tests.conftest import MINILM, RESTART, queue_name
-from tests.stack import BROKER_URL, free_port, queue_counts, wait_for
+from tests.stack import BROKER_URL, free_port, metric_sum, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 def _entry(model: str):
     return load_catalog(get_settings().catalog_dir).get(model)
-
-
-def _metric_sum(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_concurrent_requests_share_messages_and_each_gets_its_own_result(stack):
@@ -61,8 +53,8 @@ def test_concurrent_requests_share_messages_and_each_gets_its_own_result(stack):
     def coalesced_once() -> bool:
         # Bursts until some message carried more than one request.
         asyncio.run(burst(len(results)))
-        messages = _metric_sum(metrics, "shoal_gateway_requests_per_message_count")
-        requests = _metric_sum(metrics, "shoal_gateway_requests_per_message_sum")
+        messages = metric_sum(metrics, "shoal_gateway_requests_per_message_count")
+        requests = metric_sum(metrics, "shoal_gateway_requests_per_message_sum")
         return requests > messages
 
     wait_for(coalesced_once, 120, "a message carrying several requests", interval=0)
@@ -149,7 +141,7 @@ def test_a_coalesced_message_redelivered_after_its_worker_dies_is_answered_once(
         wait_for(lambda: queue_counts(queue)[1] >= 1, 120, "the slow worker to consume")
         _publish(queue, RESTART, parts, reply_to)
         # The slow worker runs the three requests in a batch of a minute.
-        wait_for(lambda: _metric_sum(f"http://127.0.0.1:{metrics_port}/metrics",
+        wait_for(lambda: metric_sum(f"http://127.0.0.1:{metrics_port}/metrics",
                                      "shoal_batch_requests_sum") == 3,
                  30, "the slow worker to start the batch")
         slow.kill()

@@ -15,7 +15,7 @@ import pytest
 
 from runtimes.pytorch.dense import DenseEncoder
 from tests.conftest import FAULTY, HEARTBEAT_S, MINILM, RESTART, queue_name
-from tests.stack import free_port, queue_counts, wait_for
+from tests.stack import free_port, metric_sum, queue_counts, wait_for
 from tests.tiny_models import MINILM_DIR
 
 pytestmark = pytest.mark.e2e
@@ -46,12 +46,17 @@ def test_worker_restart_while_requests_are_queued_loses_nothing(stack, how):
         done.append(i)
         return np.array(r.json()["embeddings"], dtype=np.float32)
 
+    metrics = f"{stack.url}/metrics"
+    published = "shoal_gateway_requests_per_message_sum"
+    before = metric_sum(metrics, published)
+
     async def main() -> list[np.ndarray]:
         async with httpx.AsyncClient(timeout=200) as client:
             calls = [asyncio.create_task(request(client, i)) for i in range(len(texts))]
-            # No worker serves this model yet: everything queues in RabbitMQ.
-            await asyncio.to_thread(wait_for, lambda: queue_counts(queue_name(RESTART))[0]
-                                    == len(texts), 30, "all requests to be queued")
+            # No worker serves this model yet: everything queues in RabbitMQ (in fewer
+            # messages than requests where the gateway coalesced them).
+            await asyncio.to_thread(wait_for, lambda: metric_sum(metrics, published) - before
+                                    == len(texts), 30, "all requests to be published")
             first = stack.stack.worker(f"restart-a-{how.name}", [RESTART])
             await asyncio.to_thread(wait_for, lambda: done, 120, "a first result")
             first.kill(how)

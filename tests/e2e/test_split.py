@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import RESTART, queue_name
-from tests.e2e.test_coalescing import _metric_sum
-from tests.stack import free_port, queue_counts, wait_for
+from tests.stack import free_port, metric_sum, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -41,14 +40,14 @@ def test_small_requests_go_between_the_parts_of_a_big_one(stack):
 
                 big = asyncio.create_task(post("big", texts))
                 # Once its first part runs, a small request arrives.
-                await asyncio.to_thread(wait_for, lambda: _metric_sum(
+                await asyncio.to_thread(wait_for, lambda: metric_sum(
                     metrics, "shoal_batch_requests_count") >= 1, 30, "the first part")
                 small = await post("small", ["a small request"])
                 return await big, small, finished
 
         big, small, finished = asyncio.run(main())
         alone = httpx.post(url, json={"items": [{"text": texts[37]}]}, timeout=60)
-        split = _metric_sum(metrics, "shoal_split_requests_total")
+        split = metric_sum(metrics, "shoal_split_requests_total")
         # A Celery client skips the gateway's checks: a bad item fails the request, and
         # the error says which part and items it came from.
         from tasks.client import encode
