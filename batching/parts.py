@@ -3,7 +3,10 @@
 A part must fit a batch (the item cap and the token budget) and should not
 take longer than `target_s`: while it runs, every request that arrives waits
 for it, so a part's time is what a big request adds to everyone else's
-latency. The last rule costs the big request one batch overhead per part.
+latency. Each part pays the batch's fixed cost again, so a part is allowed at
+least `MIN_PART_OVERHEADS` times that cost (at most a fifth of a big
+request's time goes to overheads, whatever the target): on a device with a
+large fixed cost per batch, small parts would cost more than they save.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import math
 from batching.cost import CostModel
 from batching.former import BatchLimits
 from batching.shapes import BatchShape
+
+MIN_PART_OVERHEADS = 4.0
 
 
 def items_per_part(items: int, longest: int, cost: int, limits: BatchLimits,
@@ -29,6 +34,7 @@ def items_per_part(items: int, longest: int, cost: int, limits: BatchLimits,
     n = max(1, min(items, limits.max_items, by_tokens))
     if cost_model is None or target_s is None:
         return n
+    target_s = max(target_s, MIN_PART_OVERHEADS * cost_model.coefficients[0])
 
     def predicted(k: int) -> float:
         return cost_model.predict(BatchShape(k, longest, round(k * cost / items)))

@@ -31,3 +31,9 @@ def test_a_part_takes_no_longer_than_the_target():
     assert items_per_part(512, 256, 512 * 256, LIMITS, model, target_s=0.001) == 1
     # the budget still caps a generous target
     assert items_per_part(512, 256, 512 * 256, LIMITS, model, target_s=100.0) == 16
+
+
+def test_a_part_pays_its_fixed_cost_at_most_a_fifth_of_the_time():
+    model = CostModel(0.040, 1e-4, 0.0)  # 40 ms a batch: parts of at least 160 ms
+    # 256-token items: 4 take 142 ms, 5 take 168 ms; a 100 ms target would allow 2
+    assert items_per_part(512, 256, 512 * 256, LIMITS, model, target_s=0.1) == 4
