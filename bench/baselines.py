@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  in process: {ceiling[1]:.0f} -> {ceiling[32]:.0f} items/s", file=sys.stderr)
     levels = [
         _http("shoal", texts, args),
-        _http("naive Celery (prefork, 1 process)", texts, args, worker_argv=NAIVE_WORKER),
+        # A Celery worker reads one task a message: the gateway must not coalesce for it.
+        _http("naive Celery (prefork, 1 process)", texts, args, worker_argv=NAIVE_WORKER,
+              extra_env={"SHOAL_COALESCE": "false"}),
         _http("shoal, sim runtime at zero cost", texts, args, extra_env=ZERO_COST_SIM),
         _http("shoal, sim runtime at zero cost", texts, args, items=8,
               extra_env=ZERO_COST_SIM),
