@@ -95,15 +95,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_p99_ratio": statistics.median(ratios) if ratios else None}
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def table(result: dict[str, Any]) -> str:
     lines = ["| round | p50 without | p99 without | p50 with | p99 with | p99 ratio | "
-             "big request s | parts |", "|---|---|---|---|---|---|---|---|"]
+             "errors with | big request s | parts |", "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["rounds"], 1):
         a, b = r["without"], r["with"]
-        lines.append(f"| {i} | {a['p50_ms']:.1f} | {a['p99_ms']:.1f} | {b['p50_ms']:.1f} | "
-                     f"{b['p99_ms']:.1f} | {r['p99_ratio']:.2f} | {r['big']['seconds']:.1f} | "
-                     f"{r['big']['parts']} |")
-    lines.append(f"\nmedian p99 ratio (with / without): {result['median_p99_ratio']:.2f}")
+        ratio = "-" if r["p99_ratio"] is None else f"{r['p99_ratio']:.2f}"
+        lines.append(f"| {i} | {_ms(a['p50_ms'])} | {_ms(a['p99_ms'])} | {_ms(b['p50_ms'])} | "
+                     f"{_ms(b['p99_ms'])} | {ratio} | {b['errors']} | "
+                     f"{r['big']['seconds']:.1f} | {r['big']['parts']} |")
+    median = result["median_p99_ratio"]
+    lines.append("\nmedian p99 ratio (with / without): "
+                 + ("- (no small request succeeded while the big one ran)" if median is None
+                    else f"{median:.2f}"))
     return "\n".join(lines)
 
 
