@@ -8,14 +8,16 @@ at the end.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from app import stack
 from app.stack import Process, free_port, http_status, wait_for
 
-__all__ = ["BROKER_URL", "REPO", "Process", "Stack", "delete_queues", "free_port",
-           "http_status", "metric_sum", "queue_counts", "wait_for"]
+__all__ = ["BROKER_URL", "REPO", "PrivateStack", "Process", "Stack", "delete_queues",
+           "free_port", "http_status", "metric_sum", "private_stack", "queue_counts", "wait_for"]
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER_URL = os.environ.get("SHOAL_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -46,3 +48,27 @@ def metric_sum(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@dataclass
+class PrivateStack:
+    """A stack of one test's own: its queue prefix (the session's queues stay untouched),
+    the model queue under it, and a free port for its gateway."""
+
+    prefix: str
+    queue: str
+    stack: Stack
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def private_stack(log_dir: Path, label: str, model: str) -> PrivateStack:
+    from app.settings import Settings
+    from app.topology import queue_for
+
+    prefix = f"shoal-{label}-{uuid.uuid4().hex[:8]}"
+    return PrivateStack(prefix, queue_for(model, Settings(queue_prefix=prefix)).name,
+                        Stack(dict(os.environ), log_dir), free_port())

@@ -101,15 +101,6 @@ def test_heartbeats_flow_while_a_batch_runs_longer_than_two_intervals(stack):
     assert stack.worker.alive()
 
 
-def _metric_total(url: str, name: str) -> float:
-    """Sum of a metric's samples over all label sets."""
-    total = 0.0
-    for line in httpx.get(url, timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_a_busy_worker_returns_queued_work_to_an_idle_one(stack):
     """One worker stalls on a slow batch; what it holds goes to the idle one."""
     ports = {name: free_port() for name in ("busy-or-idle-1", "busy-or-idle-2")}
@@ -139,11 +130,14 @@ def test_a_busy_worker_returns_queued_work_to_an_idle_one(stack):
         busy = slow.headers["x-worker"].split("@")[0]
         idle = next(name for name in workers if name != busy)
         idle_share = sum(r.headers["x-worker"].startswith(idle + "@") for r in rest) / len(rest)
-        returned = _metric_total(f"http://127.0.0.1:{ports[busy]}/metrics",
-                                 "shoal_returned_total")
+        returned = metric_sum(f"http://127.0.0.1:{ports[busy]}/metrics",
+                              "shoal_returned_total")
         print(f"idle worker's share {idle_share:.0%}, returns by the busy one: {returned:.0f}")
-        assert returned > 0, "the busy worker returned nothing"
-        assert idle_share >= 0.8, f"the idle worker ran only {idle_share:.0%} of the requests"
+        # The busy worker either returns what it was dealt or, its running batch ending
+        # beyond its hold horizon, takes nothing in (batching.hold.may_hold): both leave
+        # the quick requests to the idle one.
+        assert idle_share >= 0.8, (f"the idle worker ran only {idle_share:.0%} of the "
+                                   f"requests (the busy one returned {returned:.0f})")
     finally:
         for worker in workers.values():
             worker.stop()

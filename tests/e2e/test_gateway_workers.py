@@ -20,7 +20,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.settings import Settings
-from app.topology import queue_for
 from bench.stack import gateway_workers_of, reply_queues
 from tests.conftest import MINILM
 from tests.stack import (
@@ -29,6 +28,7 @@ from tests.stack import (
     delete_queues,
     free_port,
     http_status,
+    private_stack,
     queue_counts,
     wait_for,
 )
@@ -115,11 +115,9 @@ def _start_gateway(stack: Stack, prefix: str, port: int) -> tuple[Process, list[
 
 
 def test_two_gateway_processes_serve_and_metrics_count_every_request(tmp_path):
-    prefix = f"shoal-gw2-{uuid.uuid4().hex[:8]}"
-    queue = queue_for(MINILM, Settings(queue_prefix=prefix)).name
-    stack = Stack(dict(os.environ), tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    private = private_stack(tmp_path, "gw2", MINILM)
+    prefix, queue, stack, port, url = (private.prefix, private.queue, private.stack,
+                                       private.port, private.url)
     try:
         stack.worker(f"gw2-{prefix}", [MINILM], log_level="warning", SHOAL_QUEUE_PREFIX=prefix,
                      **ZERO_COST_SIM)

@@ -8,17 +8,20 @@ under a private queue prefix; each worker's prefetch is read from its metrics.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-import uuid
 
 import httpx
 import pytest
 
-from app.settings import Settings
-from app.topology import queue_for
 from tests.conftest import MINILM
-from tests.stack import Stack, delete_queues, free_port, http_status, queue_counts, wait_for
+from tests.stack import (
+    delete_queues,
+    free_port,
+    http_status,
+    private_stack,
+    queue_counts,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 TEXT = "the quick brown fox jumps over the lazy dog"
@@ -44,11 +47,9 @@ async def _post_all(url: str, bodies: list[dict], concurrency: int) -> list[int]
 
 
 def test_prefetch_grows_back_after_returns_stop(tmp_path):
-    prefix = f"shoal-prefetch-{uuid.uuid4().hex[:8]}"
-    queue = queue_for(MINILM, Settings(queue_prefix=prefix)).name
-    stack = Stack(dict(os.environ), tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v1/encode/{MINILM}"
+    private = private_stack(tmp_path, "prefetch", MINILM)
+    prefix, queue, stack, port = private.prefix, private.queue, private.stack, private.port
+    url = f"{private.url}/v1/encode/{MINILM}"
     metrics = [free_port(), free_port()]
     try:
         for i, metrics_port in enumerate(metrics):

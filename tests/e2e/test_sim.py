@@ -6,26 +6,25 @@ prefix, so the session stack's queues never see a fake result.
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import httpx
 import pytest
 
-from app.settings import Settings
-from app.topology import queue_for
 from tests.conftest import MINILM
-from tests.stack import Stack, delete_queues, free_port, http_status, queue_counts, wait_for
+from tests.stack import (
+    delete_queues,
+    http_status,
+    private_stack,
+    queue_counts,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_sim_worker_answers_through_the_gateway(tmp_path):
-    prefix = f"shoal-sim-{uuid.uuid4().hex[:8]}"
-    queue = queue_for(MINILM, Settings(queue_prefix=prefix)).name
-    stack = Stack(dict(os.environ), tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    private = private_stack(tmp_path, "sim", MINILM)
+    prefix, queue, stack, port, url = (private.prefix, private.queue, private.stack,
+                                       private.port, private.url)
     try:
         stack.worker("sim", [MINILM], SHOAL_QUEUE_PREFIX=prefix, SHOAL_RUNTIME="sim",
                      SHOAL_DEVICE="t4")
