@@ -32,7 +32,6 @@ with the parts' results joined in order (or the first part's error).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +48,7 @@ from batching.shapes import Pending
 from runtimes.base import Outcome, Request, Runtime
 from tasks.envelope import (
     H_COALESCED,
+    H_DEADLINE,
     Annotations,
     EstimatingEntry,
     Part,
@@ -272,10 +272,9 @@ class Dispatcher:
         entry = self.entries.get(a.model)
         if a.op not in SPLITTABLE or a.items <= 1 or entry is None:
             return None
-        target = min(t for t in (self.part_target_s, lane.limits.latency_target_s, math.inf)
-                     if t is not None)
-        per_part = items_per_part(a.items, a.longest, a.cost, lane.limits, lane.cost,
-                                  None if math.isinf(target) else target)
+        target = min((t for t in (self.part_target_s, lane.limits.latency_target_s)
+                      if t is not None), default=None)
+        per_part = items_per_part(a.items, a.longest, a.cost, lane.limits, lane.cost, target)
         if per_part >= a.items:
             return None
         try:
@@ -344,9 +343,8 @@ class Dispatcher:
         for (op, _, reply_batch), helds in handed_on.items():
             parts = [Part(h.task_id, h.annotations, h.body, h.returns + 1) for h in helds]
             message = coalesce(model, op, parts, self.c.hostname, reply_batch)
-            deadlines = [h.annotations.deadline_ms for h in helds]
-            expiration = (None if None in deadlines else
-                          max(d for d in deadlines if d is not None) / 1000 - time.time())
+            deadline_ms = message.headers.get(H_DEADLINE)  # its longest-lived request's
+            expiration = None if deadline_ms is None else deadline_ms / 1000 - time.time()
             self.replier.forward([h.delivery for h in helds], consuming.queue, message.body,
                                  message.headers, expiration)
 

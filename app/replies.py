@@ -42,8 +42,8 @@ class Delivery:
     """A delivered message and how many of its requests are still open.
 
     Acked when the last one is settled (answered and confirmed, or handed on);
-    requeued or dead-lettered as a whole at most once, after which nothing more
-    of it is acked (a second ack or reject of a tag closes the channel)."""
+    requeued as a whole at most once, after which nothing more of it is acked (a
+    second ack or reject of a tag closes the channel)."""
 
     __slots__ = ("closed", "message", "open", "reply_batch", "reply_to", "requests")
 
@@ -70,11 +70,6 @@ class Delivery:
         if not self.closed:
             self.closed = True
             self.message.reject(requeue=True)
-
-    def dead_letter(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.message.reject(requeue=False)
 
 
 def rpc_result(task_id: str, status: str, result: Any) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from bench.knee import Point, SweepPolicy, find_knee, next_load
 from bench.mix import make_requests
 from bench.stack import BenchStack, bench_stack
 from gateway.broker import Broker
-from tasks.envelope import task_message
+from tasks.envelope import task_part
 from tasks.served import read_served
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -150,13 +150,12 @@ class Publisher:
         broker = self.brokers[self.next % len(self.brokers)]
         self.next += 1
         kwargs = {"model": MODEL, "items": [{"text": t} for t in texts]}
-        # The gateway's message: the entry's estimate in the headers, batched replies.
-        message = task_message(self.entry, kwargs, broker.origin, int(timeout_s * 1000))
+        # What the gateway sends: the entry's estimate, batched replies, coalescing.
+        part = task_part(self.entry, kwargs, int(timeout_s * 1000))
         items = len(texts)
         started = time.perf_counter()
         try:
-            reply = await broker.call(MODEL, message.task_id, message.body, message.headers,
-                                      timeout_s)
+            reply = await broker.submit(MODEL, part, timeout_s)
         except Exception:
             return Outcome((time.perf_counter() - started) * 1000, items, 0.0, "", False)
         done = time.perf_counter()

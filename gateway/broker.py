@@ -43,8 +43,6 @@ from tasks.envelope import (
     Part,
     coalesce,
     decode_results,
-    now_ms,
-    read_annotations,
     single_message,
 )
 from tasks.errors import ErrorCode
@@ -164,16 +162,6 @@ class Broker:
             else:
                 future.set_result(result)
 
-    async def call(
-        self, model: str, task_id: str, body: bytes, headers: dict, timeout_s: float
-    ) -> dict:
-        """Publish one annotated task message (`tasks.envelope.task_message`) and wait for
-        its result until `timeout_s` runs out."""
-        annotations = read_annotations(headers)
-        if annotations is None:
-            raise ValueError("the gateway publishes annotated task messages only")
-        return await self.submit(model, Part(task_id, annotations, body), timeout_s)
-
     async def submit(self, model: str, part: Part, timeout_s: float) -> dict:
         """Publish a request (alone or coalesced with others waiting for the same model)
         and wait for its result until `timeout_s` runs out."""
@@ -230,17 +218,13 @@ class Broker:
             try:
                 if len(group) == 1:
                     message = single_message(group[0].part, self.origin)
-                    timeout_s = group[0].timeout_s
                 else:
                     parts = [o.part for o in group]
                     message = coalesce(model, parts[0].annotations.op, parts, self.origin)
-                    # The message lives as long as its longest-lived request; each
-                    # request's own deadline is the worker's to enforce.
-                    deadline_ms = max(p.annotations.deadline_ms or 0 for p in parts)
-                    timeout_s = max((deadline_ms - now_ms()) / 1000,
-                                    max(o.timeout_s for o in group))
+                # The message lives as long as its longest-lived request; each request's
+                # own deadline is the worker's to enforce.
                 await self._publish(model, message.task_id, message.body, message.headers,
-                                    timeout_s)
+                                    max(o.timeout_s for o in group))
             except ApiError as exc:
                 for o in group:
                     if not o.confirmed.done():

@@ -176,15 +176,6 @@ class TaskMessage:
     body: bytes
 
 
-def task_message(entry: EstimatingEntry, kwargs: dict[str, Any], origin: str,
-                 timeout_ms: int, reply_batch: bool = True) -> TaskMessage:
-    """The message of a request to `entry`'s operation, annotated and due in `timeout_ms`.
-
-    `reply_batch` tells the worker the caller's reply consumer reads several results to
-    a message (`gateway.broker.Broker` does; see app.replies)."""
-    return single_message(task_part(entry, kwargs, timeout_ms), origin, reply_batch)
-
-
 def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int) -> Part:
     """A request to `entry`'s operation, annotated and due in `timeout_ms`, before it is
     framed: alone (`single_message`) or with others (`coalesce`)."""
@@ -292,10 +283,3 @@ def read_coalesced(headers: dict[str, Any], body: bytes) -> list[Part]:
         raise ValueError("malformed coalesced message: every request needs a task id")
     return parts
 
-
-def as_part(message: TaskMessage) -> Part:
-    """A single-request message (from `task_message`) as a part to coalesce."""
-    annotations = read_annotations(message.headers)
-    if annotations is None:
-        raise ValueError("only annotated messages can be coalesced")
-    return Part(message.task_id, annotations, message.body)

@@ -70,7 +70,7 @@ def stamp_batch(results: Iterable[dict[str, Any]], model: str,
             result[SIMULATED] = dict(simulated)
 
 
-def stamp_delivery(result: dict[str, Any], queue_ms: int | None, worker: str) -> None:
+def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str) -> None:
     """Mark a result with how long its request queued and which worker answered it."""
     batch = result.get(BATCH) or {}
     result[TIMING] = Timing(queue_ms=queue_ms,
@@ -80,7 +80,7 @@ def stamp_delivery(result: dict[str, Any], queue_ms: int | None, worker: str) ->
 
 def stamp_parts(result: dict[str, Any], inference_ms: float, parts: int) -> None:
     """Mark the joined result of a request run as `parts` batches (`tasks.split`): its
-    batch is the last part's, with the inference time of all of them."""
+    batch is the first part's (as joined), with the inference time of all of them."""
     batch = dict(result.get(BATCH) or {})
     batch.update(inference_ms=inference_ms, parts=parts)
     result[BATCH] = batch

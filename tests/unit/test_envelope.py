@@ -19,7 +19,6 @@ from tasks.envelope import (
     single_message,
     task_body,
     task_headers,
-    task_message,
     task_part,
 )
 from tasks.names import ENCODE, SCORE
@@ -83,16 +82,17 @@ def test_a_model_without_an_entry_is_annotated_by_name_only():
     assert (ann.model, ann.items, ann.cost, ann.longest) == ("nobody/knows", 0, 0, 0)
 
 
-def test_task_message_is_the_entrys_operation_due_in_its_timeout():
+def test_a_request_is_the_entrys_operation_due_in_its_timeout():
     entry = _entry()
     kwargs = {"model": "m", "items": [{"text": "abcdefgh"}]}
-    message = task_message(entry, kwargs, "gw", timeout_ms=2_000)
+    message = single_message(task_part(entry, kwargs, timeout_ms=2_000), "gw")
     ann = read_annotations(message.headers)
     assert message.headers["task"] == ENCODE and message.headers["id"] == message.task_id
     assert message.headers[H_REPLY_BATCH] == 1 and decode_body(message.body) == kwargs
     assert ann is not None and (ann.items, ann.cost, ann.longest) == entry.estimate(kwargs)
     assert ann.sent_ms is not None and ann.deadline_ms == int(ann.sent_ms) + 2_000
-    assert H_REPLY_BATCH not in task_message(entry, kwargs, "gw", 1, reply_batch=False).headers
+    assert H_REPLY_BATCH not in single_message(task_part(entry, kwargs, 1), "gw",
+                                               reply_batch=False).headers
 
 
 def test_missing_annotations_read_as_none():

