@@ -7,9 +7,10 @@ at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,10 +66,21 @@ class PrivateStack:
         return f"http://127.0.0.1:{self.port}"
 
 
-def private_stack(log_dir: Path, label: str, model: str) -> PrivateStack:
+@contextlib.contextmanager
+def private_stack(log_dir: Path, label: str, model: str) -> Iterator[PrivateStack]:
+    """A stack of the test's own for `model`; on the way out its processes' logs are
+    printed if the test failed, its processes stopped and its queues deleted."""
     from app.settings import Settings
     from app.topology import queue_for
 
     prefix = f"shoal-{label}-{uuid.uuid4().hex[:8]}"
-    return PrivateStack(prefix, queue_for(model, Settings(queue_prefix=prefix)).name,
-                        Stack(dict(os.environ), log_dir), free_port())
+    private = PrivateStack(prefix, queue_for(model, Settings(queue_prefix=prefix)).name,
+                           Stack(dict(os.environ), log_dir), free_port())
+    try:
+        yield private
+    except BaseException:
+        private.stack.print_logs()
+        raise
+    finally:
+        private.stack.stop_all()
+        delete_queues(stack.prefix_queues(prefix, [model]))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import uuid
 from pathlib import Path
 
 import httpx
@@ -25,8 +24,6 @@ from tests.conftest import MINILM
 from tests.stack import (
     Process,
     Stack,
-    delete_queues,
-    free_port,
     http_status,
     private_stack,
     queue_counts,
@@ -115,10 +112,9 @@ def _start_gateway(stack: Stack, prefix: str, port: int) -> tuple[Process, list[
 
 
 def test_two_gateway_processes_serve_and_metrics_count_every_request(tmp_path):
-    private = private_stack(tmp_path, "gw2", MINILM)
-    prefix, queue, stack, port, url = (private.prefix, private.queue, private.stack,
-                                       private.port, private.url)
-    try:
+    with private_stack(tmp_path, "gw2", MINILM) as private:
+        prefix, queue, stack, port, url = (private.prefix, private.queue, private.stack,
+                                           private.port, private.url)
         stack.worker(f"gw2-{prefix}", [MINILM], log_level="warning", SHOAL_QUEUE_PREFIX=prefix,
                      **ZERO_COST_SIM)
         # Two processes, two exclusive reply queues: a Broker (created in create_app) each.
@@ -148,19 +144,13 @@ def test_two_gateway_processes_serve_and_metrics_count_every_request(tmp_path):
             r = httpx.get(f"{url}/metrics", timeout=10)
             assert r.status_code == 200
             assert _encodes_served(text_string_to_metric_families(r.text)) == sent
-    except BaseException:
-        stack.print_logs()
-        raise
-    finally:
-        stack.stop_all()
-        delete_queues([queue, queue + ".dead", f"{prefix}.default"])
 
 
 def test_sigterm_to_the_gateway_stops_all_its_processes(tmp_path):
-    prefix = f"shoal-gw2-{uuid.uuid4().hex[:8]}"
-    stack = Stack(dict(os.environ), tmp_path)
-    try:
-        gateway, reply, processes = _start_gateway(stack, prefix, free_port())
+    # Its own queues, deleted afterwards: the gateway declares the model queue.
+    with private_stack(tmp_path, "gw2", MINILM) as private:
+        prefix, stack = private.prefix, private.stack
+        gateway, reply, processes = _start_gateway(stack, prefix, private.port)
         metrics_dir = _metrics_dir(processes[0])
         assert metrics_dir.is_dir()
         everything = _descendants(gateway.pid)  # its processes, the resource tracker
@@ -176,8 +166,3 @@ def test_sigterm_to_the_gateway_stops_all_its_processes(tmp_path):
         # Their connections closed, so their exclusive reply queues are gone.
         wait_for(lambda: all(_gone_from_broker(q) for q in reply), 30,
                  "the reply queues to be deleted")
-    except BaseException:
-        stack.print_logs()
-        raise
-    finally:
-        stack.stop_all()

@@ -15,7 +15,6 @@ import pytest
 
 from tests.conftest import MINILM
 from tests.stack import (
-    delete_queues,
     free_port,
     http_status,
     private_stack,
@@ -47,11 +46,10 @@ async def _post_all(url: str, bodies: list[dict], concurrency: int) -> list[int]
 
 
 def test_prefetch_grows_back_after_returns_stop(tmp_path):
-    private = private_stack(tmp_path, "prefetch", MINILM)
-    prefix, queue, stack, port = private.prefix, private.queue, private.stack, private.port
-    url = f"{private.url}/v1/encode/{MINILM}"
-    metrics = [free_port(), free_port()]
-    try:
+    with private_stack(tmp_path, "prefetch", MINILM) as private:
+        prefix, queue, stack, port = private.prefix, private.queue, private.stack, private.port
+        url = f"{private.url}/v1/encode/{MINILM}"
+        metrics = [free_port(), free_port()]
         for i, metrics_port in enumerate(metrics):
             stack.worker(f"prefetch-{i}-{prefix}", [MINILM], SHOAL_QUEUE_PREFIX=prefix,
                          SHOAL_RUNTIME="sim", SHOAL_DEVICE="cpu", SHOAL_PREFETCH="64",
@@ -90,9 +88,3 @@ def test_prefetch_grows_back_after_returns_stop(tmp_path):
             stop.set()
             sender.join(timeout=60)
         assert statuses and set(statuses) == {200}
-    except BaseException:
-        stack.print_logs()
-        raise
-    finally:
-        stack.stop_all()
-        delete_queues([queue, queue + ".dead", f"{prefix}.default"])

@@ -11,7 +11,6 @@ import pytest
 
 from tests.conftest import MINILM
 from tests.stack import (
-    delete_queues,
     http_status,
     private_stack,
     queue_counts,
@@ -22,10 +21,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_a_sim_worker_answers_through_the_gateway(tmp_path):
-    private = private_stack(tmp_path, "sim", MINILM)
-    prefix, queue, stack, port, url = (private.prefix, private.queue, private.stack,
-                                       private.port, private.url)
-    try:
+    with private_stack(tmp_path, "sim", MINILM) as private:
+        prefix, queue, stack, port, url = (private.prefix, private.queue, private.stack,
+                                           private.port, private.url)
         stack.worker("sim", [MINILM], SHOAL_QUEUE_PREFIX=prefix, SHOAL_RUNTIME="sim",
                      SHOAL_DEVICE="t4")
         stack.gateway("sim-gateway", port, [MINILM], SHOAL_QUEUE_PREFIX=prefix)
@@ -48,10 +46,3 @@ def test_a_sim_worker_answers_through_the_gateway(tmp_path):
 
         log = stack.processes[0].log()
         assert "SIMULATED runtime" in log
-    except BaseException:
-        stack.print_logs()
-        raise
-    finally:
-        stack.stop_all()
-        # The model queue, its dead letters and the Celery default queue the worker declares.
-        delete_queues([queue, queue + ".dead", f"{prefix}.default"])
