@@ -226,13 +226,20 @@ def may_hold(
     """
     if mean is None:
         return None
-    per_batch = mean_per_batch(mean, limits, cost_model)
-    typical = mean_batch_s(mean, per_batch, limits, cost_model)
-    horizon = bounded_horizon_s(typical, hold)
+    per_batch, typical, horizon = _mean_horizon(mean, limits, hold, cost_model)
     if running_left_s > horizon:
         return 0
     batches = horizon / typical if typical > 0 else hold.horizon_batches
     return math.ceil(max(1.0, batches) * per_batch - FIT_SLACK)
+
+
+def _mean_horizon(mean: MeanRequest, limits: BatchLimits, hold: HoldLimits,
+                  cost_model: CostModel) -> tuple[int, float, float]:
+    """For requests like `mean`: how many fill a batch, its predicted seconds, and the
+    hold horizon in seconds."""
+    per_batch = mean_per_batch(mean, limits, cost_model)
+    typical = mean_batch_s(mean, per_batch, limits, cost_model)
+    return per_batch, typical, bounded_horizon_s(typical, hold)
 
 
 def prefetch_for(
@@ -268,6 +275,5 @@ def credit_opens_in(
     `may_hold` lets in the next batch; None if it already does (or no traffic)."""
     if mean is None:
         return None
-    per_batch = mean_per_batch(mean, limits, cost_model)
-    horizon = bounded_horizon_s(mean_batch_s(mean, per_batch, limits, cost_model), hold)
+    horizon = _mean_horizon(mean, limits, hold, cost_model)[2]
     return running_left_s - horizon if running_left_s > horizon else None

@@ -275,7 +275,9 @@ class Scheduler:
             allowed = may_hold(lane.mix.mean, lane.limits, self.hold, lane.cost, left)
             if allowed is not None:
                 self._bound_intake(lane, allowed, len(beyond), actions)
-                later = credit_opens_in(lane.mix.mean, lane.limits, self.hold, lane.cost, left)
+                # Credit opens later only while nothing may be taken in (allowed == 0).
+                later = (credit_opens_in(lane.mix.mean, lane.limits, self.hold, lane.cost,
+                                         left) if allowed == 0 else None)
                 if later is not None:
                     later = max(later, MIN_WAIT_S)
                     opens = later if opens is None else min(opens, later)
