@@ -10,6 +10,7 @@ the file, the field and what is allowed.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -82,6 +83,11 @@ class BatchProfile(BaseModel):
     cost_b_us: float = Field(20.0, ge=0, description="microseconds per padded token")
     cost_c_ns: float = Field(0.0, ge=0, description="nanoseconds per padded token x length")
     measured: str | None = Field(None, description="the benchmark run this came from")
+    # What the sim runtime pretends a load takes and occupies on this device (a real
+    # runtime measures both).
+    load_ms: float = Field(1000.0, ge=0, description="sim: seconds x1000 a load takes")
+    footprint_bytes: int | None = Field(
+        None, ge=1, description="sim: device bytes the loaded model takes (default: 100 MB)")
 
 
 class Prompts(BaseModel):
@@ -225,6 +231,17 @@ class Catalog:
                 f"models {missing} are not in the catalog; known: {sorted(self._entries)}"
             )
         return [self._entries[m] for m in model_ids]
+
+    def select(self, patterns: list[str]) -> list[ModelEntry]:
+        """The entries that `patterns` name, in catalog order: ids, or globs ('*',
+        'BAAI/*'). An id that is no entry, or a glob that matches none, is an error."""
+        unmatched = [p for p in patterns
+                     if not any(fnmatchcase(model_id, p) for model_id in self._entries)]
+        if unmatched:
+            raise CatalogError(f"models {unmatched} match nothing in the catalog; known: "
+                               f"{sorted(self._entries)}")
+        return [e for model_id, e in self._entries.items()
+                if any(fnmatchcase(model_id, p) for p in patterns)]
 
     def __iter__(self):
         return iter(self._entries.values())

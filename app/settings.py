@@ -47,9 +47,26 @@ class Settings(BaseSettings):
         PACKAGED_CATALOG_DIR, description="a folder of your own entries, read over the "
         "packaged catalog (an entry with the same id replaces the packaged one)"
     )
-    models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: [DEFAULT_MODEL])
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [DEFAULT_MODEL], description="worker: the models it may serve: "
+        "catalog ids or globs ('*', 'BAAI/*'); a model not pinned loads on its first request")
+    pin: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="worker: models loaded at start and never evicted (default: the "
+        "models SHOAL_MODELS names without a glob; empty: none)")
+    device_memory_bytes: int | None = Field(
+        None, ge=1, description="worker: bytes of device memory its models may take "
+        "(default: SHOAL_DEVICE_MEMORY_FRACTION of the device; of RAM on CPU)")
+    device_memory_fraction: float = Field(0.8, gt=0, le=1)
+    pool_state_interval_s: float = Field(
+        5.0, gt=0, description="worker: how often it tells gateways what it has loaded")
 
     # --- gateway ---
+    gateway_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="the catalog models the gateway accepts "
+        "requests for: ids or globs (default: all)")
+    gateway_unserved: Literal["refuse", "wait"] = Field(
+        "refuse", description="a request for a model no worker consumes: refuse it at once "
+        "(503), or queue it until its deadline (scale-to-zero deployments)")
     host: str = "127.0.0.1"
     port: int = 8080
     gateway_workers: int = Field(1, ge=1, description="gateway processes (uvicorn workers)")
@@ -110,7 +127,7 @@ class Settings(BaseSettings):
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(9540, ge=0, description="0 disables the worker's /metrics")
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "pin", "gateway_models", mode="before")
     @classmethod
     def _split_models(cls, value: object) -> object:
         if isinstance(value, str):

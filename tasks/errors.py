@@ -18,6 +18,10 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "INVALID_REQUEST"  # body is not valid JSON/msgpack
     VALIDATION_ERROR = "VALIDATION_ERROR"  # a field has the wrong type or value
     MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    LORA_NOT_FOUND = "LORA_NOT_FOUND"  # the model has no LoRA adapter of that name
+    # The model could not be loaded (bad weights, does not fit the device even after
+    # evicting every model that may go), or no worker serves it: retry later or elsewhere.
+    MODEL_UNAVAILABLE = "MODEL_UNAVAILABLE"
     NOT_FOUND = "NOT_FOUND"
     METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
     UNSUPPORTED_MEDIA_TYPE = "UNSUPPORTED_MEDIA_TYPE"
@@ -38,6 +42,8 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.VALIDATION_ERROR: 422,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.LORA_NOT_FOUND: 404,
+    ErrorCode.MODEL_UNAVAILABLE: 503,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
