@@ -20,7 +20,6 @@ from typing import Any
 
 import msgpack
 
-
 STALE_AFTER_INTERVALS = 3
 RESIDENT, LOADING, COLD = "resident", "loading", "cold"
 
