@@ -22,6 +22,14 @@ back whole (reject + requeue) when nothing else of the message has been
 settled, else they are republished as a message of their own before the
 original is acked: a message cannot be requeued in part.
 
+A request for a model that is not loaded waits in its lane (which starts no batch)
+while `app.placement` loads the model beside the other models' batches; when the
+load ends the lane runs, or its requests are answered MODEL_UNAVAILABLE. Each
+model queue's consumer has a RabbitMQ consumer priority (`x-priority`) that says
+whether the model is loaded here, so the broker gives a model's traffic to the
+workers that hold it and reaches a cold one only when they have no free prefetch;
+a cold consumer takes one message at a time (the one that starts its load).
+
 A request too big for one batch of its model is split into budget-sized
 parts (`tasks.split`) that run one after another: the next part joins the
 backlog when the previous one ends, so requests that arrived meanwhile go
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app import metrics
+from app.placement import Placement
 from app.replies import Delivery, Replier
 from batching.former import batch_tokens
 from batching.hold import HoldLimits
@@ -46,6 +55,7 @@ from batching.parts import items_per_part
 from batching.scheduler import Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
 from runtimes.base import Outcome, Request, Runtime
+from runtimes.pool import Pool
 from tasks.envelope import (
     H_COALESCED,
     H_DEADLINE,
@@ -62,6 +72,7 @@ from tasks.envelope import (
 )
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
+from tasks.pool_state import COLD, LOADING, RESIDENT
 from tasks.served import read_served, stamp_delivery, stamp_parts
 from tasks.split import SPLITTABLE, merge_results, split_kwargs
 
@@ -117,6 +128,13 @@ class Consuming:
     count_peers: Callable[[], int]  # consumers of the queue, us included
     peers: int = 1
     checked: float = float("-inf")
+    priority: int = 0  # its x-priority
+
+
+# Consumer priorities by the model's state here: the broker delivers to a lower one only
+# while every higher one has no free prefetch.
+PRIORITY = {RESIDENT: 10, LOADING: 5, COLD: 0}
+COLD_PREFETCH = 1  # a model not loaded here takes one message at a time
 
 
 ReturnKey = tuple[str, str | None, bool]  # operation, reply_to, reply_batch
@@ -158,9 +176,11 @@ def merged_result(split: Split) -> dict[str, Any]:
 class Dispatcher:
     def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
                  hold: HoldLimits, entries: dict[str, EstimatingEntry],
-                 part_target_s: float | None = None) -> None:
+                 part_target_s: float | None = None, pool: Pool | None = None,
+                 pinned: set[str] | None = None, prefetch: int = 64) -> None:
         self.c = consumer
         self.runtime = runtime
+        self.prefetch = prefetch  # of a consumer whose model is loaded, before adapting
         self.entries = entries  # to annotate a Celery client's message that came without
         self.part_target_s = part_target_s  # the longest a part of a split request should run
         self.scheduler = Scheduler(lanes, hold, self._peers)
@@ -172,12 +192,21 @@ class Dispatcher:
         self._timer_at = 0.0
         self._tick_queued = False
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
+        self.on_placement: Callable[[], None] = lambda: None  # told when a model's state changes
+        self.placement = Placement(
+            runtime, pool or Pool(2**62), list(lanes), pinned or set(),
+            lambda fn, *args: self.c.hub.call_soon(fn, *args), self.scheduler.in_use,
+            self._on_state, self._on_load_failed)
+        for model, lane in lanes.items():
+            lane.ready = self.placement.state(model) == RESIDENT
 
-    def attach(self, model: str, consumer: Any, queue: str, prefetch: int,
-               count_peers: Callable[[], int]) -> None:
-        self.consuming[model] = Consuming(consumer, queue, count_peers)
-        self.scheduler.prefetch_applied(model, prefetch)
-        metrics.PREFETCH.labels(model).set(prefetch)
+    def consume(self, model: str, consumer: Any, queue: str,
+                count_peers: Callable[[], int]) -> None:
+        """Start consuming a model's queue with the prefetch and priority of its state."""
+        state = self.placement.state(model)
+        prefetch = self.prefetch if state == RESIDENT else COLD_PREFETCH
+        self.consuming[model] = Consuming(consumer, queue, count_peers, priority=PRIORITY[state])
+        self._reconsume(model, prefetch, PRIORITY[state], first=True)
 
     # --- delivery (loop thread) ---------------------------------------------------------
 
@@ -246,6 +275,10 @@ class Dispatcher:
             metrics.SPLIT.labels(model).inc()
             held = split.part_held(held, 0)
         self._append(model, held, deliveries + returns)
+        if not self.scheduler.lanes[model].ready:
+            why = self.placement.ensure(model)
+            if why is not None:
+                self._on_load_failed(model, why)
 
     def _append(self, model: str, held: Held, deliveries: int) -> None:
         now = time.monotonic()
@@ -323,14 +356,39 @@ class Dispatcher:
             metrics.HELD.labels(lane.model).set(len(lane.backlog))
         self._wake_in(actions.wake_in)
 
-    def _refuse(self, model: str, held: Held, why: str) -> None:
+    def _refuse(self, model: str, held: Held, why: str,
+                code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
         if held.split is not None:
             if held.split.answered:
                 return
             held.split.answered = True
             why = f"{held.split.describe(held.part)}: {why}"
-        metrics.EXPIRED.labels(model).inc()
-        self.replier.failure(held.delivery, held.task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+        if code == ErrorCode.DEADLINE_EXCEEDED:
+            metrics.EXPIRED.labels(model).inc()
+        metrics.RESULTS.labels(model, code).inc()
+        self.replier.failure(held.delivery, held.task_id, code, why)
+
+    # --- placement (loop thread) -----------------------------------------------------------
+
+    def _on_state(self, model: str, state: str) -> None:
+        """A model became resident, loading or cold here: its lane and its consumer follow."""
+        lane = self.scheduler.lanes[model]
+        lane.ready = state == RESIDENT
+        if lane.ready:
+            now = time.monotonic()
+            for pending in lane.backlog:
+                metrics.LOAD_WAIT.labels(model).observe(now - pending.received)
+        consuming = self.consuming.get(model)
+        if consuming is not None:
+            prefetch = self.prefetch if lane.ready else COLD_PREFETCH
+            self._reconsume(model, prefetch, PRIORITY[state])
+        self.on_placement()
+        self._queue_tick()
+
+    def _on_load_failed(self, model: str, why: str) -> None:
+        for pending in self.scheduler.drop(model):
+            self._refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
+        metrics.HELD.labels(model).set(0)
 
     def _give_back(self, model: str, returned: list[Held]) -> None:
         """Return requests to their queue (see `plan_returns`)."""
@@ -376,17 +434,30 @@ class Dispatcher:
         return consuming.peers
 
     def _set_prefetch(self, model: str, prefetch: int) -> None:
-        """Re-consume with a new per-consumer prefetch (it applies to new consumers only)."""
         consuming = self.consuming.get(model)
         if consuming is not None:
-            consumer = consuming.consumer
+            self._reconsume(model, prefetch, consuming.priority)
+        else:
+            metrics.PREFETCH.labels(model).set(prefetch)
+
+    def _reconsume(self, model: str, prefetch: int, priority: int, first: bool = False) -> None:
+        """Consume again with a new per-consumer prefetch and priority (both apply to new
+        consumers only)."""
+        consuming = self.consuming[model]
+        consumer = consuming.consumer
+        if not first:
             consumer.cancel()
-            consumer.qos(prefetch_count=prefetch)
-            consumer.consume()
+        consuming.priority = priority
+        for queue in consumer.queues:
+            queue.consumer_arguments = {"x-priority": priority}
+        consumer.qos(prefetch_count=prefetch)
+        consumer.consume()
+        self.scheduler.prefetch_applied(model, prefetch)
         metrics.PREFETCH.labels(model).set(prefetch)
 
     def _start(self, batch: Batch) -> None:
         model, limits = batch.lane.model, batch.lane.limits
+        self.placement.touch(model)
         started = time.time()
         for pending in batch.members:
             held: Held = pending.handle
@@ -513,5 +584,6 @@ class Dispatcher:
         self._timer = None
 
     def close(self) -> None:
+        self.placement.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.runtime.close()

@@ -36,6 +36,16 @@ POISON_ISOLATED = Gauge("shoal_poison_isolated", "requests isolated as poison by
 HELD = Gauge("shoal_held_messages", "unacked messages held by this worker", ["model"])
 PREFETCH = Gauge("shoal_prefetch", "current per-consumer prefetch", ["model"])
 
+RESIDENT_MODELS = Gauge("shoal_resident_models", "models (and LoRA adapters) loaded")
+RESIDENT_BYTES = Gauge("shoal_resident_bytes", "device bytes the loaded models take")
+BUDGET_BYTES = Gauge("shoal_device_budget_bytes", "device bytes the models may take")
+LOADS = Counter("shoal_model_loads_total", "model loads", ["model", "outcome"])
+LOAD_SECONDS = Histogram("shoal_model_load_seconds", "time to load a model", ["model"],
+                         buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+EVICTIONS = Counter("shoal_model_evictions_total", "models evicted to make room", ["model"])
+LOAD_WAIT = Histogram("shoal_model_load_wait_seconds", "how long requests waited for their "
+                      "model to load", ["model"], buckets=_SECONDS)
+
 
 def start_metrics_server(host: str, port: int) -> None:
     """Serve /metrics on `port` (0 disables); a taken port only costs a warning."""

@@ -1,22 +1,32 @@
 """Worker wiring: a consumer bootstep that feeds the model queues to the dispatcher.
 
-Each served model's queue gets its own channel and consumer with its own
-prefetch (per-consumer QoS; quorum queues refuse global QoS), and so does its
-dead-letter queue, whose messages are answered with an error. The model
-runtime is its own process, started when the step is built: before the
-consumer opens its broker connection, whose heartbeats would otherwise go
-unanswered while the weights load. It survives broker reconnects.
+Each model the worker may serve (SHOAL_MODELS: ids or catalog globs) gets its
+queue consumed on its own channel with its own prefetch (per-consumer QoS;
+quorum queues refuse global QoS) and a consumer priority that says whether the
+model is loaded here (`app.dispatcher`); so does its dead-letter queue, whose
+messages are answered with an error. The model runtime is its own process,
+started when the step is built with the pinned models (SHOAL_PIN) loaded:
+before the consumer opens its broker connection, whose heartbeats would
+otherwise go unanswered while the weights load. Other models load on their
+first request (`app.placement`). It survives broker reconnects.
+
+Operators see and steer the pool with Celery's remote control:
+`celery -A app inspect shoal_models`, `celery -A app control shoal_load MODEL`,
+`celery -A app control shoal_unload MODEL`. Gateways learn it from the state
+message each worker publishes (`tasks.pool_state`).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
+from fnmatch import fnmatchcase
 from typing import Any
 
 from celery import bootsteps
 from celery.worker import control
-from kombu import Consumer
+from kombu import Consumer, Exchange, Producer
 
 from app.catalog import BatchProfile, ModelEntry, load_catalog
 from app.deadletters import DeadLetterAnswerer
@@ -29,7 +39,11 @@ from batching.cost import CostModel
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
 from batching.scheduler import Lane
+from runtimes.footprint import physical_memory_bytes
+from runtimes.pool import Pool
 from runtimes.process import ProcessRuntime
+from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE
+from tasks.pool_state import encode_state, pool_exchange
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +124,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         options = dict(c.app.conf.broker_transport_options or {})
         options.pop("confirm_publish", None)
         c.app.conf.broker_transport_options = options
-        self.entries = load_catalog(settings.catalog_dir).require(settings.models)
+        self.entries = load_catalog(settings.catalog_dir).select(settings.models)
+        self.pinned = pinned_models(settings, [e.id for e in self.entries])
         self.lanes = {
             e.id: Lane(e.id, batch_limits(e, settings), cost_model(e, settings))
             for e in self.entries
@@ -135,11 +150,11 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                         "(speed x%g) and results are fake", [e.id for e in self.entries],
                         settings.device, settings.sim_speed)
             self.runtime = SimRuntime(self.entries, settings.device, settings.sim_speed,
-                                      settings.sim_constants)
+                                      settings.sim_constants, loaded=sorted(self.pinned))
         else:
             self.runtime = ProcessRuntime(
                 catalog_dir=settings.catalog_dir,
-                models=[e.id for e in self.entries],
+                models=[e.id for e in self.entries if e.id in self.pinned],
                 device=settings.device,
                 threads=settings.torch_threads,
                 chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
@@ -148,7 +163,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             )
         RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
+        self.pool = Pool(device_budget(settings, self.runtime.device_bytes))
         self.dispatcher: Dispatcher | None = None
+        self.state_timer: Any = None
 
     def start(self, c: Any) -> None:
         if c.hub is None:
@@ -156,30 +173,39 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         if self.dispatcher is None:
             self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold,
                                          {e.id: e for e in self.entries},
-                                         self.settings.part_target_ms / 1000)
+                                         self.settings.part_target_ms / 1000, self.pool,
+                                         self.pinned, self.settings.prefetch)
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
             queue, dead = kombu_queues(queue_for(entry.id, self.settings))
             channel = c.connection.channel()
             consumer = Consumer(channel, queues=[queue], on_message=self.dispatcher.on_message,
-                                prefetch_count=self.settings.prefetch,
                                 accept=["msgpack", "json"])
-            consumer.consume()
-            self.dispatcher.attach(entry.id, consumer, queue.name, self.settings.prefetch,
-                                   _consumer_counter(channel, queue.name))
+            self.dispatcher.consume(entry.id, consumer, queue.name,
+                                    _consumer_counter(channel, queue.name))
             dead_channel = c.connection.channel()
             answerer = DeadLetterAnswerer(self.dispatcher.replier, entry.id)
             dead_consumer = Consumer(dead_channel, queues=[dead], on_message=answerer.on_message,
                                      prefetch_count=DEAD_LETTER_PREFETCH)
             dead_consumer.consume()
             self.consumers += [consumer, dead_consumer]
-            log.info("consuming %s (prefetch %d) and %s", queue.name, self.settings.prefetch,
-                     dead.name)
+            log.debug("consuming %s and %s", queue.name, dead.name)
+        log.info("consuming the queues of %d models; pinned: %s", len(self.entries),
+                 sorted(self.pinned) or "none")
+        self.state_publisher = PoolStatePublisher(c, self.settings, self.dispatcher)
+        self.dispatcher.on_placement = self.state_publisher.soon
+        self.state_timer = c.hub.call_repeatedly(self.settings.pool_state_interval_s,
+                                                 self.state_publisher.publish)
+        self.state_publisher.publish()
 
     def stop(self, c: Any) -> None:
+        if self.state_timer is not None:
+            self.state_timer.cancel()
+            self.state_timer = None
         if self.dispatcher is not None:
             self.dispatcher.drop_held()
+            self.dispatcher.on_placement = lambda: None
         super().stop(c)
 
     def shutdown(self, c: Any) -> None:
@@ -191,6 +217,52 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             self.dispatcher = None
         else:
             self.runtime.close()
+
+
+def pinned_models(settings: Settings, models: list[str]) -> set[str]:
+    """SHOAL_PIN (globs allowed) among the models served; unset: the models SHOAL_MODELS
+    names without a glob (so `SHOAL_MODELS=a,b` loads both at start, as it always did)."""
+    patterns = settings.pin if settings.pin is not None else [
+        m for m in settings.models if not any(ch in m for ch in "*?[")]
+    return {m for m in models if any(fnmatchcase(m, p) for p in patterns)}
+
+
+def device_budget(settings: Settings, device_bytes: int | None) -> int:
+    """SHOAL_DEVICE_MEMORY_BYTES, else SHOAL_DEVICE_MEMORY_FRACTION of the device's memory
+    (as the runtime reports it; this machine's RAM when it does not)."""
+    if settings.device_memory_bytes is not None:
+        return settings.device_memory_bytes
+    return int(settings.device_memory_fraction * (device_bytes or physical_memory_bytes()))
+
+
+class PoolStatePublisher:
+    """Publishes this worker's pool state (`tasks.pool_state`) to the gateways: every
+    SHOAL_POOL_STATE_INTERVAL_S, and on the loop's next turn after a change."""
+
+    def __init__(self, c: Any, settings: Settings, dispatcher: Dispatcher) -> None:
+        self.c = c
+        self.dispatcher = dispatcher
+        self.interval_s = settings.pool_state_interval_s
+        self.exchange = Exchange(pool_exchange(settings.queue_prefix), type="fanout",
+                                 durable=True)
+        self.producer = Producer(c.connection.channel(), exchange=self.exchange,
+                                 auto_declare=True)
+        self._due = False
+
+    def soon(self) -> None:
+        if not self._due:
+            self._due = True
+            self.c.hub.call_soon(self.publish)
+
+    def publish(self) -> None:
+        self._due = False
+        state = {"worker": self.c.hostname, "at": time.time(), "interval_s": self.interval_s,
+                 **self.dispatcher.placement.snapshot()}
+        try:
+            self.producer.publish(encode_state(state), content_type=CONTENT_TYPE,
+                                  content_encoding=CONTENT_ENCODING, delivery_mode=1)
+        except Exception:  # a lost connection: the next one carries the state again
+            log.warning("could not publish the pool state", exc_info=True)
 
 
 def _consumer_counter(channel: Any, queue: str) -> Any:
@@ -205,10 +277,49 @@ def active_queues(state: Any) -> list[dict]:
     """Celery's `active_queues` plus the model queues, so Flower's broker tab lists them."""
     consumer = state.consumer
     queues = list(consumer.task_consumer.queues) if consumer.task_consumer else []
-    step = next((s for s in consumer.steps if isinstance(s, ModelQueueConsumer)), None)
+    step = _step(state)
     for kombu_consumer in (step.consumers if step else None) or []:
         queues.extend(kombu_consumer.queues)
     return [dict(q.as_dict(recurse=True)) for q in queues]
+
+
+def _step(state: Any) -> ModelQueueConsumer | None:
+    return next((s for s in state.consumer.steps if isinstance(s, ModelQueueConsumer)), None)
+
+
+@control.inspect_command()
+def shoal_models(state: Any) -> dict[str, Any]:
+    """Each model this worker may serve: resident, loading or cold, pinned, its bytes."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return {"error": "not consuming yet"}
+    return step.dispatcher.placement.snapshot()
+
+
+@control.control_command(args=[("model", str)], signature="<model id>")
+def shoal_load(state: Any, model: str) -> dict[str, Any]:
+    """Start loading a model here (warm it before traffic comes)."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return {"error": "not consuming yet"}
+    if model not in step.dispatcher.scheduler.lanes:
+        return {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
+    why = step.dispatcher.placement.ensure(model)
+    if why is not None:
+        return {"error": why}
+    return {"ok": f"{model} is {step.dispatcher.placement.state(model)}"}
+
+
+@control.control_command(args=[("model", str)], signature="<model id>")
+def shoal_unload(state: Any, model: str) -> dict[str, Any]:
+    """Drop a model here (not a pinned one, nor one with requests held or running)."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return {"error": "not consuming yet"}
+    if model not in step.dispatcher.scheduler.lanes:
+        return {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
+    why = step.dispatcher.placement.unload(model)
+    return {"error": why} if why is not None else {"ok": f"{model} unloaded"}
 
 
 def install(app: Any) -> None:

@@ -91,12 +91,17 @@ class RequestMix:
 
 @dataclass(slots=True)
 class Lane:
-    """One served model: its backlog (arrival order), limits, cost model and prefetch."""
+    """One served model: its backlog (arrival order), limits, cost model and prefetch.
+
+    A lane that is not `ready` (its model is not loaded) starts no batch and neither
+    bounds nor returns what it holds: its requests wait for the load within their
+    deadlines, and its consumer's prefetch is the placement's (`app.placement`)."""
 
     model: str
     limits: BatchLimits
     cost: CostModel
     prefetch: int = 0  # as last applied by the dispatcher
+    ready: bool = True
     backlog: list[Pending] = field(default_factory=list)
     mix: RequestMix = field(default_factory=RequestMix)
 
@@ -189,6 +194,21 @@ class Scheduler:
         for drawn in self._drawn.values():
             drawn.clear()
 
+    def drop(self, model: str) -> list[Pending]:
+        """Take every request held for `model` out (they are answered, e.g. its load
+        failed)."""
+        lane = self.lanes[model]
+        dropped, lane.backlog[:] = list(lane.backlog), []
+        self._settled(model, dropped)
+        return dropped
+
+    def in_use(self) -> set[str]:
+        """The models with a batch running or requests held: none may be evicted."""
+        used = {model for model, lane in self.lanes.items() if lane.backlog}
+        if self.running is not None:
+            used.add(self.running.lane.model)
+        return used
+
     def prefetch_applied(self, model: str, prefetch: int) -> None:
         """The dispatcher (re)started the consumer of `model` with this prefetch."""
         self.lanes[model].prefetch = prefetch
@@ -218,7 +238,7 @@ class Scheduler:
 
     def next_lane(self) -> Lane | None:
         """The lane whose oldest held request has waited longest."""
-        waiting = [lane for lane in self.lanes.values() if lane.backlog]
+        waiting = [lane for lane in self.lanes.values() if lane.backlog and lane.ready]
         return min(waiting, key=lambda lane: lane.backlog[0].received, default=None)
 
     def _maybe_start(self, now: float, actions: Actions) -> float | None:
@@ -268,8 +288,10 @@ class Scheduler:
         left = running.left_s(now) if running is not None else 0.0
         opens: float | None = None
         for lane in self.lanes.values():
-            if self.peers(lane.model, now) < 2:
-                continue  # nobody else would take it: returning would only loop back here
+            if not lane.ready or self.peers(lane.model, now) < 2:
+                # Not loaded: what it holds waits for the load. Alone: returning would
+                # only loop back here.
+                continue
             beyond = (overflow(lane.backlog, lane.limits, self.hold, lane.cost, left, now)
                       if lane.backlog else [])
             allowed = may_hold(lane.mix.mean, lane.limits, self.hold, lane.cost, left)

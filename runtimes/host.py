@@ -12,8 +12,10 @@ outcomes here.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -21,6 +23,7 @@ import torch
 
 from app.catalog import ModelEntry
 from runtimes.base import Outcome, Request, failed, prepare_each
+from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.pytorch.adapter import Adapter
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
@@ -36,7 +39,11 @@ def adapter_class(entry: ModelEntry) -> type[Adapter]:
 
 
 class ModelHost:
-    """Holds loaded models by id and runs batches on them."""
+    """Holds loaded models by id and runs batches on them.
+
+    Loads and unloads may come from another thread than batches (the runtime process
+    loads beside serving); the caller never unloads a model while a batch of it runs.
+    """
 
     def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384) -> None:
         self.device = device
@@ -44,16 +51,54 @@ class ModelHost:
         if threads > 0:
             torch.set_num_threads(threads)
         self._models: dict[str, Adapter] = {}
+        self.footprints: dict[str, int] = {}  # measured device bytes, by model id
+        self._loading = threading.Lock()  # one load at a time: their memory adds up
 
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
+            self.load_one(entry)
+
+    def load_one(self, entry: ModelEntry) -> int:
+        """Load a model (a no-op if loaded): the device bytes it takes, measured."""
+        with self._loading:
+            if entry.id in self._models:
+                return self.footprints[entry.id]
             started = time.perf_counter()
-            self._models[entry.id] = adapter_class(entry)(
+            allocated = self._allocated()
+            adapter = adapter_class(entry)(
                 entry, resolve_source(entry.source), device=self.device,
                 chunk_tokens=self.chunk_tokens,
             )
-            log.info("loaded %s (%s) in %.1fs", entry.id, entry.adapter,
-                     time.perf_counter() - started)
+            # The tensors it holds; on CUDA the allocator also counts what loading left
+            # behind (rounding, workspaces), unless a concurrent batch blurs the delta.
+            measured = max(tensor_bytes(adapter), self._allocated() - allocated)
+            self._models[entry.id] = adapter
+            self.footprints[entry.id] = measured
+            log.info("loaded %s (%s, %.1f MiB) in %.1fs", entry.id, entry.adapter,
+                     measured / 2**20, time.perf_counter() - started)
+            return measured
+
+    def unload(self, model_id: str) -> None:
+        adapter = self._models.pop(model_id, None)
+        self.footprints.pop(model_id, None)
+        if adapter is None:
+            return
+        del adapter
+        gc.collect()  # adapters hold reference cycles (modules, hooks)
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log.info("unloaded %s", model_id)
+
+    def device_total_bytes(self) -> int:
+        """The memory of the device models load into (RAM on CPU)."""
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
+        return physical_memory_bytes()
+
+    def _allocated(self) -> int:
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.memory_allocated(torch.device(self.device)))
+        return 0
 
     def adapter(self, model_id: str) -> Adapter | None:
         return self._models.get(model_id)
@@ -75,3 +120,4 @@ class ModelHost:
 
     def close(self) -> None:
         self._models.clear()
+        self.footprints.clear()

@@ -55,8 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from app.catalog import load_catalog
 from runtimes.base import Outcome, Request
+from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
+from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,11 @@ class RuntimeClosed(RuntimeError):
 
 class RuntimeUnhealthy(RuntimeError):
     """The runtime fails whatever the input, so no request of the batch is to blame."""
+
+
+class LoadFailed(RuntimeError):
+    """A model could not be loaded (the reason is the message); the runtime still serves
+    the models it had."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +117,9 @@ class _Child:
         )
         self.pid = self.proc.pid
         self.tail: deque[str] = deque(maxlen=40)
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | None = None  # batches
+        self.control: socket.socket | None = None  # loads and unloads, beside batches
+        self.ready: dict[str, Any] = {}  # the ready frame
         self._tee = threading.Thread(target=self._forward_output, daemon=True,
                                      name=f"runtime-{self.pid}-output")
         self._tee.start()
@@ -129,7 +139,8 @@ class _Child:
         return "\n".join(self.tail)
 
     def connect(self, timeout: float, closed: Callable[[], bool]) -> None:
-        """Wait for the socket (it appears once models are loaded) and the ready frame."""
+        """Wait for the socket (it appears once the start-up models are loaded), open the
+        batch and the control connections, and read the ready frame."""
         deadline = self.started + timeout
         while not self.socket_path.exists():
             if closed():
@@ -147,13 +158,16 @@ class _Child:
                 )
             time.sleep(0.05)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 5.0))
             sock.connect(str(self.socket_path))
+            control.connect(str(self.socket_path))
             ready = recv_frame(sock)
             sock.settimeout(None)
         except (OSError, EOFError, ProtocolError) as exc:
             sock.close()
+            control.close()
             if closed():
                 raise RuntimeClosed("the runtime was closed while starting") from exc
             raise RuntimeStartError(
@@ -162,16 +176,18 @@ class _Child:
             ) from exc
         if not isinstance(ready, dict) or ready.get("ready") != self.pid:
             sock.close()
+            control.close()
             raise RuntimeStartError(f"unexpected first frame from the runtime: {ready!r:.200}")
-        self.sock = sock
+        self.sock, self.control, self.ready = sock, control, ready
         log.info("model runtime pid %d ready in %.1fs", self.pid, time.monotonic() - self.started)
 
     def stop(self, grace: float) -> str:
         """End the process (politely first), reap it; how it ended. Safe to call twice."""
-        if self.sock is not None:
-            # Wakes a thread blocked in recv, and tells an idle server to exit.
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        for sock in (self.sock, self.control):
+            if sock is not None:
+                # Wakes a thread blocked in recv, and tells an idle server to exit.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -182,16 +198,22 @@ class _Child:
                 self.proc.kill()
                 self.proc.wait()
         self._tee.join(timeout=2)
-        if self.sock is not None:
-            self.sock.close()
+        for sock in (self.sock, self.control):
+            if sock is not None:
+                sock.close()
         return describe_exit(self.proc.returncode)
 
 
 class ProcessRuntime:
     """`runtimes.base.Runtime` backed by a child process; see the module doc for the policy.
 
-    `run_batch` is called from one thread at a time; `close` may come from any thread.
-    Counters for metrics: `restarts`, `poison_isolated`; `pid` is the current child's.
+    `run_batch` is called from one thread at a time, `load` and `unload` from one other
+    thread (they run beside batches); `close` may come from any thread. Counters for
+    metrics: `restarts`, `poison_isolated`; `pid` is the current child's.
+
+    `models` load at start. A child that replaces a dead one loads every model resident
+    in its predecessor (`resident`) before it is ready, so that what the worker believes
+    loaded stays loaded.
     """
 
     def __init__(
@@ -205,8 +227,10 @@ class ProcessRuntime:
         env: Mapping[str, str] | None = None,
         batch_timeout: float | None = None,
     ) -> None:
-        self.models = list(models)
+        self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
+        self.device_bytes: int | None = None  # the device's memory, from the child
         self.start_timeout = start_timeout
+        self._catalog_dir = catalog_dir
         # A model that hangs (a deadlocked kernel, a stuck device) is killed
         # after this long and treated like a crash: restart, then bisect.
         self.batch_timeout = batch_timeout
@@ -218,8 +242,6 @@ class ProcessRuntime:
             "--threads", str(threads), "--chunk-tokens", str(chunk_tokens),
             "--parent-pid", str(os.getpid()),
         ]
-        for model in self.models:
-            self._argv += ["--model", model]
         # OpenMP threads that spin between ops steal the cores the worker,
         # gateway and broker need on a CPU host: measured on 2 cores, passive
         # waiting cut the runtime's CPU per sentence from ~10 ms to ~6.5 ms.
@@ -230,7 +252,9 @@ class ProcessRuntime:
             p for p in (_SOURCE_ROOT, self._env.get("PYTHONPATH")) if p
         )
         self._dir = Path(tempfile.mkdtemp(prefix="shoal-runtime-"))  # mode 0700: private
-        self._lock = threading.Lock()  # guards _child and _closed against close()
+        self._lock = threading.Lock()  # guards _child, _closed and resident
+        self._starting = threading.Lock()  # one thread spawns and connects a child
+        self._controlling = threading.Lock()  # one load or unload at a time
         self._closed = False
         self._child: _Child | None = None
         self._spawned = 0
@@ -259,6 +283,46 @@ class ProcessRuntime:
             return []
         self._works_after_failure = False
         return self._run(model_id, requests, failed_before=False)
+
+    def estimate_bytes(self, model: str) -> int:
+        """What `model` should take once loaded, from its weight files (read here, in the
+        worker: nothing is loaded or downloaded)."""
+        entry = load_catalog(self._catalog_dir).get(model)
+        try:
+            return estimate_bytes(resolve_source(entry.source, local_only=True)) if entry \
+                else UNKNOWN_BYTES
+        except Exception:  # not downloaded yet, or unreadable: the load will say
+            return UNKNOWN_BYTES
+
+    def load(self, model: str) -> int:
+        """Load `model` in the child beside the batches that run meanwhile: the device
+        bytes it takes. LoadFailed if it cannot (the child survives a bad model; if the
+        load kills it, the next child starts without that model)."""
+        reply = self._control({"op": "load", "model": model}, f"loading {model}")
+        if "loaded" not in reply:
+            raise LoadFailed(str(reply.get("failed") or reply.get("error") or reply))
+        with self._lock:
+            self.resident[model] = int(reply["bytes"])
+        return int(reply["bytes"])
+
+    def unload(self, model: str) -> None:
+        with self._lock:
+            self.resident.pop(model, None)
+        self._control({"op": "unload", "model": model}, f"unloading {model}")
+
+    def _control(self, frame: dict[str, Any], doing: str) -> dict[str, Any]:
+        with self._controlling:
+            child = self._ready_child()
+            assert child.control is not None
+            try:
+                child.control.sendall(encode_frame(frame))
+                reply = recv_frame(child.control)
+            except (OSError, EOFError, ProtocolError) as exc:
+                how = self._replace_dead(child, f"control connection lost: {exc}")
+                raise LoadFailed(f"the model runtime died while {doing} ({how})") from exc
+        if not isinstance(reply, dict):
+            raise LoadFailed(f"unexpected reply from the model runtime: {reply!r:.200}")
+        return reply
 
     def close(self) -> None:
         with self._lock:
@@ -377,21 +441,25 @@ class ProcessRuntime:
     # --- the child's life -------------------------------------------------------------
 
     def _ready_child(self) -> _Child:
-        child = self._child
-        if child is not None and child.proc.poll() is not None:
-            # Died between batches: nothing about to run is to blame.
-            self._replace_dead(child, "died while idle", respawn=False)
-            child = None
-        if child is None:
-            child = self._spawn()
-        if child.sock is None:
-            try:
-                child.connect(self.start_timeout, lambda: self._closed)
-            except BaseException:
-                child.stop(grace=1.0)
-                self._forget(child)
-                raise
-        return child
+        with self._starting:
+            child = self._child
+            if child is not None and child.proc.poll() is not None:
+                # Died between batches: nothing about to run is to blame.
+                self._replace_dead(child, "died while idle", respawn=False)
+                child = None
+            if child is None:
+                child = self._spawn()
+            if child.sock is None:
+                try:
+                    child.connect(self.start_timeout, lambda: self._closed)
+                except BaseException:
+                    child.stop(grace=1.0)
+                    self._forget(child)
+                    raise
+                with self._lock:
+                    self.resident.update(child.ready.get("models") or {})
+                    self.device_bytes = child.ready.get("device_bytes") or self.device_bytes
+            return child
 
     def _spawn(self) -> _Child:
         with self._lock:
@@ -403,7 +471,8 @@ class ProcessRuntime:
             path = self._dir / f"rt-{self._spawned}.sock"
             if len(str(path)) > _MAX_SOCKET_PATH:
                 raise RuntimeStartError(f"socket path {path} is too long; set TMPDIR shorter")
-            self._child = _Child([*self._argv, "--socket", str(path)], self._env, path)
+            models = [arg for model in self.resident for arg in ("--model", model)]
+            self._child = _Child([*self._argv, *models, "--socket", str(path)], self._env, path)
             return self._child
 
     def _forget(self, child: _Child) -> None:
@@ -416,8 +485,11 @@ class ProcessRuntime:
         if self._closed:
             raise RuntimeClosed("the runtime was closed while a batch was running")
         how = child.stop(grace=5.0)
+        with self._lock:
+            if self._child is not child:
+                return how  # the other thread (batch or control) replaced it already
+            self._child = None
         log.warning("model runtime pid %d is gone: %s (%s)", child.pid, how, why)
-        self._forget(child)
         if respawn:
             self._spawn()
         return how

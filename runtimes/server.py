@@ -1,13 +1,15 @@
 """The model runtime process: loads models, then serves batches over a Unix socket.
 
-    python -m runtimes.server --socket PATH --catalog-dir DIR --model ID [--model ID ...]
+    python -m runtimes.server --socket PATH --catalog-dir DIR [--model ID ...]
         [--device cpu] [--threads N] [--chunk-tokens N] [--parent-pid PID]
 
 Started by `runtimes.process.ProcessRuntime`, never forked from the worker
 (CUDA cannot be initialised again in a forked child). The socket appears only
-once every model is loaded, so its existence means "ready". It accepts one
-connection (its worker) and exits when that connection closes or the parent
-dies. Frames (`runtimes.protocol`):
+once every `--model` is loaded, so its existence means "ready". It accepts two
+connections from its worker, batches first, then control, and exits when the
+batch connection closes or the parent dies. Loads and unloads come on the
+control connection and run on a thread of their own, beside the batches of the
+models already loaded. Frames on the batch connection (`runtimes.protocol`):
 
     {"op": "ping"}                         -> {"pong": pid}
     {"op": "run", "model": str,
@@ -18,7 +20,15 @@ dies. Frames (`runtimes.protocol`):
                                               adapter's own small known-good request
     anything else                          -> {"error": str}
 
-On accept it sends {"ready": pid, "models": [...]} first. `failed` means the
+Frames on the control connection:
+
+    {"op": "load", "model": str}           -> {"loaded": str, "bytes": int, "seconds": float}
+                                            | {"failed": repr(exc)}
+    {"op": "unload", "model": str}         -> {"unloaded": str}
+    {"op": "ping"}                         -> {"pong": pid}
+
+Once both are accepted it sends {"ready": pid, "models": {id: bytes},
+"device_bytes": int} on the batch connection. `failed` means the
 batch raised; the client decides which request is to blame. `fatal` means the
 exception left the device unusable (a CUDA error): the process exits right
 after replying so that the client starts a fresh one.
@@ -37,9 +47,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.catalog import load_catalog
+from app.catalog import Catalog, load_catalog
 from runtimes.base import Request
-from runtimes.protocol import PROBE_ID, ConnectionClosed, encode_frame, recv_frame
+from runtimes.protocol import (
+    PROBE_ID,
+    ConnectionClosed,
+    ProtocolError,
+    encode_frame,
+    recv_frame,
+)
 
 if TYPE_CHECKING:
     from runtimes.host import ModelHost
@@ -53,7 +69,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtimes.server")
     parser.add_argument("--socket", required=True, type=Path)
     parser.add_argument("--catalog-dir", required=True, type=Path)
-    parser.add_argument("--model", required=True, action="append", dest="models")
+    parser.add_argument("--model", action="append", dest="models", default=[],
+                        help="a model to load before the socket appears (repeatable)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--chunk-tokens", type=int, default=16_384)
@@ -78,21 +95,21 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _accept_one(path: Path) -> socket.socket:
-    """Listen at `path` (made visible atomically), accept the worker, remove the path."""
+def _accept(path: Path, count: int) -> list[socket.socket]:
+    """Listen at `path` (made visible atomically), accept `count` connections of the
+    worker in order, remove the path."""
     staging = path.with_name(path.name + ".staging")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         staging.unlink(missing_ok=True)
         listener.bind(str(staging))
-        listener.listen(1)
+        listener.listen(count)
         # Renamed only once listening, so a client that sees the path can connect.
         os.replace(staging, path)
-        conn, _ = listener.accept()
+        return [listener.accept()[0] for _ in range(count)]
     finally:
         listener.close()
         path.unlink(missing_ok=True)
-    return conn
 
 
 def _leaves_device_unusable(exc: BaseException, device: str) -> bool:
@@ -162,6 +179,47 @@ def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
     }, False
 
 
+def control(host: ModelHost, catalog: Catalog, frame: Any) -> dict[str, Any]:
+    """The reply to one control frame (a load or an unload)."""
+    if not isinstance(frame, dict):
+        return {"error": f"expected a map, got {type(frame).__name__}"}
+    op, model = frame.get("op"), frame.get("model")
+    if op == "ping":
+        return {"pong": os.getpid()}
+    if op not in ("load", "unload") or not isinstance(model, str):
+        return {"error": f"unknown control frame {frame!r:.200}"}
+    if op == "unload":
+        host.unload(model)
+        return {"unloaded": model}
+    entry = catalog.get(model)
+    if entry is None:
+        return {"failed": f"{model} is not in the runtime's catalog"}
+    started = time.perf_counter()
+    try:
+        measured = host.load_one(entry)
+    except Exception as exc:  # bad weights, missing files, out of memory: not our death
+        log.exception("loading %s failed", model)
+        _release_cached_memory(host.device)
+        return {"failed": f"{type(exc).__name__}: {exc}"}
+    return {"loaded": model, "bytes": measured, "seconds": time.perf_counter() - started}
+
+
+def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog) -> None:
+    """Answer control frames until the worker hangs up (on a thread of its own)."""
+    while True:
+        try:
+            frame = recv_frame(conn)
+        except (ConnectionClosed, OSError):
+            return
+        except ProtocolError as exc:
+            log.error("control connection: %s", exc)
+            return
+        try:
+            conn.sendall(encode_frame(control(host, catalog, frame)))
+        except OSError:
+            return
+
+
 def serve(conn: socket.socket, host: ModelHost) -> int:
     """Answer frames until the worker hangs up; the process exit code."""
     while True:
@@ -196,14 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The catalog is checked before torch is imported: a wrong entry fails in
     # a fraction of a second instead of after seconds of imports.
-    entries = load_catalog(args.catalog_dir).require(args.models)
+    catalog = load_catalog(args.catalog_dir)
+    entries = catalog.require(args.models)
     from runtimes.host import ModelHost
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens)
     host.load(entries)
-    conn = _accept_one(args.socket)
-    conn.sendall(encode_frame({"ready": os.getpid(), "models": args.models}))
-    log.info("serving %s", ", ".join(args.models))
+    conn, control_conn = _accept(args.socket, 2)
+    threading.Thread(target=serve_control, args=(control_conn, host, catalog),
+                     name="runtime-control", daemon=True).start()
+    conn.sendall(encode_frame({"ready": os.getpid(), "models": dict(host.footprints),
+                               "device_bytes": host.device_total_bytes()}))
+    log.info("serving %s", ", ".join(args.models) or "no model yet")
     return serve(conn, host)
 
 

@@ -12,8 +12,9 @@ class SourceError(RuntimeError):
     pass
 
 
-def resolve_source(source: Source) -> str:
-    """The local directory of the weights (what from_pretrained is given)."""
+def resolve_source(source: Source, local_only: bool = False) -> str:
+    """The local directory of the weights (what from_pretrained is given); `local_only`:
+    a hub model only from the local cache (SourceError if it is not there)."""
     if source.path:
         path = Path(source.path).expanduser() / source.subdir
         if not path.is_dir():
@@ -31,10 +32,10 @@ def resolve_source(source: Source) -> str:
             raise SourceError(f"package '{source.package}' has no directory {source.subdir!r}")
         return str(path)
     assert source.hub
-    return download(source.hub, source.revision)
+    return download(source.hub, source.revision, local_only)
 
 
-def download(repo_id: str, revision: str | None) -> str:
+def download(repo_id: str, revision: str | None, local_only: bool = False) -> str:
     """A local snapshot of a hub repository (cached; offline mode reads the cache only).
 
     Adapters then read every file the same way for all sources (sentence-transformers
@@ -44,7 +45,8 @@ def download(repo_id: str, revision: str | None) -> str:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return snapshot_download(repo_id=repo_id, revision=revision)
+        return snapshot_download(repo_id=repo_id, revision=revision,
+                                 local_files_only=local_only)
     except LocalEntryNotFoundError as exc:
         raise SourceError(f"{repo_id} is not in the local Hugging Face cache and the hub "
                           f"cannot be reached (offline?): {exc}") from exc

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from app.catalog import ModelEntry
+from app.catalog import BatchProfile, ModelEntry
 from batching.cost import BatchShape, CostModel
 from runtimes.base import Outcome, Request, failed, prepare_each
-from runtimes.process import RuntimeClosed
+from runtimes.process import LoadFailed, RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 SIM_VOCAB_SIZE = 30_522  # BERT's WordPiece vocabulary, what SPLADE models use
 SPARSE_TERMS = 8  # non-zero terms per simulated sparse vector (at most one per token)
 DEFAULT_LABELS = ("LABEL_0", "LABEL_1")  # transformers' names for an unnamed 2-way head
+DEFAULT_FOOTPRINT_BYTES = 100 * 2**20
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
 
 
@@ -201,10 +202,16 @@ class SimRuntime:
     `constants` (a_ms, b_us, c_ns) overrides the device for every model.
     Nothing crashes here, so `restarts` and `poison_isolated` stay 0 and
     there is no child `pid`; they exist because the worker's metrics read them.
+
+    `entries` are the models it may serve; `loaded` those resident from the start
+    (default: all). A load sleeps the profile's `load_ms` (over `speed`) and takes its
+    `footprint_bytes`; `device_bytes` is what the simulated device holds (None: the
+    worker's setting decides).
     """
 
     def __init__(self, entries: list[ModelEntry], device: str, speed: float = 1.0,
-                 constants: tuple[float, float, float] | None = None) -> None:
+                 constants: tuple[float, float, float] | None = None,
+                 loaded: list[str] | None = None, device_bytes: int | None = None) -> None:
         if not (isinstance(speed, int | float) and 0 < speed < float("inf")):
             raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
         self.device = device
@@ -214,11 +221,36 @@ class SimRuntime:
         self.pid: int | None = None
         self._closed = False
         self._models = {e.id: _SimModel(e, sim_constants(e, device, constants)) for e in entries}
+        self.device_bytes = device_bytes
+        self.resident: dict[str, int] = {
+            m: self.footprint(m) for m in (self._models if loaded is None else loaded)}
         for model in self._models.values():
             c = model.constants
             log.warning("SIMULATED runtime: %s on %s x%g: a=%gms b=%gus c=%gns (%s); results "
                         "are not a model's", model.entry.id, device, self.speed, c.a_ms, c.b_us,
                         c.c_ns, c.source)
+
+    def footprint(self, model_id: str) -> int:
+        """The device bytes the simulated model takes (the profile's, else 100 MB)."""
+        profile = self._models[model_id].entry.profile(self.device)
+        return (profile.footprint_bytes if profile and profile.footprint_bytes
+                else DEFAULT_FOOTPRINT_BYTES)
+
+    def estimate_bytes(self, model_id: str) -> int:
+        return self.footprint(model_id)
+
+    def load(self, model_id: str) -> int:
+        """Sleep as long as the profile says a load takes (on the caller's thread, beside
+        batches); the footprint."""
+        if model_id not in self._models:
+            raise LoadFailed(f"{model_id} is not one of this worker's models")
+        profile = self._models[model_id].entry.profile(self.device) or BatchProfile()
+        _sleep_until(time.perf_counter() + profile.load_ms / 1000 / self.speed)
+        self.resident[model_id] = self.footprint(model_id)
+        return self.resident[model_id]
+
+    def unload(self, model_id: str) -> None:
+        self.resident.pop(model_id, None)
 
     def constants(self, model_id: str) -> SimConstants:
         return self._models[model_id].constants
@@ -230,7 +262,7 @@ class SimRuntime:
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
         if self._closed:
             raise RuntimeClosed("the runtime is closed")
-        model = self._models.get(model_id)
+        model = self._models.get(model_id) if model_id in self.resident else None
         if model is None:
             return [failed(r.id, ErrorCode.MODEL_NOT_FOUND,
                            f"this worker does not serve {model_id}") for r in requests]
