@@ -127,15 +127,19 @@ class Stack:
                 "--hostname", f"{name}@%h"]
         return self.start(name, argv, SHOAL_MODELS=",".join(models), **overrides)
 
-    def gateway(self, name: str, port: int, models: list[str], workers: int | None = None,
+    def gateway(self, name: str, port: int, models: list[str] | None, workers: int | None = None,
                 **overrides: str) -> Process:
-        """`shoal gateway` on `port`; `workers` > 1 runs that many gateway processes under
-        uvicorn's supervisor (the Process is the supervisor; they are its children)."""
+        """`shoal gateway` on `port` accepting `models` (SHOAL_GATEWAY_MODELS: ids or globs;
+        None: the stack's env decides, by default every catalog model); `workers` > 1 runs
+        that many gateway processes under uvicorn's supervisor (the Process is the
+        supervisor; they are its children)."""
         argv = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port),
                 "--log-level", "warning"]
         if workers is not None:
             argv += ["--workers", str(workers)]
-        return self.start(name, argv, SHOAL_MODELS=",".join(models), **overrides)
+        if models is not None:
+            overrides = {"SHOAL_GATEWAY_MODELS": ",".join(models), **overrides}
+        return self.start(name, argv, **overrides)
 
     def flower(self, name: str, port: int, management_url: str | None = None) -> Process:
         """Flower on 127.0.0.1:`port`, reading queues from RabbitMQ's management API."""

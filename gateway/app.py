@@ -113,7 +113,9 @@ class RequestIdMiddleware:
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or get_settings()
     catalog = load_catalog(settings.catalog_dir)
-    served = {entry.id: entry for entry in catalog.require(settings.models)}
+    # Every catalog model the deployment allows, whether or not a worker has it loaded
+    # (SHOAL_MODELS is the workers' list); a model's queue is declared on first use.
+    served = {entry.id: entry for entry in catalog.select(settings.gateway_models)}
     broker = Broker(settings, list(served))
 
     @contextlib.asynccontextmanager
@@ -146,5 +148,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.add_middleware(RequestIdMiddleware)
     app.state.settings = settings
     app.state.served = served
+    app.state.catalog = catalog
     app.state.broker = broker
     return app

@@ -14,6 +14,31 @@ out together as one coalesced message (`tasks.envelope.coalesce`). No timer
 is involved: an idle gateway publishes at once, a busy one sends fewer,
 fuller messages, and the broker and the worker handle one message for many
 requests.
+
+Queues are declared lazily, on the first request for a model, not at start:
+a gateway serves every catalog model SHOAL_GATEWAY_MODELS allows (~30 with
+the packaged catalog), and declaring them all would make the broker hold two
+quorum queues (Raft groups) per catalog model and prefix whether anyone asks
+for it or not (measured on this machine: 0.8 s for the 58 queues of 29 models
+when they are new, 0.1 s when they exist, on every gateway start and
+reconnect). The first request for a model pays its declaration (~15 ms per
+new quorum queue, ~1 ms once it exists); the declaration also tells its
+consumer count, which decides whether the model is served at all:
+
+A request for a model that no worker serves is refused at once with 503
+MODEL_UNAVAILABLE when SHOAL_GATEWAY_UNSERVED=refuse (the default), or
+published to wait for a worker until its deadline with `wait` (scale-to-zero,
+where an autoscaler starts a worker on queue depth). "Served" is decided
+without a broker round trip per request: a model is served if a fresh pool
+state (`gateway.pool`, from the workers' fanout exchange) lists it in any
+state; otherwise if its queue has a consumer, read from a queue.declare-ok
+at most `CONSUMERS_TTL_S` old (a shoal worker that has not announced itself
+yet, or any other consumer such as a plain Celery worker). A gateway that
+just started, and has heard no pool state, therefore never refuses a model
+that a worker consumes. A worker that died stays "serving" until its pool
+state goes stale (STALE_AFTER_INTERVALS of its interval) or, if it sent
+none, for up to `CONSUMERS_TTL_S`; requests sent meanwhile wait for another
+worker or their deadline, as before.
 """
 
 from __future__ import annotations
@@ -22,10 +47,10 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
@@ -35,7 +60,8 @@ from pamqp.commands import Basic
 from app.settings import Settings
 from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
-from gateway.metrics import DUPLICATE_REPLIES, REQUESTS_PER_MESSAGE
+from gateway.metrics import DUPLICATE_REPLIES, POOL_STATES, REQUESTS_PER_MESSAGE
+from gateway.pool import PoolView
 from tasks.envelope import (
     CONTENT_ENCODING,
     CONTENT_TYPE,
@@ -46,6 +72,7 @@ from tasks.envelope import (
     single_message,
 )
 from tasks.errors import ErrorCode
+from tasks.pool_state import pool_exchange
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +81,8 @@ log = logging.getLogger(__name__)
 COALESCE_MAX_PARTS = 256
 COALESCE_MAX_BYTES = 1024 * 1024
 COALESCE_MAX_PART_BYTES = 64 * 1024
+# How long a queue's consumer count is trusted when no pool state lists the model.
+CONSUMERS_TTL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -71,7 +100,11 @@ class Broker:
         self.settings = settings
         self.models = models
         self.queues = {m: queue_for(m, settings) for m in models}
-        self.reply_to = f"{settings.queue_prefix}.reply.{uuid.uuid4().hex}"
+        tag = uuid.uuid4().hex
+        self.reply_to = f"{settings.queue_prefix}.reply.{tag}"
+        # This gateway's copy of the workers' pool states (exclusive, bound to the fanout).
+        self.pool_queue = f"{settings.queue_prefix}.pool.{tag}"
+        self.pool = PoolView(settings.pool_state_interval_s)
         self.origin = f"gateway@{socket.gethostname()}:{os.getpid()}"
         self.pending: dict[str, asyncio.Future] = {}
         self._outbox: dict[str, list[_Outgoing]] = {}
@@ -79,6 +112,13 @@ class Broker:
         self._flush_due: set[str] = set()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._exchange: aio_pika.abc.AbstractExchange | None = None
+        self._dead_exchange: aio_pika.abc.AbstractExchange | None = None
+        # Queues are declared on their own channel, so that a refused declaration (a queue
+        # that exists with other arguments) never closes the publishing channel.
+        self._topology: aio_pika.abc.AbstractChannel | None = None
+        self._declared: dict[str, asyncio.Task[aio_pika.abc.AbstractQueue]] = {}
+        self._consumers: dict[str, tuple[int, float]] = {}  # model -> (count, monotonic at)
+        self._probes: dict[str, asyncio.Task[int]] = {}
         self._ready = False
         self._task: asyncio.Task | None = None
 
@@ -111,7 +151,12 @@ class Broker:
         try:
             publish_channel = await connection.channel(publisher_confirms=True,
                                                        on_return_raises=True)
-            self._exchange = await self._declare(publish_channel)
+            prefix = self.settings.queue_prefix
+            self._exchange = await publish_channel.declare_exchange(
+                task_exchange(prefix), aio_pika.ExchangeType.DIRECT, durable=True)
+            self._topology = await connection.channel(publisher_confirms=False)
+            self._dead_exchange = await self._topology.declare_exchange(
+                dead_letter_exchange(prefix), aio_pika.ExchangeType.DIRECT, durable=True)
             reply_channel = await connection.channel(publisher_confirms=False)
             reply_queue = await reply_channel.declare_queue(
                 self.reply_to, exclusive=True, auto_delete=True
@@ -120,26 +165,37 @@ class Broker:
         except Exception:
             await connection.close()
             raise
+        await self._subscribe_pool(connection)
         self._connection = connection
         self._ready = True
         log.info("gateway connected; replies on %s", self.reply_to)
 
-    async def _declare(self, channel: aio_pika.abc.AbstractChannel) -> Any:
-        prefix = self.settings.queue_prefix
-        exchange = await channel.declare_exchange(
-            task_exchange(prefix), aio_pika.ExchangeType.DIRECT, durable=True
-        )
-        dlx = await channel.declare_exchange(
-            dead_letter_exchange(prefix), aio_pika.ExchangeType.DIRECT, durable=True
-        )
-        for mq in self.queues.values():
-            queue = await channel.declare_queue(mq.name, durable=True, arguments=mq.arguments)
-            await queue.bind(exchange, routing_key=mq.name)
-            dead = await channel.declare_queue(
-                mq.dead_letter_queue, durable=True, arguments=DEAD_LETTER_ARGUMENTS
-            )
-            await dead.bind(dlx, routing_key=mq.name)
-        return exchange
+    async def _subscribe_pool(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+        """Receive the workers' pool states. Without them the gateway still works (the
+        consumer counts decide what is served; /v1/models shows no workers), so a failure
+        here is logged, not fatal."""
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            exchange = await channel.declare_exchange(
+                pool_exchange(self.settings.queue_prefix), aio_pika.ExchangeType.FANOUT,
+                durable=True)
+            queue = await channel.declare_queue(self.pool_queue, exclusive=True,
+                                                auto_delete=True)
+            await queue.bind(exchange)
+            await queue.consume(self._on_pool_state, no_ack=True)
+        except Exception:
+            log.exception("cannot subscribe to the workers' pool states on %s; /v1/models "
+                          "will not say where models are loaded",
+                          pool_exchange(self.settings.queue_prefix))
+
+    def _on_pool_state(self, message: AbstractIncomingMessage) -> None:
+        try:
+            self.pool.update(message.body, time.monotonic())
+        except Exception as exc:  # a malformed state must not kill the consumer
+            POOL_STATES.labels("dropped").inc()
+            log.warning("malformed pool state dropped (%d bytes): %s", len(message.body), exc)
+        else:
+            POOL_STATES.labels("kept").inc()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -164,7 +220,8 @@ class Broker:
 
     async def submit(self, model: str, part: Part, timeout_s: float) -> dict:
         """Publish a request (alone or coalesced with others waiting for the same model)
-        and wait for its result until `timeout_s` runs out."""
+        and wait for its result until `timeout_s` runs out. 503 MODEL_UNAVAILABLE at once
+        for a model no worker serves, unless SHOAL_GATEWAY_UNSERVED=wait."""
         if not self.ready or self._exchange is None:
             raise _unavailable("the message broker is not connected")
         loop = asyncio.get_running_loop()
@@ -173,6 +230,7 @@ class Broker:
         self.pending[task_id] = future
         try:
             async with asyncio.timeout(timeout_s):
+                await self._admit(model)
                 outgoing = _Outgoing(part, timeout_s, loop.create_future())
                 self._outbox.setdefault(model, []).append(outgoing)
                 self._schedule_flush(model)
@@ -186,6 +244,93 @@ class Broker:
             ) from None
         finally:
             self.pending.pop(task_id, None)
+
+    # --- queues, and whether a worker serves them -----------------------------------------
+
+    async def _admit(self, model: str) -> None:
+        """Make sure the model's queue exists; refuse a model no worker serves (see the
+        module's docstring)."""
+        declared = self._declared.get(model)  # a failed declaration is not kept
+        if declared is None or not declared.done():
+            await self._queue(model)
+        if self.settings.gateway_unserved == "wait":
+            return
+        if self.pool.serves(model, time.monotonic()):
+            return
+        if await self.consumer_count(model) == 0:
+            raise ApiError(
+                ErrorCode.MODEL_UNAVAILABLE,
+                f"no worker serves {model} now (none consumes its queue "
+                f"{self.queues[model].name}); retry later. A gateway with "
+                "SHOAL_GATEWAY_UNSERVED=wait queues such requests until a worker starts or "
+                "their deadline passes (for deployments that scale workers to zero).",
+                retry_after=self.settings.retry_after_s,
+            )
+
+    async def _queue(self, model: str) -> aio_pika.abc.AbstractQueue:
+        """The model's queue, declared (with its dead-letter queue) by the first request
+        that needs it; requests that arrive meanwhile share that declaration."""
+        declared = self._declared.get(model)
+        if declared is None:
+            declared = asyncio.get_running_loop().create_task(self._declare(model))
+            self._declared[model] = declared
+            declared.add_done_callback(lambda t: self._declaration_done(model, t))
+        return await asyncio.shield(declared)
+
+    def _declaration_done(self, model: str, declared: asyncio.Task) -> None:
+        if (declared.cancelled() or declared.exception() is not None) \
+                and self._declared.get(model) is declared:
+            del self._declared[model]  # the next request tries again
+
+    async def _declare(self, model: str) -> aio_pika.abc.AbstractQueue:
+        if self._topology is None or self._exchange is None or self._dead_exchange is None:
+            raise _unavailable("the message broker is not connected")
+        mq = self.queues[model]
+        try:
+            queue = await self._topology.declare_queue(mq.name, durable=True,
+                                                       arguments=mq.arguments)
+            await queue.bind(self._exchange, routing_key=mq.name)
+            dead = await self._topology.declare_queue(
+                mq.dead_letter_queue, durable=True, arguments=DEAD_LETTER_ARGUMENTS)
+            await dead.bind(self._dead_exchange, routing_key=mq.name)
+        except Exception as exc:  # refused (other arguments), or the connection dropped
+            log.warning("cannot declare the queue of %s: %s", model, exc)
+            raise _unavailable(f"the broker refused the queue of {model}: {exc}") from None
+        result = queue.declaration_result
+        if result is not None:
+            self._consumers[model] = (result.consumer_count or 0, time.monotonic())
+        return queue
+
+    async def consumer_count(self, model: str) -> int:
+        """Consumers of the model's queue, read from a declare-ok at most CONSUMERS_TTL_S
+        old; concurrent callers share one re-declaration."""
+        cached = self._consumers.get(model)
+        if cached is not None and time.monotonic() - cached[1] < CONSUMERS_TTL_S:
+            return cached[0]
+        probe = self._probes.get(model)
+        if probe is None:
+            probe = asyncio.get_running_loop().create_task(self._probe(model))
+            self._probes[model] = probe
+            probe.add_done_callback(lambda t: self._probed(model, t))
+        return await asyncio.shield(probe)
+
+    def _probed(self, model: str, probe: asyncio.Task[int]) -> None:
+        self._probes.pop(model, None)
+        if not probe.cancelled():
+            probe.exception()  # retrieved: every caller may have given up waiting
+
+    async def _probe(self, model: str) -> int:
+        queue = await self._queue(model)
+        try:
+            # A re-declaration with the same arguments (a queue someone deleted comes back
+            # unbound: its next publish is unroutable and the request after it re-binds).
+            ok = await queue.declare()
+        except Exception as exc:
+            self._declared.pop(model, None)
+            raise _unavailable(f"cannot read the queue of {model}: {exc}") from None
+        count = ok.consumer_count or 0
+        self._consumers[model] = (count, time.monotonic())
+        return count
 
     # --- the outbox ----------------------------------------------------------------------
 
@@ -255,6 +400,8 @@ class Broker:
                 message, routing_key=self.queues[model].name, mandatory=True
             )
         except PublishError:
+            # Deleted behind our back: the next request declares it again.
+            self._declared.pop(model, None)
             raise _unavailable(f"the queue of {model} does not exist on the broker") from None
         except DeliveryError as exc:
             if isinstance(exc.frame, Basic.Nack):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.catalog import ModelEntry
 from gateway.codecs import encode_response
 from gateway.errors import ApiError
+from gateway.pool import worker_rows
 from tasks.errors import ErrorCode
 
 
@@ -22,19 +27,33 @@ async def readyz(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
-    data = [
-        {
-            "id": entry.id,
-            "object": "model",
-            "owned_by": "shoal",
-            "adapter": entry.adapter,
-            "tasks": list(entry.tasks or ()),
-            "inputs": sorted(entry.contract.inputs),
-            "outputs": list(entry.contract.outputs),
-            "dims": entry.dims,
-            "max_seq_length": entry.max_seq_length,
-            "description": entry.description,
-        }
-        for entry in request.app.state.served.values()
-    ]
+    """OpenAI's model list: every model this gateway serves, then each of its LoRAs as a
+    model of its own ("base:lora", the name the OpenAI routes take). `workers` says
+    where each is, from the workers' latest pool states (`gateway.pool`): an empty list
+    means no worker has announced it, not that none consumes its queue."""
+    pool = request.app.state.broker.pool
+    now = time.monotonic()
+    data: list[dict[str, Any]] = []
+    for entry in request.app.state.served.values():
+        placements = pool.placements(entry.id, now)
+        loras = sorted(getattr(entry, "loras", None) or ())
+        data.append({**_describe(entry), "loras": loras, "workers": worker_rows(placements)})
+        data.extend({**_describe(entry), "id": f"{entry.id}:{name}", "parent": entry.id,
+                     "lora": name, "workers": worker_rows(placements, name)}
+                    for name in loras)
     return encode_response(request, {"object": "list", "data": data})
+
+
+def _describe(entry: ModelEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "object": "model",
+        "owned_by": "shoal",
+        "adapter": entry.adapter,
+        "tasks": list(entry.tasks or ()),
+        "inputs": sorted(entry.contract.inputs),
+        "outputs": list(entry.contract.outputs),
+        "dims": entry.dims,
+        "max_seq_length": entry.max_seq_length,
+        "description": entry.description,
+    }

@@ -33,6 +33,10 @@ REQUESTS_PER_MESSAGE = Histogram(
     "requests per published task message (more than one: coalesced while others waited)",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+POOL_STATES = Counter(
+    "shoal_gateway_pool_states_total",
+    "pool-state messages from workers: kept, or dropped as malformed", ["outcome"],
+)
 LATENCY = Histogram(
     "shoal_gateway_request_seconds", "HTTP request latency", ["route"],
     buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),

@@ -54,13 +54,20 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
     entry = request.app.state.served.get(model)
     if entry is None:
         served = sorted(request.app.state.served)
+        why = ("is in the catalog but not among this gateway's SHOAL_GATEWAY_MODELS"
+               if request.app.state.catalog.get(model) is not None else "is not served here")
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,
-                       f"model {model!r} is not served here; served models: {served}")
+                       f"model {_shown(model)} {why}; served models: {served}")
     if entry.operation != op:
         raise ApiError(ErrorCode.UNSUPPORTED_OPERATION,
                        f"{model} does not {op}: it serves '{entry.operation}' "
                        f"({ROUTE_OF_OPERATION[entry.operation]})")
     return entry
+
+
+def _shown(name: str, limit: int = 200) -> str:
+    """A caller's model name in an error message, cut short if it is long."""
+    return repr(name if len(name) <= limit else name[:limit] + "...")
 
 
 def check_items(request: Request, parsed: ParsedRequest) -> None:

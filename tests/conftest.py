@@ -53,6 +53,10 @@ os.environ.update(
     PYTHONUNBUFFERED="1",
     SHOAL_ALLOW_TEST_ADAPTERS="1",
     SHOAL_WORKER_METRICS_PORT="0",
+    # Tests queue requests for models whose workers they start later (restarts, dead
+    # letters, the full queue): a request for a model no worker consumes waits, as with
+    # scale-to-zero. tests/e2e/test_gateway_models.py checks the default, refuse (503).
+    SHOAL_GATEWAY_UNSERVED="wait",
 )
 
 

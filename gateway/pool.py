@@ -1,0 +1,113 @@
+"""What the gateway knows of the workers' model pools: the latest state each worker sent.
+
+Workers publish `tasks.pool_state` messages on a fanout exchange; the broker
+hands every one to this gateway's own queue (`gateway.broker`), and this
+module keeps the latest per worker. A worker not heard from for
+`STALE_AFTER_INTERVALS` of its own `interval_s` is forgotten. Nothing here
+does I/O or reads a clock: `now` (monotonic seconds, when the message
+arrived or the question is asked) is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.pool_state import COLD, LOADING, RESIDENT, STALE_AFTER_INTERVALS, decode_state
+
+STATES = (RESIDENT, LOADING, COLD)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One model on one worker."""
+
+    worker: str
+    state: str  # resident | loading | cold
+    bytes: int | None
+    pinned: bool
+    loras: tuple[str, ...]  # the LoRA adapters the worker has loaded for it
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    worker: str
+    heard_at: float  # monotonic, when the message arrived here
+    stale_after_s: float
+    models: dict[str, Placement]
+
+
+def parse_state(body: bytes, default_interval_s: float, now: float) -> WorkerState:
+    """A worker's message checked field by field; ValueError names what is wrong."""
+    state = decode_state(body)
+    interval = state.get("interval_s", default_interval_s)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) \
+            or not math.isfinite(interval) or interval <= 0:
+        raise ValueError(f"interval_s must be a positive number, got {interval!r}")
+    worker = state["worker"]
+    models: dict[str, Placement] = {}
+    for i, m in enumerate(state["models"]):
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+            raise ValueError(f"models[{i}] must be a map with a string 'id'")
+        if m.get("state") not in STATES:
+            raise ValueError(f"models[{i}].state must be one of {list(STATES)}, "
+                             f"got {m.get('state')!r}")
+        size = m.get("bytes")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise ValueError(f"models[{i}].bytes must be an integer or null")
+        pinned = m.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise ValueError(f"models[{i}].pinned must be a boolean")
+        loras = m.get("loras") or []
+        if not isinstance(loras, list) or not all(isinstance(name, str) for name in loras):
+            raise ValueError(f"models[{i}].loras must be a list of strings")
+        models[m["id"]] = Placement(worker, m["state"], size, pinned, tuple(loras))
+    return WorkerState(worker, now, STALE_AFTER_INTERVALS * float(interval), models)
+
+
+class PoolView:
+    """The latest state of every worker heard from recently."""
+
+    def __init__(self, default_interval_s: float) -> None:
+        self.default_interval_s = default_interval_s
+        self._workers: dict[str, WorkerState] = {}
+
+    def update(self, body: bytes, now: float) -> WorkerState:
+        """Keep a worker's message (ValueError, and nothing kept, if it is malformed)."""
+        state = parse_state(body, self.default_interval_s, now)
+        self._workers[state.worker] = state
+        return state
+
+    def fresh(self, now: float) -> list[WorkerState]:
+        """Workers heard from within their staleness limit, by name; forgets the others."""
+        stale = [w for w, s in self._workers.items() if now - s.heard_at > s.stale_after_s]
+        for worker in stale:
+            del self._workers[worker]
+        return sorted(self._workers.values(), key=lambda s: s.worker)
+
+    def placements(self, model: str, now: float) -> list[Placement]:
+        """Where `model` is, in any state, on fresh workers, by worker name."""
+        return [s.models[model] for s in self.fresh(now) if model in s.models]
+
+    def serves(self, model: str, now: float) -> bool:
+        """Whether a fresh worker says it serves (consumes the queue of) `model`. Asked on
+        every request: no sorting, no pruning."""
+        return any(model in s.models and now - s.heard_at <= s.stale_after_s
+                   for s in self._workers.values())
+
+
+def worker_rows(placements: list[Placement], lora: str | None = None) -> list[dict[str, Any]]:
+    """The `workers` field of a /v1/models entry. A base model's row adds the LoRAs that
+    worker has loaded for it. A LoRA's row is `resident` where the worker has the base
+    resident with that adapter loaded, else the base's state (`cold` when the base is
+    resident but the adapter is not loaded); its bytes are unknown here (None)."""
+    rows = []
+    for p in placements:
+        if lora is None:
+            rows.append({"worker": p.worker, "state": p.state, "bytes": p.bytes,
+                         "pinned": p.pinned, "loras": list(p.loras)})
+            continue
+        state = COLD if p.state == RESIDENT and lora not in p.loras else p.state
+        rows.append({"worker": p.worker, "state": state, "bytes": None, "pinned": False})
+    return rows
