@@ -10,6 +10,7 @@ the file, the field and what is allowed.
 
 from __future__ import annotations
 
+import re
 from fnmatch import fnmatchcase
 from functools import lru_cache
 from pathlib import Path
@@ -28,7 +29,7 @@ from pydantic import (
 from app.settings import PACKAGED_CATALOG_DIR
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.cost import DEFAULT_IMAGE_TOKENS, DEFAULT_MAX_TOKENS, Estimate, estimate_request
-from tasks.errors import ShoalError
+from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import (
     GenerateOptions,
     ParsedRequest,
@@ -40,6 +41,15 @@ from tasks.schema import (
 
 class CatalogError(ValueError):
     """A catalog file is missing, unreadable or invalid."""
+
+
+# The adapters (model families) whose runtime serves LoRA adapters (peft format) per
+# request: a catalog entry of any other adapter may not list `loras`. The runtime
+# classes say the same with `supports_lora` (the catalog imports no runtime code).
+LORA_ADAPTERS = frozenset({"dense", "causal-lm"})
+# A LoRA adapter's name: no ':' (OpenAI-style callers name one "model:lora", split on the
+# last ':'), no spaces; it travels in a message header and in URLs as it is.
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 
 
 class Source(BaseModel):
@@ -123,12 +133,25 @@ class ModelEntry(BaseModel):
         default_factory=dict, description="request options used where the caller gives none"
     )
     profiles: dict[str, BatchProfile] = Field(default_factory=dict)
+    loras: dict[str, Source] = Field(
+        default_factory=dict, description="LoRA adapters (peft format) by name; a request "
+        "picks one with options.lora")
 
     @field_validator("adapter")
     @classmethod
     def _known_adapter(cls, value: str) -> str:
         if value not in ADAPTERS:
             raise ValueError(f"unknown adapter {value!r}; allowed: {sorted(ADAPTERS)}")
+        return value
+
+    @field_validator("loras")
+    @classmethod
+    def _lora_names(cls, value: dict[str, Source]) -> dict[str, Source]:
+        wrong = [name for name in value if not LORA_NAME.fullmatch(name)]
+        if wrong:
+            raise ValueError(f"LoRA names {wrong} are not allowed: a name is 1 to 128 of "
+                             "letters, digits, '.', '_', '-' and '/', starting with a letter "
+                             "or digit (no ':', which separates model and LoRA in 'model:lora')")
         return value
 
     @model_validator(mode="after")
@@ -145,6 +168,12 @@ class ModelEntry(BaseModel):
             parse_options(contract.operation, {}, self.defaults)
         except ShoalError as exc:
             raise ValueError(f"defaults: {exc.message}") from None
+        if "lora" in self.defaults:
+            raise ValueError("defaults: lora cannot be a default; a request names its LoRA "
+                             "adapter in options.lora")
+        if self.loras and self.adapter not in LORA_ADAPTERS:
+            raise ValueError(f"loras: adapter {self.adapter!r} does not serve LoRA adapters; "
+                             f"those that do: {sorted(LORA_ADAPTERS)}")
         return self
 
     @property
@@ -157,12 +186,24 @@ class ModelEntry(BaseModel):
 
     def parse(self, kwargs: Any) -> ParsedRequest:
         """A task's kwargs checked for this model: its operation, inputs and defaults, and
-        for encode its kind of embedding and width. ShoalError(VALIDATION_ERROR) if wrong."""
+        for encode its kind of embedding and width. ShoalError(VALIDATION_ERROR) if wrong;
+        LORA_NOT_FOUND for an options.lora that is none of the entry's `loras`."""
         contract = self.contract
         if contract.operation == "encode":
-            return parse_encode(kwargs, self.dims, contract.inputs, self.defaults, self.id,
-                                contract.outputs[0])
-        return parse_request(contract.operation, kwargs, contract.inputs, self.defaults, self.id)
+            parsed = parse_encode(kwargs, self.dims, contract.inputs, self.defaults, self.id,
+                                  contract.outputs[0])
+        else:
+            parsed = parse_request(contract.operation, kwargs, contract.inputs, self.defaults,
+                                   self.id)
+        lora = getattr(parsed.options, "lora", None)
+        if lora is not None and lora not in self.loras:
+            raise ShoalError(ErrorCode.LORA_NOT_FOUND, self._lora_not_found(lora))
+        return parsed
+
+    def _lora_not_found(self, lora: str) -> str:
+        if not self.loras:
+            return f"{self.id} has no LoRA adapters (asked for {lora!r}); leave options.lora unset"
+        return f"{self.id} has no LoRA adapter {lora!r}; its LoRA adapters: {sorted(self.loras)}"
 
     def estimate(self, kwargs: Any) -> Estimate:
         """(items, real tokens, longest item's tokens) of a request to this model, counted

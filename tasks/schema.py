@@ -54,6 +54,7 @@ class EncodeOptions:
     dtype: str = "float32"
     output: str | None = None  # None: the adapter's first output kind
     is_query: bool = False  # use the entry's query prompt instead of its document prompt
+    lora: str | None = None  # a LoRA adapter of the model's catalog entry (`ModelEntry.loras`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class GenerateOptions:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    lora: str | None = None  # a LoRA adapter of the model's catalog entry (`ModelEntry.loras`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +169,13 @@ def _template(value: Any) -> str:
     return value
 
 
+def _lora(value: Any) -> str:
+    # Which names exist is the catalog entry's to say (`ModelEntry.parse`: LORA_NOT_FOUND).
+    if not isinstance(value, str) or not value:
+        raise invalid("options.lora must be the name of one of the model's LoRA adapters")
+    return value
+
+
 def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -185,6 +194,7 @@ _OPTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "dtype": _choice("dtype", DTYPES),
         "output": _nullable(_choice("output", ("dense", "sparse", "multivector"))),
         "is_query": _bool("is_query"),
+        "lora": _nullable(_lora),
     }),
     SCORE: (ScoreOptions, {
         "truncate": _bool("truncate"),
@@ -209,6 +219,7 @@ _OPTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "top_p": _float("top_p", 0.0, 1.0, low_open=True),
         "stop": _stop,
         "seed": _nullable(_int("seed", 0, 2**63 - 1)),
+        "lora": _nullable(_lora),
     }),
 }
 

@@ -1,7 +1,9 @@
 import pytest
 
-from app.catalog import Catalog, CatalogError, load_catalog, load_entry
+from app.catalog import LORA_ADAPTERS, Catalog, CatalogError, load_catalog, load_entry
 from app.settings import DEFAULT_MODEL, PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
+from tasks.adapters import ADAPTERS
+from tasks.errors import ErrorCode, ShoalError
 
 
 def test_shipped_catalog_is_valid():
@@ -101,3 +103,83 @@ def test_a_user_folder_must_exist_and_have_unique_ids(tmp_path):
         (tmp_path / name).write_text("id: me/x\nadapter: dense\ndims: 8\nsource: {hub: me/x}\n")
     with pytest.raises(CatalogError, match="also defined in"):
         load_catalog(tmp_path)
+
+
+# --- LoRA adapters --------------------------------------------------------------------------
+
+
+LORA_ENTRY = ("id: x/y\nsource: {hub: x/y}\nadapter: dense\ndims: 8\n"
+              "loras:\n  legal: {path: /srv/loras/legal}\n  team/support.v2: {hub: team/lora}\n")
+
+
+def test_loras_name_their_sources(tmp_path):
+    entry = load_entry(_write(tmp_path, LORA_ENTRY))
+    assert set(entry.loras) == {"legal", "team/support.v2"}
+    assert entry.loras["legal"].path == "/srv/loras/legal"
+    assert entry.loras["team/support.v2"].hub == "team/lora"
+    assert load_entry(_write(tmp_path, "id: a/b\nsource: {hub: a/b}\nadapter: causal-lm\n"
+                                       "loras: {chat: {path: /l}}\n")).loras["chat"].path == "/l"
+    assert load_entry(_write(tmp_path, "id: a/b\nsource: {hub: a/b}\nadapter: dense\n"
+                                       "dims: 8\n")).loras == {}
+    assert {"dense", "causal-lm"} == LORA_ADAPTERS and LORA_ADAPTERS.issubset(ADAPTERS)
+
+
+@pytest.mark.parametrize("body,fragment", [
+    # Only the families whose runtime serves LoRAs may list them.
+    ("adapter: sparse\nloras: {a: {path: /l}}\n", "does not serve LoRA"),
+    ("adapter: cross-encoder\nloras: {a: {path: /l}}\n", "does not serve LoRA"),
+    # ':' separates model and LoRA in "model:lora"; names are header- and URL-safe.
+    ("adapter: dense\ndims: 8\nloras: {'a:b': {path: /l}}\n", "no ':'"),
+    ("adapter: dense\ndims: 8\nloras: {'': {path: /l}}\n", "not allowed"),
+    ("adapter: dense\ndims: 8\nloras: {'my lora': {path: /l}}\n", "not allowed"),
+    ("adapter: dense\ndims: 8\nloras: {'-x': {path: /l}}\n", "not allowed"),
+    ("adapter: dense\ndims: 8\nloras: {a: {path: /l, hub: b/c}}\n", "exactly one"),
+    # A request names its LoRA; a model does not default to one.
+    ("adapter: dense\ndims: 8\nloras: {a: {path: /l}}\ndefaults: {lora: a}\n",
+     "lora cannot be a default"),
+])
+def test_loras_are_checked(tmp_path, body, fragment):
+    with pytest.raises(CatalogError) as err:
+        load_entry(_write(tmp_path, "id: x/y\nsource: {hub: x/y}\n" + body))
+    assert "loras" in str(err.value) or "defaults" in str(err.value)
+    assert fragment in str(err.value)
+
+
+def test_parse_takes_a_lora_of_the_entry_and_refuses_others(tmp_path):
+    entry = load_entry(_write(tmp_path, LORA_ENTRY))
+    parsed = entry.parse({"items": [{"text": "a"}], "options": {"lora": "team/support.v2"}})
+    assert parsed.options.lora == "team/support.v2"
+    assert entry.parse({"items": [{"text": "a"}]}).options.lora is None
+    with pytest.raises(ShoalError) as err:
+        entry.parse({"items": [{"text": "a"}], "options": {"lora": "medical"}})
+    assert err.value.code == ErrorCode.LORA_NOT_FOUND and err.value.status == 404
+    assert "'medical'" in err.value.message
+    assert "['legal', 'team/support.v2']" in err.value.message
+    # The schema's own checks come first.
+    with pytest.raises(ShoalError) as err:
+        entry.parse({"items": [{"text": "a"}], "options": {"lora": 3}})
+    assert err.value.code == ErrorCode.VALIDATION_ERROR and "options.lora" in err.value.message
+
+
+def test_parse_refuses_a_lora_where_the_model_has_none():
+    catalog = load_catalog()
+    embedder = catalog.get(DEFAULT_MODEL)
+    with pytest.raises(ShoalError) as err:
+        embedder.parse({"items": [{"text": "a"}], "options": {"lora": "legal"}})
+    assert err.value.code == ErrorCode.LORA_NOT_FOUND
+    assert "has no LoRA adapters" in err.value.message and DEFAULT_MODEL in err.value.message
+    # Operations whose adapters never take a LoRA have no such option at all.
+    reranker = next(e for e in catalog if e.operation == "score")
+    with pytest.raises(ShoalError) as err:
+        reranker.parse({"query": "q", "items": [{"text": "a"}], "options": {"lora": "legal"}})
+    assert err.value.code == ErrorCode.VALIDATION_ERROR and "unknown options" in err.value.message
+
+
+def test_a_generate_request_names_its_lora(tmp_path):
+    entry = load_entry(_write(tmp_path, "id: a/b\nsource: {hub: a/b}\nadapter: causal-lm\n"
+                                        "loras: {chat: {path: /l}}\n"))
+    kwargs = {"items": [{"text": "hi"}], "options": {"lora": "chat", "max_tokens": 3}}
+    assert entry.parse(kwargs).options.lora == "chat"
+    with pytest.raises(ShoalError) as err:
+        entry.parse({"items": [{"text": "hi"}], "options": {"lora": "chats"}})
+    assert err.value.code == ErrorCode.LORA_NOT_FOUND and "['chat']" in err.value.message

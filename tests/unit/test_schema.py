@@ -62,6 +62,11 @@ def test_defaults_sit_under_caller_options():
     ("generate", {"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ("generate", {"stop": [""]}, "options.stop"),
     ("generate", {"seed": -1}, "options.seed"),
+    ("encode", {"lora": ""}, "options.lora"),
+    ("generate", {"lora": ["a"]}, "options.lora"),
+    ("score", {"lora": "a"}, "unknown options"),
+    ("extract", {"lora": "a"}, "unknown options"),
+    ("classify", {"lora": "a"}, "unknown options"),
 ])
 def test_bad_options_name_the_option(op, options, fragment):
     kwargs = {"items": [{"text": "x"}], "options": options}
@@ -133,3 +138,11 @@ def test_unknown_operation_is_unsupported():
     with pytest.raises(ShoalError) as err:
         parse_request("dance", {"items": [{"text": "x"}]})
     assert err.value.code == ErrorCode.UNSUPPORTED_OPERATION
+
+
+def test_encode_and_generate_name_a_lora():
+    # Which names exist is the catalog entry's to check (ModelEntry.parse).
+    assert parse_options("encode", {"lora": "legal"}).lora == "legal"
+    assert parse_options("generate", {"lora": "team/chat.v2"}).lora == "team/chat.v2"
+    assert parse_options("encode", {"lora": None}) == EncodeOptions()
+    assert EncodeOptions().lora is None and GenerateOptions().lora is None
