@@ -3,7 +3,9 @@
 The body is mapped onto a generate task: each prompt (or the chat) is an
 item, the sampling parameters are options. Parameters shoal does not
 implement are refused with a 422 naming them, unless they carry their
-neutral value, so a caller never gets silently different behaviour.
+neutral value, so a caller never gets silently different behaviour. `model` may
+name a LoRA adapter ("base:lora", or a `lora` field: `gateway.lora`); the
+response's `model` is the caller's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from starlette.responses import Response
 
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
-from gateway.submit import call_model, check_items, served_model
+from gateway.lora import openai_model
+from gateway.submit import call_model, check_items
 from tasks.adapters import GENERATE
 
 # OpenAI name -> shoal option name.
@@ -62,13 +65,16 @@ def _message_text(content: Any, index: int) -> str:
 
 async def _generate(request: Request, body: Any, items: list[dict[str, Any]],
                     allowed: set[str]
-                    ) -> tuple[Any, dict[str, Any], dict[str, str], list[dict[str, Any]]]:
-    entry = served_model(request, body.get("model"), GENERATE)
-    kwargs = {"model": entry.id, "items": items, "options": _options(body, allowed)}
-    check_items(request, entry.parse(kwargs))
+                    ) -> tuple[dict[str, Any], dict[str, str], list[dict[str, Any]]]:
+    entry, lora = openai_model(request, body, GENERATE)
+    options = _options(body, allowed | {"lora"})
+    if lora is not None:
+        options["lora"] = lora
+    kwargs = {"model": entry.id, "items": items, "options": options}
+    check_items(request, entry.parse(kwargs))  # 404 for an unknown LoRA, unpublished
     reply = await call_model(request, entry, kwargs)
     usage = reply.result["usage"]
-    return entry, {
+    return {
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
@@ -91,13 +97,13 @@ async def create_completion(request: Request) -> Response:
     ):
         raise invalid("'prompt' must be a string or a non-empty list of strings "
                       "(token-id prompts are not supported)")
-    entry, usage, headers, choices = await _generate(
+    usage, headers, choices = await _generate(
         request, body, [{"text": p} for p in prompts], {"model", "prompt"})
     payload = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": entry.id,
+        "model": body["model"],  # as the caller named it, "base:lora" included
         "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
                      "finish_reason": c["finish_reason"]} for c in choices],
         "usage": usage,
@@ -115,13 +121,13 @@ async def create_chat_completion(request: Request) -> Response:
     # OpenAI's newer name for the system role.
     wire = [{"role": "system" if m.get("role") == "developer" else m.get("role"),
              "content": _message_text(m.get("content"), i)} for i, m in enumerate(messages)]
-    entry, usage, headers, choices = await _generate(
+    usage, headers, choices = await _generate(
         request, body, [{"messages": wire}], {"model", "messages"})
     payload = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": entry.id,
+        "model": body["model"],  # as the caller named it, "base:lora" included
         "choices": [{"index": 0, "message": {"role": "assistant", "content": c["text"]},
                      "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices],
         "usage": usage,

@@ -1,4 +1,7 @@
-"""POST /v1/embeddings, OpenAI-compatible (works with the official `openai` client)."""
+"""POST /v1/embeddings, OpenAI-compatible (works with the official `openai` client).
+
+`model` may name a LoRA adapter ("base:lora", or a `lora` field: `gateway.lora`);
+the response's `model` is the caller's."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from starlette.responses import Response
 
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
-from gateway.submit import call_model, check_items, served_model
+from gateway.lora import openai_model
+from gateway.submit import call_model, check_items
 from tasks.adapters import DENSE, ENCODE
 from tasks.results import embedding_arrays
 
@@ -32,7 +36,7 @@ async def create_embeddings(request: Request) -> Response:
     body = await read_body(request, request.app.state.settings.max_body_bytes)
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
-    entry = served_model(request, body.get("model"), ENCODE)
+    entry, lora = openai_model(request, body, ENCODE)
     if entry.contract.outputs[0] != DENSE:
         raise invalid(f"{entry.id} gives {entry.contract.outputs[0]} embeddings; "
                       f"use POST /v1/encode/{entry.id}")
@@ -44,8 +48,11 @@ async def create_embeddings(request: Request) -> Response:
     options: dict[str, Any] = {"dtype": "float32"}
     if body.get("dimensions") is not None:
         options["dimensions"] = body["dimensions"]
+    if lora is not None:
+        options["lora"] = lora
     kwargs = {"model": entry.id, "items": [{"text": t} for t in texts], "options": options}
-    # 422 before anything is published; the entry's defaults (prompts, dims) apply.
+    # 422 (404 for an unknown LoRA) before anything is published; the entry's defaults
+    # (prompts, dims) apply.
     check_items(request, entry.parse(kwargs))
     reply = await call_model(request, entry, kwargs)
     result = reply.result
@@ -60,7 +67,7 @@ async def create_embeddings(request: Request) -> Response:
     payload = {
         "object": "list",
         "data": data,
-        "model": entry.id,
+        "model": body["model"],  # as the caller named it, "base:lora" included
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
     return encode_response(request, payload, headers=reply.headers)
