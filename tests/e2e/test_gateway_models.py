@@ -19,7 +19,9 @@ import yaml
 from kombu import Connection, Exchange, Producer
 
 from app.catalog import ModelEntry
+from app.settings import Settings
 from app.stack import prefix_queues
+from app.topology import queue_for
 from tasks.pool_state import encode_state, pool_exchange
 from tests.conftest import MINILM, TINY_CLS
 from tests.stack import (
@@ -164,9 +166,9 @@ def test_unserved_wait_queues_and_refuse_sees_a_consumer_without_pool_states(tmp
             r = asyncio.run(wait_then_answered())
             assert r.status_code == 200, r.text
 
-            # A refusing gateway started now has heard no pool state (this worker sends
-            # none), yet the consumer count tells it MiniLM is served: its first request
-            # goes through, while TinyCLS, which nothing consumes, is refused.
+            # A refusing gateway started now serves MiniLM from its first request, whether
+            # or not it has heard the worker's pool state yet (the consumer count covers
+            # the start); TinyCLS, which nothing consumes, is refused.
             wait_for(lambda: queue_counts(private.queue)[1] >= 1, 10, "the worker to consume")
             port = free_port()
             stack.gateway("refuse-gateway", port, [MINILM, TINY_CLS],
@@ -177,6 +179,19 @@ def test_unserved_wait_queues_and_refuse_sees_a_consumer_without_pool_states(tmp
             assert r.status_code == 200, r.text
             r = httpx.post(f"{refuse_url}/v1/encode/{TINY_CLS}", json=ENCODE, timeout=30)
             _error(r, 503, "MODEL_UNAVAILABLE")
+
+            # A consumer that sends no pool state at all (another kind of worker) makes
+            # TinyCLS served within the consumer count's cache time (1 s): published, and
+            # here, since this consumer never answers, waiting until its deadline.
+            tiny_queue = queue_for(TINY_CLS, Settings(queue_prefix=prefix)).name
+            with Connection(BROKER_URL) as conn:
+                channel = conn.channel()
+                channel.basic_qos(0, 1, False)
+                channel.basic_consume(queue=tiny_queue, callback=lambda message: None)
+                wait_for(lambda: httpx.post(
+                    f"{refuse_url}/v1/encode/{TINY_CLS}", json=ENCODE,
+                    headers={"x-timeout-ms": "200"}, timeout=30).status_code == 504,
+                    5, "the plain consumer to count")
         finally:
             delete_queues(prefix_queues(prefix, [TINY_CLS]))
 
