@@ -5,20 +5,33 @@ each family serves). The host calls `prepare` on every request of a batch
 (a ShoalError there fails that request only) and then `run` once on the
 requests that passed; an exception from `run` fails the batch and the
 process runtime bisects it to find the request to blame.
+
+LoRA adapters: an adapter with `supports_lora` serves requests whose
+options.lora names one of its catalog entry's `loras`, once the caller has
+loaded it (`load_lora`); requests for different LoRAs share one batch.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from io import BytesIO
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from app.catalog import ModelEntry
 from tasks.adapters import GENERATE, SCORE, TEXT
+from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest
+
+if TYPE_CHECKING:
+    from runtimes.pytorch.lora import LoraSet
 
 
 class Adapter(ABC):
+    # Whether this family serves LoRA adapters (`app.catalog.LORA_ADAPTERS` says the same
+    # for the catalog); one that does sets `loras` to the LoraSet of its model.
+    supports_lora: ClassVar[bool] = False
+    loras: LoraSet | None = None
+
     def __init__(self, entry: ModelEntry, ref: str, *, device: str = "cpu",
                  chunk_tokens: int = 16_384) -> None:
         """`ref` is the model's local directory (`runtimes.sources.resolve_source`)."""
@@ -53,8 +66,14 @@ class Adapter(ABC):
         return self.entry.parse(kwargs)
 
     def prepare(self, kwargs: Any) -> Any:
-        """What `run` needs for one request; ShoalError if this model cannot serve it."""
-        return self.check(self.parse(kwargs))
+        """What `run` needs for one request; ShoalError if this model cannot serve it
+        (MODEL_UNAVAILABLE for a LoRA of the catalog that is not loaded)."""
+        parsed = self.parse(kwargs)
+        lora = getattr(parsed.options, "lora", None)
+        if lora is not None and lora not in self.loaded_loras:
+            raise ShoalError(ErrorCode.MODEL_UNAVAILABLE,
+                             f"LoRA {lora} of model {self.entry.id} is not loaded")
+        return self.check(parsed)
 
     def check(self, parsed: ParsedRequest) -> Any:
         """Model-specific checks (lengths, labels, images); returns what `run` takes."""
@@ -63,6 +82,27 @@ class Adapter(ABC):
     @abstractmethod
     def run(self, prepared: list[Any]) -> list[dict[str, Any]]:
         """One result per request, in order; each has `usage: {"tokens": n}`."""
+
+    # --- LoRA adapters -----------------------------------------------------------------
+
+    def load_lora(self, name: str, ref: str) -> int:
+        """Load the peft LoRA adapter in the local directory `ref` as `name` (a key of the
+        entry's `loras`): the bytes its tensors take on the device. ValueError if `name`
+        is loaded already or the adapter cannot be served; the model is unchanged then."""
+        return self._lora_set().load(name, ref)
+
+    def unload_lora(self, name: str) -> None:
+        """Free a loaded LoRA (never one a running batch uses); KeyError if not loaded."""
+        self._lora_set().unload(name)
+
+    @property
+    def loaded_loras(self) -> set[str]:
+        return set() if self.loras is None else self.loras.names
+
+    def _lora_set(self) -> LoraSet:
+        if not self.supports_lora or self.loras is None:
+            raise NotImplementedError(f"adapter {self.contract.name!r} serves no LoRA adapters")
+        return self.loras
 
 
 def probe_kwargs(operation: str, inputs: frozenset[str]) -> dict[str, Any]:

@@ -17,6 +17,10 @@ the tokenizer's chat template, which writes its own special tokens.
 
 Only the request options steer decoding: the model's generation_config
 (sampling defaults, repetition penalty, ...) is not applied; its EOS ids are.
+
+LoRA adapters: each row runs through its request's options.lora (or the base
+model) in every forward of the loop, prefill and decode steps alike, so rows
+of different LoRAs share the batch (`runtimes.pytorch.lora`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from transformers import AutoModelForCausalLM
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model, pad_id
+from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import length_chunks, max_length, pad
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import GenerateOptions, Item, ParsedRequest, invalid
@@ -99,9 +104,12 @@ def _eos_ids(*sources: Any) -> frozenset[int]:
 class CausalLMAdapter(Adapter):
     """Catalog `adapter: causal-lm`: the generate operation."""
 
+    supports_lora = True
+
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
         self.tokenizer, self.model, _ = load_model(AutoModelForCausalLM, ref, self.device)
+        self.loras = LoraSet(self.model, entry.id)
         self.context = max_length(self.tokenizer, self.model.config, entry.max_seq_length)
         self.eos_ids = _eos_ids(self.model.generation_config.eos_token_id,
                                 self.tokenizer.eos_token_id)
@@ -192,11 +200,13 @@ class CausalLMAdapter(Adapter):
         # Count positions from each row's first real token, as if it had no padding.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         active = list(range(len(rows)))  # row of each batch slot
+        loras = [r.options.lora for r in rows]
         cache = None
         while True:
-            output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                use_cache=True, **{self._cache_name: cache},
-                                **self._last_logits)
+            output = self.loras.forward(
+                [loras[i] for i in active] if any(loras) else None, input_ids=input_ids,
+                attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self._cache_name: cache}, **self._last_logits)
             cache = getattr(output, self._cache_name)
             tokens = self._pick(output.logits[:, -1, :].float(),
                                 [rows[i].options for i in active], [generators[i] for i in active])

@@ -4,11 +4,13 @@
 the same weights: same truncation, same pooling, same normalisation. Texts
 are sorted by token length and run in chunks bounded by padded tokens, so one
 long text does not pad a whole batch. `DenseAdapter` serves it: prompts,
-Matryoshka dimensions and output dtypes.
+Matryoshka dimensions, output dtypes and LoRA adapters (texts of different
+LoRAs in one forward pass, `runtimes.pytorch.lora`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from transformers import AutoModel
 from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
+from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
 from runtimes.pytorch.vectors import dense_result, normalize_rows
@@ -56,6 +59,7 @@ class DenseEncoder:
                                          st.max_seq_length)
         self.dims = int(self.model.config.hidden_size)
         self.chunk_tokens = chunk_tokens
+        self.loras = LoraSet(self.model, model_ref)
 
     def _prepare(self, texts: list[str]) -> list[str]:
         return [t.lower() for t in texts] if self.do_lower_case else texts
@@ -83,13 +87,15 @@ class DenseEncoder:
         return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
     @torch.inference_mode()
-    def embed(self, tokens: Tokenized) -> np.ndarray:
-        """Pooled (not yet normalised) float32 vectors, in input order."""
+    def embed(self, tokens: Tokenized, loras: Sequence[str | None] | None = None) -> np.ndarray:
+        """Pooled (not yet normalised) float32 vectors, in input order; text i through
+        LoRA `loras[i]` (None: the base model)."""
         n = len(tokens.input_ids)
         out = np.empty((n, self.dims), dtype=np.float32)
         for chunk, inputs in padded_chunks(tokens.input_ids, tokens.token_type_ids,
                                            self.pad_id, self.device, self.chunk_tokens):
-            hidden = self.model(**inputs).last_hidden_state
+            names = None if loras is None else [loras[i] for i in chunk]
+            hidden = self.loras.forward(names, **inputs).last_hidden_state
             out[chunk] = self._pool(hidden, inputs["attention_mask"]).float().cpu().numpy()
         return out
 
@@ -104,6 +110,7 @@ class DenseAdapter(Adapter):
     """Catalog `adapter: dense`: the entry's prompts go before each text."""
 
     encoder_class: type[DenseEncoder] = DenseEncoder
+    supports_lora = True
 
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
@@ -113,7 +120,8 @@ class DenseAdapter(Adapter):
             chunk_tokens=self.chunk_tokens,
         )
         self.dims = self.encoder.dims
-
+        self.loras = self.encoder.loras
+        self.loras.model_id = entry.id
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
@@ -124,8 +132,9 @@ class DenseAdapter(Adapter):
 
     def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
         texts = [t for parsed in prepared for t in self.prompted(parsed)]
+        loras = [parsed.options.lora for parsed in prepared for _ in parsed.items]
         tokens = self.encoder.tokenize(texts)
-        vectors = self.encoder.embed(tokens)
+        vectors = self.encoder.embed(tokens, loras if any(loras) else None)
         results, offset = [], 0
         for parsed in prepared:
             n = len(parsed.items)
