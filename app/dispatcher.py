@@ -126,6 +126,7 @@ class Consuming:
     consumer: Any  # kombu.Consumer of the model queue
     queue: str
     count_peers: Callable[[], int]  # consumers of the queue, us included
+    warm_peers: Callable[[], int]  # other workers that hold the model loaded
     peers: int = 1
     checked: float = float("-inf")
     priority: int = 0  # its x-priority
@@ -177,7 +178,8 @@ class Dispatcher:
     def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
                  hold: HoldLimits, entries: dict[str, EstimatingEntry],
                  part_target_s: float | None = None, pool: Pool | None = None,
-                 pinned: set[str] | None = None, prefetch: int = 64) -> None:
+                 pinned: set[str] | None = None, prefetch: int = 64,
+                 load_s: dict[str, float] | None = None) -> None:
         self.c = consumer
         self.runtime = runtime
         self.prefetch = prefetch  # of a consumer whose model is loaded, before adapting
@@ -196,16 +198,17 @@ class Dispatcher:
         self.placement = Placement(
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
             lambda fn, *args: self.c.hub.call_soon(fn, *args), self.scheduler.in_use,
-            self._on_state, self._on_load_failed)
+            self._on_state, self._on_load_failed, load_s or {})
         for model, lane in lanes.items():
             lane.ready = self.placement.state(model) == RESIDENT
 
-    def consume(self, model: str, consumer: Any, queue: str,
-                count_peers: Callable[[], int]) -> None:
+    def consume(self, model: str, consumer: Any, queue: str, count_peers: Callable[[], int],
+                warm_peers: Callable[[], int]) -> None:
         """Start consuming a model's queue with the prefetch and priority of its state."""
         state = self.placement.state(model)
         prefetch = self.prefetch if state == RESIDENT else COLD_PREFETCH
-        self.consuming[model] = Consuming(consumer, queue, count_peers, priority=PRIORITY[state])
+        self.consuming[model] = Consuming(consumer, queue, count_peers, warm_peers,
+                                          priority=PRIORITY[state])
         self._reconsume(model, prefetch, PRIORITY[state], first=True)
 
     # --- delivery (loop thread) ---------------------------------------------------------
@@ -431,6 +434,11 @@ class Dispatcher:
             except Exception:
                 log.warning("could not count the consumers of %s", model, exc_info=True)
             consuming.checked = now
+            # Peers that would first have to load the model are worth handing work to only
+            # once it would wait here longer than that load.
+            cold_only = consuming.peers > 1 and consuming.warm_peers() == 0
+            self.scheduler.lanes[model].cold_peers_horizon_s = (
+                self.placement.load_seconds(model) if cold_only else None)
         return consuming.peers
 
     def _set_prefetch(self, model: str, prefetch: int) -> None:

@@ -29,13 +29,15 @@ from tasks.pool_state import COLD, LOADING, RESIDENT
 log = logging.getLogger(__name__)
 
 FAILURE_MEMORY_S = 10.0
+DEFAULT_LOAD_S = 1.0
 
 
 class Placement:
     def __init__(self, runtime: Runtime, pool: Pool, models: list[str], pinned: set[str],
                  call_soon: Callable[..., Any], in_use: Callable[[], set[str]],
                  on_state: Callable[[str, str], None],
-                 on_failed: Callable[[str, str], None]) -> None:
+                 on_failed: Callable[[str, str], None],
+                 load_s: dict[str, float] | None = None) -> None:
         self.runtime = runtime
         self.pool = pool
         self.models = models  # all it may serve
@@ -47,6 +49,7 @@ class Placement:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-loader")
         self.failures: dict[str, tuple[float, str]] = {}  # model -> (when, why)
         self.started: dict[str, float] = {}  # model -> when its load began
+        self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
             pool.add(model, measured, now, pinned=model in pinned)
@@ -61,6 +64,10 @@ class Placement:
         if self.pool.resident(model):
             return RESIDENT
         return LOADING if self.pool.loading(model) else COLD
+
+    def load_seconds(self, model: str) -> float:
+        """How long a load of `model` takes (measured here last time, else the profile's)."""
+        return self.load_s.get(model, DEFAULT_LOAD_S)
 
     def touch(self, model: str) -> None:
         self.pool.touch(model, time.monotonic())
@@ -149,6 +156,7 @@ class Placement:
         self.failures.pop(model, None)
         metrics.LOADS.labels(model, "ok").inc()
         metrics.LOAD_SECONDS.labels(model).observe(seconds)
+        self.load_s[model] = seconds
         log.info("loaded %s (%.1f MiB) in %.2fs; %.1f of %.1f MiB in use", model,
                  measured / 2**20, seconds, self.pool.used() / 2**20, self.pool.budget / 2**20)
         self.on_state(model, RESIDENT)

@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from fnmatch import fnmatchcase
 from typing import Any
 
 from celery import bootsteps
 from celery.worker import control
-from kombu import Consumer, Exchange, Producer
+from kombu import Consumer
 
 from app.catalog import BatchProfile, ModelEntry, load_catalog
 from app.deadletters import DeadLetterAnswerer
 from app.dispatcher import Dispatcher
 from app.metrics import POISON_ISOLATED, RUNTIME_RESTARTS, start_metrics_server
+from app.pool_states import PoolStates
 from app.queues import kombu_queues
 from app.settings import Settings, get_settings
 from app.topology import queue_for
@@ -42,8 +42,6 @@ from batching.scheduler import Lane
 from runtimes.footprint import physical_memory_bytes
 from runtimes.pool import Pool
 from runtimes.process import ProcessRuntime
-from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE
-from tasks.pool_state import encode_state, pool_exchange
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +163,16 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
         self.pool = Pool(device_budget(settings, self.runtime.device_bytes))
         self.dispatcher: Dispatcher | None = None
+        self.pool_states = PoolStates(settings.queue_prefix, settings.pool_state_interval_s)
         self.state_timer: Any = None
+
+    def _warm_peers(self, model: str) -> Any:
+        return lambda: self.pool_states.warm_peers(model)
+
+    def _profile_load_s(self) -> dict[str, float]:
+        speed = self.settings.sim_speed if self.settings.runtime == "sim" else 1.0
+        return {e.id: device_profile(e, self.settings).load_ms / 1000 / speed
+                for e in self.entries}
 
     def start(self, c: Any) -> None:
         if c.hub is None:
@@ -174,7 +181,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold,
                                          {e.id: e for e in self.entries},
                                          self.settings.part_target_ms / 1000, self.pool,
-                                         self.pinned, self.settings.prefetch)
+                                         self.pinned, self.settings.prefetch,
+                                         self._profile_load_s())
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
@@ -183,7 +191,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             consumer = Consumer(channel, queues=[queue], on_message=self.dispatcher.on_message,
                                 accept=["msgpack", "json"])
             self.dispatcher.consume(entry.id, consumer, queue.name,
-                                    _consumer_counter(channel, queue.name))
+                                    _consumer_counter(channel, queue.name),
+                                    self._warm_peers(entry.id))
             dead_channel = c.connection.channel()
             answerer = DeadLetterAnswerer(self.dispatcher.replier, entry.id)
             dead_consumer = Consumer(dead_channel, queues=[dead], on_message=answerer.on_message,
@@ -193,11 +202,10 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             log.debug("consuming %s and %s", queue.name, dead.name)
         log.info("consuming the queues of %d models; pinned: %s", len(self.entries),
                  sorted(self.pinned) or "none")
-        self.state_publisher = PoolStatePublisher(c, self.settings, self.dispatcher)
-        self.dispatcher.on_placement = self.state_publisher.soon
+        self.pool_states.open(c, self.dispatcher.placement.snapshot)
+        self.dispatcher.on_placement = self.pool_states.soon
         self.state_timer = c.hub.call_repeatedly(self.settings.pool_state_interval_s,
-                                                 self.state_publisher.publish)
-        self.state_publisher.publish()
+                                                 self.pool_states.publish)
 
     def stop(self, c: Any) -> None:
         if self.state_timer is not None:
@@ -233,36 +241,6 @@ def device_budget(settings: Settings, device_bytes: int | None) -> int:
     if settings.device_memory_bytes is not None:
         return settings.device_memory_bytes
     return int(settings.device_memory_fraction * (device_bytes or physical_memory_bytes()))
-
-
-class PoolStatePublisher:
-    """Publishes this worker's pool state (`tasks.pool_state`) to the gateways: every
-    SHOAL_POOL_STATE_INTERVAL_S, and on the loop's next turn after a change."""
-
-    def __init__(self, c: Any, settings: Settings, dispatcher: Dispatcher) -> None:
-        self.c = c
-        self.dispatcher = dispatcher
-        self.interval_s = settings.pool_state_interval_s
-        self.exchange = Exchange(pool_exchange(settings.queue_prefix), type="fanout",
-                                 durable=True)
-        self.producer = Producer(c.connection.channel(), exchange=self.exchange,
-                                 auto_declare=True)
-        self._due = False
-
-    def soon(self) -> None:
-        if not self._due:
-            self._due = True
-            self.c.hub.call_soon(self.publish)
-
-    def publish(self) -> None:
-        self._due = False
-        state = {"worker": self.c.hostname, "at": time.time(), "interval_s": self.interval_s,
-                 **self.dispatcher.placement.snapshot()}
-        try:
-            self.producer.publish(encode_state(state), content_type=CONTENT_TYPE,
-                                  content_encoding=CONTENT_ENCODING, delivery_mode=1)
-        except Exception:  # a lost connection: the next one carries the state again
-            log.warning("could not publish the pool state", exc_info=True)
 
 
 def _consumer_counter(channel: Any, queue: str) -> Any:

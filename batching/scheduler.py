@@ -41,8 +41,9 @@ The rules, each owned by a pure function of `batching/`:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from batching.cost import CostModel
 from batching.former import BatchLimits, seconds_to_wait, split_expired, take_batch
@@ -102,6 +103,9 @@ class Lane:
     cost: CostModel
     prefetch: int = 0  # as last applied by the dispatcher
     ready: bool = True
+    # Set while every peer would first have to load the model: work is worth handing to
+    # one only past this many seconds (its load) of waiting here.
+    cold_peers_horizon_s: float | None = None
     backlog: list[Pending] = field(default_factory=list)
     mix: RequestMix = field(default_factory=RequestMix)
 
@@ -292,13 +296,14 @@ class Scheduler:
                 # Not loaded: what it holds waits for the load. Alone: returning would
                 # only loop back here.
                 continue
-            beyond = (overflow(lane.backlog, lane.limits, self.hold, lane.cost, left, now)
+            hold = self._hold_for(lane)
+            beyond = (overflow(lane.backlog, lane.limits, hold, lane.cost, left, now)
                       if lane.backlog else [])
-            allowed = may_hold(lane.mix.mean, lane.limits, self.hold, lane.cost, left)
+            allowed = may_hold(lane.mix.mean, lane.limits, hold, lane.cost, left)
             if allowed is not None:
                 self._bound_intake(lane, allowed, len(beyond), actions)
                 # Credit opens later only while nothing may be taken in (allowed == 0).
-                later = (credit_opens_in(lane.mix.mean, lane.limits, self.hold, lane.cost,
+                later = (credit_opens_in(lane.mix.mean, lane.limits, hold, lane.cost,
                                          left) if allowed == 0 else None)
                 if later is not None:
                     later = max(later, MIN_WAIT_S)
@@ -310,6 +315,14 @@ class Scheduler:
                 lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
                 actions.returned.append((lane.model, returned))
         return opens
+
+    def _hold_for(self, lane: Lane) -> HoldLimits:
+        """The hold limits of a lane: with only cold peers, a horizon of their load time."""
+        cold = lane.cold_peers_horizon_s
+        if cold is None or (self.hold.max_horizon_s is not None
+                            and cold <= self.hold.max_horizon_s):
+            return self.hold
+        return replace(self.hold, horizon_batches=math.inf, max_horizon_s=cold)
 
     def _bound_intake(self, lane: Lane, allowed: int, beyond: int, actions: Actions) -> None:
         """Re-consume if that lowers what the lane could end up holding past `allowed`
@@ -323,7 +336,11 @@ class Scheduler:
         if could > allowed:
             if kept + fresh < could:
                 self._reconsume(lane, fresh, actions)
-        elif not beyond and allowed > could and allowed >= PREFETCH_CHANGE_RATIO * could:
+        elif (not beyond and allowed >= PREFETCH_CHANGE_RATIO * could
+              and kept + fresh >= PREFETCH_CHANGE_RATIO * could):
+            # Only a real rise: a consumer already at the cap would otherwise be started
+            # again on every tick, and each re-consume leaves a moment without a consumer,
+            # when the broker hands messages to the peers.
             self._reconsume(lane, fresh, actions)
 
     def _reconsume(self, lane: Lane, prefetch: int, actions: Actions) -> None:
