@@ -217,7 +217,7 @@ def test_openai_client_names_a_lora_as_base_colon_lora(tmp_path):
         url, prefix, stack = private.url, private.prefix, private.stack
         env = {"SHOAL_QUEUE_PREFIX": prefix, "SHOAL_CATALOG_DIR": str(catalog)}
         stack.worker("lora-sim", [LORA_BASE], **env, **SIM)
-        stack.gateway("lora-gateway", private.port, [LORA_BASE], **env)
+        gateway = stack.gateway("lora-gateway", private.port, [LORA_BASE], **env)
         _ready(url, stack)
         wait_for(lambda: queue_counts(private.queue)[1] >= 1, 30, "the worker to consume",
                  give_up=stack.exited)
@@ -225,6 +225,10 @@ def test_openai_client_names_a_lora_as_base_colon_lora(tmp_path):
         models = _models(url)
         assert models[LORA_BASE]["loras"] == ["legal", "medical"]
         assert models[f"{LORA_BASE}:legal"]["parent"] == LORA_BASE
+        # The worker's own pool state (app.pool_states) reaches /v1/models.
+        rows = wait_for(lambda: _workers(url, LORA_BASE), 30, "the worker's pool state")
+        assert rows[0]["worker"].startswith("lora-sim@")
+        assert rows[0]["state"] in ("resident", "loading", "cold")
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         listed = {m.id for m in client.models.list()}
@@ -240,3 +244,4 @@ def test_openai_client_names_a_lora_as_base_colon_lora(tmp_path):
         error = caught.value.body
         assert error["code"] == "LORA_NOT_FOUND", error
         assert "legal" in error["message"] and "medical" in error["message"]
+        assert "malformed pool state" not in gateway.log()
