@@ -85,7 +85,7 @@ class LoraSet:
                 self._wrap(config, ref, peft_name)
             else:
                 try:
-                    self.peft.load_adapter(ref, peft_name)
+                    self.peft.load_adapter(ref, peft_name, torch_device=self._device())
                 except BaseException:
                     if peft_name in self.peft.peft_config:
                         self.peft.delete_adapter(peft_name)
@@ -118,7 +118,7 @@ class LoraSet:
         peft = None
         try:
             peft = PeftModel(self.model, config, adapter_name=peft_name)
-            peft.load_adapter(ref, peft_name)
+            peft.load_adapter(ref, peft_name, torch_device=self._device())
         except BaseException:
             if peft is not None:
                 peft.unload()
@@ -126,6 +126,11 @@ class LoraSet:
                 _strip_lora_layers(self.model)
             raise
         self.peft = peft
+
+    def _device(self) -> str:
+        """Where the model is: the adapter's file is read straight there (peft would read it
+        onto the first GPU, whatever the model's device)."""
+        return str(next(self.model.parameters()).device)
 
     def _bytes(self, peft_name: str) -> int:
         """Bytes of the parameters that belong to one peft adapter (its lora_A, lora_B,
