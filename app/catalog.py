@@ -93,9 +93,9 @@ class BatchProfile(BaseModel):
     cost_b_us: float = Field(20.0, ge=0, description="microseconds per padded token")
     cost_c_ns: float = Field(0.0, ge=0, description="nanoseconds per padded token x length")
     measured: str | None = Field(None, description="the benchmark run this came from")
-    # What the sim runtime pretends a load takes and occupies on this device (a real
-    # runtime measures both).
-    load_ms: float = Field(1000.0, ge=0, description="sim: seconds x1000 a load takes")
+    # How long a load takes and what the model occupies on this device: the sim runtime
+    # sleeps and counts these; a real worker starts from load_ms and measures both.
+    load_ms: float = Field(1000.0, ge=0, description="how long a load takes")
     footprint_bytes: int | None = Field(
         None, ge=1, description="sim: device bytes the loaded model takes (default: 100 MB)")
 
