@@ -29,6 +29,10 @@ model queue's consumer has a RabbitMQ consumer priority (`x-priority`) that says
 whether the model is loaded here, so the broker gives a model's traffic to the
 workers that hold it and reaches a cold one only when they have no free prefetch;
 a cold consumer takes one message at a time (the one that starts its load).
+A request for a LoRA adapter that is not loaded is parked (outside the scheduler)
+until its model and then its adapter are loaded. Requests for different LoRAs of
+one model, and for none, batch together: the runtime runs them in one forward
+pass (SHOAL_LORA_MIXED_BATCHES=false batches each LoRA apart, to compare).
 
 A request too big for one batch of its model is split into budget-sized
 parts (`tasks.split`) that run one after another: the next part joins the
@@ -55,7 +59,7 @@ from batching.parts import items_per_part
 from batching.scheduler import Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
 from runtimes.base import Outcome, Request, Runtime
-from runtimes.pool import Pool
+from runtimes.pool import Pool, lora_key
 from tasks.envelope import (
     H_COALESCED,
     H_DEADLINE,
@@ -179,10 +183,15 @@ class Dispatcher:
                  hold: HoldLimits, entries: dict[str, EstimatingEntry],
                  part_target_s: float | None = None, pool: Pool | None = None,
                  pinned: set[str] | None = None, prefetch: int = 64,
-                 load_s: dict[str, float] | None = None) -> None:
+                 load_s: dict[str, float] | None = None,
+                 lora_mixed_batches: bool = True) -> None:
         self.c = consumer
         self.runtime = runtime
         self.prefetch = prefetch  # of a consumer whose model is loaded, before adapting
+        self.lora_mixed_batches = lora_mixed_batches
+        # Requests waiting for a LoRA adapter to load (and its model first), with their
+        # delivery counts; they join the scheduler when it is loaded.
+        self.parked: dict[tuple[str, str], list[tuple[Held, int]]] = {}
         self.entries = entries  # to annotate a Celery client's message that came without
         self.part_target_s = part_target_s  # the longest a part of a split request should run
         self.scheduler = Scheduler(lanes, hold, self._peers)
@@ -197,8 +206,8 @@ class Dispatcher:
         self.on_placement: Callable[[], None] = lambda: None  # told when a model's state changes
         self.placement = Placement(
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
-            lambda fn, *args: self.c.hub.call_soon(fn, *args), self.scheduler.in_use,
-            self._on_state, self._on_load_failed, load_s or {})
+            lambda fn, *args: self.c.hub.call_soon(fn, *args), self._in_use,
+            self._on_state, self._on_load_failed, load_s or {}, self._on_lora)
         for model, lane in lanes.items():
             lane.ready = self.placement.state(model) == RESIDENT
 
@@ -277,7 +286,18 @@ class Dispatcher:
         if split is not None:
             metrics.SPLIT.labels(model).inc()
             held = split.part_held(held, 0)
-        self._append(model, held, deliveries + returns)
+        self._admit(model, held, deliveries + returns)
+
+    def _admit(self, model: str, held: Held, deliveries: int) -> None:
+        """Into the scheduler, once what it needs is loaded (loads start here)."""
+        lora = held.annotations.lora
+        if lora is not None and not self.placement.lora_resident(model, lora):
+            self.parked.setdefault((model, lora), []).append((held, deliveries))
+            why = self.placement.ensure(model, lora)
+            if why is not None:
+                self._on_lora(model, lora, why)
+            return
+        self._append(model, held, deliveries)
         if not self.scheduler.lanes[model].ready:
             why = self.placement.ensure(model)
             if why is not None:
@@ -290,8 +310,9 @@ class Dispatcher:
         self.scheduler.append(model, Pending(
             handle=held,
             # Parts batch only with parts: a short request batched with a part would be
-            # padded to the part's length and wait as long as it.
-            group=(annotations.op, annotations.lora, held.split is not None),
+            # padded to the part's length and wait as long as it. LoRAs mix (see above).
+            group=(annotations.op, held.split is not None) if self.lora_mixed_batches
+            else (annotations.op, held.split is not None, annotations.lora),
             items=annotations.items,
             cost=annotations.cost,
             longest=annotations.longest,
@@ -387,11 +408,43 @@ class Dispatcher:
             self._reconsume(model, prefetch, PRIORITY[state])
         self.on_placement()
         self._queue_tick()
+        if lane.ready:
+            for (parked_model, lora) in list(self.parked):
+                if parked_model == model and (why := self.placement.ensure(model, lora)):
+                    self._on_lora(model, lora, why)
 
     def _on_load_failed(self, model: str, why: str) -> None:
         for pending in self.scheduler.drop(model):
             self._refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
         metrics.HELD.labels(model).set(0)
+        for (parked_model, lora) in list(self.parked):
+            if parked_model == model:
+                self._on_lora(model, lora, why)
+
+    def _on_lora(self, model: str, lora: str, why: str | None) -> None:
+        """A LoRA adapter's load ended (why None: loaded): its parked requests go on."""
+        for held, deliveries in self.parked.pop((model, lora), []):
+            if why is None:
+                self._append(model, held, deliveries)
+            else:
+                self._refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
+        self.on_placement()
+        self._queue_tick()
+
+    def _in_use(self) -> set[str]:
+        """Models and LoRA adapters (`lora_key`) that requests held, parked or running
+        need: none of them may be evicted."""
+        used = self.scheduler.in_use()
+        running = self.scheduler.running
+        pendings = [p for lane in self.scheduler.lanes.values() for p in lane.backlog]
+        pendings += running.members if running is not None else []
+        for pending in pendings:
+            a = pending.handle.annotations
+            if a.lora is not None:
+                used.add(lora_key(a.model, a.lora))
+        for model, lora in self.parked:
+            used.update((model, lora_key(model, lora)))
+        return used
 
     def _give_back(self, model: str, returned: list[Held]) -> None:
         """Return requests to their queue (see `plan_returns`)."""
@@ -466,6 +519,8 @@ class Dispatcher:
     def _start(self, batch: Batch) -> None:
         model, limits = batch.lane.model, batch.lane.limits
         self.placement.touch(model)
+        for lora in {p.handle.annotations.lora for p in batch.members} - {None}:
+            self.placement.touch(lora_key(model, lora))
         started = time.time()
         for pending in batch.members:
             held: Held = pending.handle
@@ -584,6 +639,7 @@ class Dispatcher:
         """Forget held messages after a connection loss (the broker redelivers them)."""
         self.generation += 1
         self.scheduler.clear()
+        self.parked.clear()
         for model in self.scheduler.lanes:
             metrics.HELD.labels(model).set(0)
         self.consuming.clear()

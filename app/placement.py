@@ -8,7 +8,10 @@ the event loop (and with it the broker heartbeats) never waits for a load.
 Life of a model on a worker: cold -> loading -> resident -> (evicted) cold. A request
 held for a model that is not resident starts its load at once; when it ends, `on_state`
 tells the dispatcher (the lane may run, the consumer's priority rises) or `on_failed`
-has every request held for it answered MODEL_UNAVAILABLE with the reason. A failure is
+has every request held for it answered MODEL_UNAVAILABLE with the reason. A LoRA
+adapter is loaded the same way once its model is resident (`on_lora` reports the
+end), counts against the same budget and is evicted LRU too (with its model, or
+alone). A failure is
 remembered for `FAILURE_MEMORY_S`, and the requests that arrive meanwhile are answered
 at once instead of each trying the load again.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 from app import metrics
 from runtimes.base import Runtime
-from runtimes.pool import DoesNotFit, Pool
+from runtimes.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
 from tasks.pool_state import COLD, LOADING, RESIDENT
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,8 @@ class Placement:
                  call_soon: Callable[..., Any], in_use: Callable[[], set[str]],
                  on_state: Callable[[str, str], None],
                  on_failed: Callable[[str, str], None],
-                 load_s: dict[str, float] | None = None) -> None:
+                 load_s: dict[str, float] | None = None,
+                 on_lora: Callable[[str, str, str | None], None] | None = None) -> None:
         self.runtime = runtime
         self.pool = pool
         self.models = models  # all it may serve
@@ -46,6 +50,7 @@ class Placement:
         self.in_use = in_use  # models with held or running work
         self.on_state = on_state  # (model, RESIDENT | LOADING | COLD)
         self.on_failed = on_failed  # (model, why): answer what is held for it
+        self.on_lora = on_lora or (lambda model, lora, why: None)  # why None: loaded
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-loader")
         self.failures: dict[str, tuple[float, str]] = {}  # model -> (when, why)
         self.started: dict[str, float] = {}  # model -> when its load began
@@ -69,50 +74,61 @@ class Placement:
         """How long a load of `model` takes (measured here last time, else the profile's)."""
         return self.load_s.get(model, DEFAULT_LOAD_S)
 
-    def touch(self, model: str) -> None:
-        self.pool.touch(model, time.monotonic())
+    def lora_resident(self, model: str, lora: str) -> bool:
+        return self.pool.resident(lora_key(model, lora))
+
+    def touch(self, key: str) -> None:
+        self.pool.touch(key, time.monotonic())
 
     def snapshot(self) -> dict[str, Any]:
         """What `celery inspect shoal_models` and the pool-state messages report."""
         models = []
         for model in self.models:
             slot = self.pool.slots.get(model)
+            loras = sorted(k.rpartition(LORA_SEPARATOR)[2] for k in self.pool.adapters_of(model)
+                           if self.pool.resident(k))
             models.append({"id": model, "state": self.state(model),
                            "pinned": model in self.pinned,
                            "bytes": slot.bytes if slot is not None and not slot.loading
-                           else None, "loras": []})
+                           else None, "loras": loras})
         return {"budget_bytes": self.pool.budget, "used_bytes": self.pool.used(),
                 "models": models}
 
     # --- loads (event loop thread) ---------------------------------------------------------
 
-    def ensure(self, model: str) -> str | None:
-        """Start loading `model` unless it is resident or loading: None, or why it cannot
+    def ensure(self, model: str, lora: str | None = None) -> str | None:
+        """Start loading `model` (or its LoRA adapter `lora`, once the model is resident:
+        until then, the model) unless it is resident or loading: None, or why it cannot
         load (a recent failure, or it does not fit); the caller answers its requests."""
-        if self.pool.resident(model) or self.pool.loading(model):
+        if lora is not None and not self.pool.resident(model):
+            lora = None  # the model first; the dispatcher asks again once it is resident
+        key = model if lora is None else lora_key(model, lora)
+        if self.pool.resident(key) or self.pool.loading(key):
             return None
-        failure = self.failures.get(model)
+        failure = self.failures.get(key)
         if failure is not None and time.monotonic() - failure[0] < FAILURE_MEMORY_S:
             return failure[1]
         now = time.monotonic()
         try:
-            evicted = self.pool.admit(model, self.runtime.estimate_bytes(model), now,
-                                      self.in_use())
+            evicted = self.pool.admit(key, self.runtime.estimate_bytes(model, lora), now,
+                                      self.in_use(), base=None if lora is None else model)
         except DoesNotFit as exc:
-            why = f"{model} does not fit this worker's device memory: {exc}"
+            why = f"{key} does not fit this worker's device memory: {exc}"
             metrics.LOADS.labels(model, "does_not_fit").inc()
-            self.failures[model] = (now, why)
+            self.failures[key] = (now, why)
             return why
         for gone in evicted:
-            metrics.EVICTIONS.labels(gone).inc()
-            log.info("evicting %s to make room for %s", gone, model)
-            self.on_state(gone, COLD)
+            metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0]).inc()
+            log.info("evicting %s to make room for %s", gone, key)
+            if LORA_SEPARATOR not in gone:
+                self.on_state(gone, COLD)
         self._gauges()
-        self.started[model] = now
-        log.info("loading %s", model)
-        self.on_state(model, LOADING)
-        future = self.executor.submit(self._load, model, evicted)
-        future.add_done_callback(lambda f: self.call_soon(self._loaded, model, f))
+        self.started[key] = now
+        log.info("loading %s", key)
+        if lora is None:
+            self.on_state(model, LOADING)
+        future = self.executor.submit(self._load, model, lora, evicted)
+        future.add_done_callback(lambda f: self.call_soon(self._loaded, model, lora, f))
         return None
 
     def unload(self, model: str) -> str | None:
@@ -123,43 +139,56 @@ class Placement:
             return f"{model} is {self.state(model)}, not resident"
         if model in self.in_use():
             return f"{model} has requests held or running"
-        self.pool.remove(model)
+        self.pool.remove(model)  # with its LoRA adapters
         self.on_state(model, COLD)
         self.executor.submit(self.runtime.unload, model)
         self._gauges()
         return None
 
-    def _load(self, model: str, evicted: list[str]) -> tuple[int, float]:
+    def _load(self, model: str, lora: str | None, evicted: list[str]) -> tuple[int, float]:
         """On the loader thread: the evictions, then the load; (bytes, seconds)."""
         for gone in evicted:
-            self.runtime.unload(gone)
+            base, _, gone_lora = gone.partition(LORA_SEPARATOR)
+            if gone_lora and base in evicted:
+                continue  # goes with its model
+            self.runtime.unload(base, gone_lora or None)
         started = time.perf_counter()
-        measured = self.runtime.load(model)
+        measured = self.runtime.load(model, lora)
         return measured, time.perf_counter() - started
 
-    def _loaded(self, model: str, future: Future) -> None:
+    def _loaded(self, model: str, lora: str | None, future: Future) -> None:
         now = time.monotonic()
-        self.started.pop(model, None)
+        key = model if lora is None else lora_key(model, lora)
+        self.started.pop(key, None)
         try:
             measured, seconds = future.result()
         except Exception as exc:
-            why = f"{model} could not be loaded: {exc}"
+            why = f"{key} could not be loaded: {exc}"
             log.error("%s", why)
-            self.pool.failed(model)
-            self.failures[model] = (now, why)
+            self.pool.failed(key)
+            self.failures[key] = (now, why)
             metrics.LOADS.labels(model, "failed").inc()
-            self.on_state(model, COLD)
-            self.on_failed(model, why)
+            if lora is None:
+                self.on_state(model, COLD)
+                self.on_failed(model, why)
+            else:
+                self.on_lora(model, lora, why)
             self._gauges()
             return
-        self.pool.loaded(model, measured, now)
-        self.failures.pop(model, None)
+        if key not in self.pool.slots:  # its model was unloaded meanwhile
+            self.executor.submit(self.runtime.unload, model, lora)
+            return
+        self.pool.loaded(key, measured, now)
+        self.failures.pop(key, None)
         metrics.LOADS.labels(model, "ok").inc()
-        metrics.LOAD_SECONDS.labels(model).observe(seconds)
-        self.load_s[model] = seconds
-        log.info("loaded %s (%.1f MiB) in %.2fs; %.1f of %.1f MiB in use", model,
+        log.info("loaded %s (%.1f MiB) in %.2fs; %.1f of %.1f MiB in use", key,
                  measured / 2**20, seconds, self.pool.used() / 2**20, self.pool.budget / 2**20)
-        self.on_state(model, RESIDENT)
+        if lora is None:
+            metrics.LOAD_SECONDS.labels(model).observe(seconds)
+            self.load_s[model] = seconds
+            self.on_state(model, RESIDENT)
+        else:
+            self.on_lora(model, lora, None)
         self._gauges()
 
     def _gauges(self) -> None:

@@ -101,6 +101,9 @@ class Settings(BaseSettings):
         100.0, gt=0, allow_inf_nan=False, description="a request too big for one batch runs "
         "in parts predicted to take at most this (or the profile's latency_target_ms)"
     )
+    lora_mixed_batches: bool = Field(
+        True, description="requests for different LoRA adapters of a model share batches "
+        "(one forward pass); false: a batch per adapter")
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
     runtime: Literal["pytorch", "sim"] = Field(

@@ -182,7 +182,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                                          {e.id: e for e in self.entries},
                                          self.settings.part_target_ms / 1000, self.pool,
                                          self.pinned, self.settings.prefetch,
-                                         self._profile_load_s())
+                                         self._profile_load_s(),
+                                         self.settings.lora_mixed_batches)
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:

@@ -16,7 +16,7 @@ class Pending:
     """A request held by the worker, described by its annotations only."""
 
     handle: Any  # opaque to the scheduler: the worker's message
-    group: Hashable  # what must not be mixed: (op, forward-pass options, lora)
+    group: Hashable  # what must not be mixed (op, split parts; LoRA when told not to mix)
     items: int
     cost: int  # estimated real tokens of the request
     longest: int  # estimated tokens of its longest item

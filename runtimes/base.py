@@ -50,24 +50,27 @@ class Runtime(Protocol):
         """The process the models run in now; None where there is no child process."""
         ...
 
-    # The models loaded now, with the device bytes each takes; and the device's memory
+    # The models loaded now (and LoRA adapters, as `runtimes.pool.lora_key`), with the
+    # device bytes each takes; and the device's memory
     # (None: unknown, the worker's settings decide the budget).
     resident: dict[str, int]
     device_bytes: int | None
 
     def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]: ...
 
-    def estimate_bytes(self, model_id: str) -> int:
-        """What the model should take once loaded (made before loading it)."""
+    def estimate_bytes(self, model_id: str, lora: str | None = None) -> int:
+        """What the model (or its LoRA adapter `lora`) should take once loaded (made
+        before loading it)."""
         ...
 
-    def load(self, model_id: str) -> int:
-        """Load a model beside running batches (from another thread): the device bytes it
-        takes. Raises `runtimes.process.LoadFailed` with the reason."""
+    def load(self, model_id: str, lora: str | None = None) -> int:
+        """Load a model (or a LoRA adapter of a loaded one) beside running batches (from
+        another thread): the device bytes it takes. Raises `runtimes.process.LoadFailed`
+        with the reason."""
         ...
 
-    def unload(self, model_id: str) -> None:
-        """Free a model (never one with a batch running)."""
+    def unload(self, model_id: str, lora: str | None = None) -> None:
+        """Free a model with its LoRA adapters, or one adapter (never one a batch uses)."""
         ...
 
     def close(self) -> None: ...

@@ -79,8 +79,10 @@ class ModelHost:
             return measured
 
     def unload(self, model_id: str) -> None:
+        """Free a model and its LoRA adapters."""
         adapter = self._models.pop(model_id, None)
-        self.footprints.pop(model_id, None)
+        for key in [k for k in self.footprints if k == model_id or k.startswith(model_id + ":")]:
+            del self.footprints[key]
         if adapter is None:
             return
         del adapter
@@ -88,6 +90,38 @@ class ModelHost:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         log.info("unloaded %s", model_id)
+
+    def load_lora(self, model_id: str, lora: str) -> int:
+        """Load a LoRA adapter of a loaded model (a no-op if loaded): the bytes it takes."""
+        with self._loading:
+            adapter = self._models.get(model_id)
+            if adapter is None:
+                raise ValueError(f"{model_id} is not loaded")
+            if not adapter.supports_lora:
+                raise ValueError(f"{model_id} ({adapter.entry.adapter}) serves no LoRA adapters")
+            source = adapter.entry.loras.get(lora)
+            if source is None:
+                raise ValueError(f"{model_id} has no LoRA adapter {lora!r} in the catalog")
+            key = f"{model_id}:{lora}"
+            if lora in adapter.loaded_loras:
+                return self.footprints[key]
+            started = time.perf_counter()
+            measured = adapter.load_lora(lora, resolve_source(source))
+            self.footprints[key] = measured
+            log.info("loaded LoRA %s of %s (%.1f MiB) in %.2fs", lora, model_id,
+                     measured / 2**20, time.perf_counter() - started)
+            return measured
+
+    def unload_lora(self, model_id: str, lora: str) -> None:
+        adapter = self._models.get(model_id)
+        self.footprints.pop(f"{model_id}:{lora}", None)
+        if adapter is None or lora not in adapter.loaded_loras:
+            return
+        adapter.unload_lora(lora)
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log.info("unloaded LoRA %s of %s", lora, model_id)
 
     def device_total_bytes(self) -> int:
         """The memory of the device models load into (RAM on CPU)."""

@@ -58,6 +58,7 @@ from typing import Any, Literal
 from app.catalog import load_catalog
 from runtimes.base import Outcome, Request
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
+from runtimes.pool import LORA_SEPARATOR, lora_key
 from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
@@ -284,31 +285,41 @@ class ProcessRuntime:
         self._works_after_failure = False
         return self._run(model_id, requests, failed_before=False)
 
-    def estimate_bytes(self, model: str) -> int:
-        """What `model` should take once loaded, from its weight files (read here, in the
-        worker: nothing is loaded or downloaded)."""
+    def estimate_bytes(self, model: str, lora: str | None = None) -> int:
+        """What `model` (or its LoRA adapter `lora`) should take once loaded, from its
+        weight files (read here, in the worker: nothing is loaded or downloaded)."""
         entry = load_catalog(self._catalog_dir).get(model)
+        source = None if entry is None else entry.source if lora is None \
+            else entry.loras.get(lora)
         try:
-            return estimate_bytes(resolve_source(entry.source, local_only=True)) if entry \
+            return estimate_bytes(resolve_source(source, local_only=True)) if source \
                 else UNKNOWN_BYTES
         except Exception:  # not downloaded yet, or unreadable: the load will say
             return UNKNOWN_BYTES
 
-    def load(self, model: str) -> int:
-        """Load `model` in the child beside the batches that run meanwhile: the device
-        bytes it takes. LoadFailed if it cannot (the child survives a bad model; if the
-        load kills it, the next child starts without that model)."""
-        reply = self._control({"op": "load", "model": model}, f"loading {model}")
+    def load(self, model: str, lora: str | None = None) -> int:
+        """Load `model` (or its LoRA adapter `lora`) in the child beside the batches that
+        run meanwhile: the device bytes it takes. LoadFailed if it cannot (the child
+        survives a bad model; if the load kills it, the next child starts without it)."""
+        key = model if lora is None else lora_key(model, lora)
+        reply = self._control({"op": "load", "model": model, "lora": lora}, f"loading {key}")
         if "loaded" not in reply:
             raise LoadFailed(str(reply.get("failed") or reply.get("error") or reply))
         with self._lock:
-            self.resident[model] = int(reply["bytes"])
+            self.resident[key] = int(reply["bytes"])
         return int(reply["bytes"])
 
-    def unload(self, model: str) -> None:
+    def unload(self, model: str, lora: str | None = None) -> None:
+        """Free a model and its LoRA adapters, or only its adapter `lora`."""
         with self._lock:
-            self.resident.pop(model, None)
-        self._control({"op": "unload", "model": model}, f"unloading {model}")
+            if lora is not None:
+                self.resident.pop(lora_key(model, lora), None)
+            else:
+                for key in [k for k in self.resident
+                            if k == model or k.startswith(model + LORA_SEPARATOR)]:
+                    del self.resident[key]
+        self._control({"op": "unload", "model": model, "lora": lora},
+                      f"unloading {model if lora is None else lora_key(model, lora)}")
 
     def _control(self, frame: dict[str, Any], doing: str) -> dict[str, Any]:
         with self._controlling:
@@ -471,7 +482,8 @@ class ProcessRuntime:
             path = self._dir / f"rt-{self._spawned}.sock"
             if len(str(path)) > _MAX_SOCKET_PATH:
                 raise RuntimeStartError(f"socket path {path} is too long; set TMPDIR shorter")
-            models = [arg for model in self.resident for arg in ("--model", model)]
+            models = [arg for key in self.resident
+                      for arg in ("--lora" if LORA_SEPARATOR in key else "--model", key)]
             self._child = _Child([*self._argv, *models, "--socket", str(path)], self._env, path)
             return self._child
 

@@ -22,9 +22,13 @@ models already loaded. Frames on the batch connection (`runtimes.protocol`):
 
 Frames on the control connection:
 
-    {"op": "load", "model": str}           -> {"loaded": str, "bytes": int, "seconds": float}
+    {"op": "load", "model": str,
+     "lora": str | None}                   -> {"loaded": str, "bytes": int, "seconds": float}
                                             | {"failed": repr(exc)}
-    {"op": "unload", "model": str}         -> {"unloaded": str}
+    {"op": "unload", "model": str,
+     "lora": str | None}                   -> {"unloaded": str}
+
+(with a `lora`, the LoRA adapter of that name of the loaded model).
     {"op": "ping"}                         -> {"pong": pid}
 
 Once both are accepted it sends {"ready": pid, "models": {id: bytes},
@@ -71,6 +75,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--catalog-dir", required=True, type=Path)
     parser.add_argument("--model", action="append", dest="models", default=[],
                         help="a model to load before the socket appears (repeatable)")
+    parser.add_argument("--lora", action="append", dest="loras", default=[],
+                        help="MODEL:LORA, a LoRA adapter of a --model to load (repeatable)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--chunk-tokens", type=int, default=16_384)
@@ -183,20 +189,24 @@ def control(host: ModelHost, catalog: Catalog, frame: Any) -> dict[str, Any]:
     """The reply to one control frame (a load or an unload)."""
     if not isinstance(frame, dict):
         return {"error": f"expected a map, got {type(frame).__name__}"}
-    op, model = frame.get("op"), frame.get("model")
+    op, model, lora = frame.get("op"), frame.get("model"), frame.get("lora")
     if op == "ping":
         return {"pong": os.getpid()}
-    if op not in ("load", "unload") or not isinstance(model, str):
+    if op not in ("load", "unload") or not isinstance(model, str) or \
+            not isinstance(lora, str | None):
         return {"error": f"unknown control frame {frame!r:.200}"}
     if op == "unload":
-        host.unload(model)
+        if lora is None:
+            host.unload(model)
+        else:
+            host.unload_lora(model, lora)
         return {"unloaded": model}
     entry = catalog.get(model)
     if entry is None:
         return {"failed": f"{model} is not in the runtime's catalog"}
     started = time.perf_counter()
     try:
-        measured = host.load_one(entry)
+        measured = host.load_one(entry) if lora is None else host.load_lora(model, lora)
     except Exception as exc:  # bad weights, missing files, out of memory: not our death
         log.exception("loading %s failed", model)
         _release_cached_memory(host.device)
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens)
     host.load(entries)
+    for key in args.loras:
+        model, _, lora = key.rpartition(":")
+        host.load_lora(model, lora)
     conn, control_conn = _accept(args.socket, 2)
     threading.Thread(target=serve_control, args=(control_conn, host, catalog),
                      name="runtime-control", daemon=True).start()

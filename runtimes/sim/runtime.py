@@ -34,6 +34,7 @@ import numpy as np
 from app.catalog import BatchProfile, ModelEntry
 from batching.cost import BatchShape, CostModel
 from runtimes.base import Outcome, Request, failed, prepare_each
+from runtimes.pool import lora_key
 from runtimes.process import LoadFailed, RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
@@ -48,6 +49,8 @@ SIM_VOCAB_SIZE = 30_522  # BERT's WordPiece vocabulary, what SPLADE models use
 SPARSE_TERMS = 8  # non-zero terms per simulated sparse vector (at most one per token)
 DEFAULT_LABELS = ("LABEL_0", "LABEL_1")  # transformers' names for an unnamed 2-way head
 DEFAULT_FOOTPRINT_BYTES = 100 * 2**20
+SIM_LORA_BYTES = 8 * 2**20  # a rank-16 LoRA of a small model, roughly
+SIM_LORA_S = 0.02
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
 
 
@@ -236,21 +239,33 @@ class SimRuntime:
         return (profile.footprint_bytes if profile and profile.footprint_bytes
                 else DEFAULT_FOOTPRINT_BYTES)
 
-    def estimate_bytes(self, model_id: str) -> int:
-        return self.footprint(model_id)
+    def estimate_bytes(self, model_id: str, lora: str | None = None) -> int:
+        return self.footprint(model_id) if lora is None else SIM_LORA_BYTES
 
-    def load(self, model_id: str) -> int:
+    def load(self, model_id: str, lora: str | None = None) -> int:
         """Sleep as long as the profile says a load takes (on the caller's thread, beside
-        batches); the footprint."""
-        if model_id not in self._models:
+        batches); the footprint. A LoRA adapter takes SIM_LORA_S and SIM_LORA_BYTES."""
+        model = self._models.get(model_id)
+        if model is None:
             raise LoadFailed(f"{model_id} is not one of this worker's models")
-        profile = self._models[model_id].entry.profile(self.device) or BatchProfile()
+        if lora is not None:
+            if model_id not in self.resident or lora not in model.entry.loras:
+                raise LoadFailed(f"LoRA {lora} of {model_id}: no such adapter, or the model "
+                                 "is not loaded")
+            _sleep_until(time.perf_counter() + SIM_LORA_S / self.speed)
+            self.resident[lora_key(model_id, lora)] = SIM_LORA_BYTES
+            return SIM_LORA_BYTES
+        profile = model.entry.profile(self.device) or BatchProfile()
         _sleep_until(time.perf_counter() + profile.load_ms / 1000 / self.speed)
         self.resident[model_id] = self.footprint(model_id)
         return self.resident[model_id]
 
-    def unload(self, model_id: str) -> None:
-        self.resident.pop(model_id, None)
+    def unload(self, model_id: str, lora: str | None = None) -> None:
+        if lora is not None:
+            self.resident.pop(lora_key(model_id, lora), None)
+            return
+        for key in [k for k in self.resident if k == model_id or k.startswith(model_id + ":")]:
+            del self.resident[key]
 
     def constants(self, model_id: str) -> SimConstants:
         return self._models[model_id].constants

@@ -24,7 +24,6 @@ from tests.conftest import MINILM
 from tests.stack import (
     BROKER_URL,
     delete_queues,
-    free_port,
     http_status,
     private_stack,
     queue_counts,

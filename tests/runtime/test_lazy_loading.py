@@ -96,7 +96,7 @@ def test_an_unloaded_model_is_gone_and_the_others_still_serve(runtime):
 
 def test_a_load_that_fails_says_why_and_the_runtime_keeps_serving(runtime):
     pid = runtime.pid
-    with pytest.raises(LoadFailed, match="safetensors|header|Error"):
+    with pytest.raises(LoadFailed, match=r"safetensors|header|Error"):
         runtime.load(BROKEN)
     assert runtime.pid == pid and BROKEN not in runtime.resident
     assert _encode(runtime, TINY).ok
