@@ -78,13 +78,14 @@ def _settings(_: argparse.Namespace) -> int:
 
 
 def _queues(_: argparse.Namespace) -> int:
+    from app.catalog import load_catalog
     from app.settings import get_settings
     from app.topology import queue_for
 
     settings = get_settings()
-    for model in settings.models:
-        mq = queue_for(model, settings)
-        print(f"{model}\t{mq.name}\t{mq.dead_letter_queue}")
+    for entry in load_catalog(settings.catalog_dir).select(settings.models):
+        mq = queue_for(entry.id, settings)
+        print(f"{entry.id}\t{mq.name}\t{mq.dead_letter_queue}")
     return 0
 
 
