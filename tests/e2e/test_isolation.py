@@ -11,6 +11,9 @@ import msgpack
 import pytest
 from kombu import Connection, Producer
 
+from app.queues import kombu_queues
+from app.settings import Settings
+from app.topology import queue_for
 from tests.conftest import DLQ, FAULTY, queue_name
 from tests.stack import BROKER_URL, free_port, queue_counts, wait_for
 
@@ -84,6 +87,10 @@ def test_dead_lettered_requests_get_an_error_reply(stack):
     expired_id, poison_id = str(uuid.uuid4()), str(uuid.uuid4())
     with Connection(BROKER_URL) as conn:
         conn.default_channel.queue_declare(queue=reply_to)
+        # Gateways declare a model's queues on its first request, and no worker runs yet:
+        # the test declares them itself, as any client of the queue may.
+        for queue in kombu_queues(queue_for(DLQ, Settings())):
+            queue(conn.default_channel).declare()
     try:
         # No worker serves the model yet: this one expires in the queue.
         _publish(name, expired_id, reply_to, expiration=0.05)
