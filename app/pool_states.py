@@ -64,6 +64,12 @@ class PoolStates:
             self._due = True
             self.c.hub.call_soon(self.publish)
 
+    def farewell(self) -> None:
+        """A last state with no models: the worker is going away."""
+        self.snapshot = lambda: {"budget_bytes": 0, "used_bytes": 0, "models": []}
+        self.publish()
+        self.producer = None
+
     def publish(self) -> None:
         self._due = False
         if self.producer is None:

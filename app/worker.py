@@ -218,6 +218,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         super().stop(c)
 
     def shutdown(self, c: Any) -> None:
+        # Gateways stop counting this worker as serving its models now, not when its
+        # state goes stale.
+        self.pool_states.farewell()
         if self.dispatcher is not None:
             self.dispatcher.drop_held()
         super().shutdown(c)
