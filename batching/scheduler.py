@@ -235,10 +235,20 @@ class Scheduler:
         credit_in = self._bound_holdings(now, actions)
         if credit_in is not None:
             wait = credit_in if wait is None else min(wait, credit_in)
+        expires_in = self._first_deadline_waiting_for_a_load(now)
+        if expires_in is not None:
+            wait = expires_in if wait is None else min(wait, expires_in)
         actions.wake_in = self._wake_in(now, wait)
         return actions
 
     # --- rules ---------------------------------------------------------------------------
+
+    def _first_deadline_waiting_for_a_load(self, now: float) -> float | None:
+        """Seconds until the first deadline of a request whose model is loading: it is
+        answered then, not when the load ends."""
+        deadlines = [p.deadline for lane in self.lanes.values() if not lane.ready
+                     for p in lane.backlog if p.deadline is not None]
+        return max(min(deadlines) - now, MIN_WAIT_S) if deadlines else None
 
     def next_lane(self) -> Lane | None:
         """The lane whose oldest held request has waited longest."""

@@ -672,3 +672,25 @@ def test_without_the_seconds_bound_a_worker_holds_work_longer_than_its_batch_and
     assert max(held) > 0.1 + LONGEST_BATCH_S
     _, _, bounded = run_fleet(1, rate=40.0, max_horizon_s=0.1)
     assert max(bounded) <= 0.1 + LONGEST_BATCH_S
+
+
+# --- a lane whose model is not loaded ----------------------------------------------------
+
+
+def test_a_lane_waiting_for_its_model_starts_nothing_and_answers_deadlines_on_time():
+    lane = Lane(MODEL, BatchLimits(max_tokens=4096, max_items=64), CostModel(0.01, 1e-5, 0))
+    lane.ready = False
+    scheduler = Scheduler({MODEL: lane}, HoldLimits(), lambda _m, _now: 2)
+    pending = Pending(handle="r", group="encode", items=1, cost=8, longest=8, received=0.0,
+                      deadline=0.5)
+    scheduler.append(MODEL, pending)
+    actions = scheduler.tick(0.0)
+    assert actions.start is None and not actions.returned and not actions.expired
+    assert actions.wake_in == pytest.approx(0.5)  # woken for the deadline, not the load
+    assert scheduler.in_use() == {MODEL}  # held work: the model may not be evicted
+    assert [p.handle for _, p in scheduler.tick(0.6).expired] == ["r"]
+    assert scheduler.in_use() == set()
+    lane.ready = True
+    scheduler.append(MODEL, Pending(handle="s", group="encode", items=1, cost=8, longest=8,
+                                    received=0.7))
+    assert scheduler.tick(0.7).start is not None
