@@ -583,6 +583,7 @@ class Dispatcher:
         elif seconds is not None:
             metrics.BATCH_SECONDS.labels(model).observe(seconds)
         self._continue_splits(model, held, outcomes)
+        self.placement.kick()  # a queued load may fit now that this batch is done
         # Start the next batch before answering this one: the runtime computes
         # while the loop publishes results, instead of idling until they are out.
         self.tick()

@@ -54,6 +54,8 @@ class Placement:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-loader")
         self.failures: dict[str, tuple[float, str]] = {}  # model -> (when, why)
         self.started: dict[str, float] = {}  # model -> when its load began
+        self.queued: list[tuple[str, str | None]] = []  # loads waiting, first come first
+        self.current: tuple[str, str | None] | None = None  # the load running
         self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
@@ -68,7 +70,7 @@ class Placement:
     def state(self, model: str) -> str:
         if self.pool.resident(model):
             return RESIDENT
-        return LOADING if self.pool.loading(model) else COLD
+        return LOADING if self.pool.loading(model) or (model, None) in self.queued else COLD
 
     def load_seconds(self, model: str) -> float:
         """How long a load of `model` takes (measured here last time, else the profile's)."""
@@ -97,39 +99,74 @@ class Placement:
     # --- loads (event loop thread) ---------------------------------------------------------
 
     def ensure(self, model: str, lora: str | None = None) -> str | None:
-        """Start loading `model` (or its LoRA adapter `lora`, once the model is resident:
-        until then, the model) unless it is resident or loading: None, or why it cannot
-        load (a recent failure, or it does not fit); the caller answers its requests."""
+        """Have `model` (or its LoRA adapter `lora`, once the model is resident: until
+        then, the model) loaded: None, or why it cannot be (it failed to load moments
+        ago, or it could not fit even with every unpinned model evicted); the caller
+        answers its requests then. Otherwise its load is queued and starts when the
+        loader is free and it fits (`_start_next`)."""
         if lora is not None and not self.pool.resident(model):
             lora = None  # the model first; the dispatcher asks again once it is resident
         key = model if lora is None else lora_key(model, lora)
-        if self.pool.resident(key) or self.pool.loading(key):
+        if self.pool.resident(key) or self.pool.loading(key) or (model, lora) in self.queued:
             return None
-        failure = self.failures.get(key)
-        if failure is not None and time.monotonic() - failure[0] < FAILURE_MEMORY_S:
-            return failure[1]
         now = time.monotonic()
-        try:
-            evicted = self.pool.admit(key, self.runtime.estimate_bytes(model, lora), now,
-                                      self.in_use(), base=None if lora is None else model)
-        except DoesNotFit as exc:
-            why = f"{key} does not fit this worker's device memory: {exc}"
+        failure = self.failures.get(key)
+        if failure is not None and now - failure[0] < FAILURE_MEMORY_S:
+            return failure[1]
+        estimate = self.runtime.estimate_bytes(model, lora)
+        room = self.pool.budget - sum(s.bytes for s in self.pool.slots.values() if s.pinned)
+        if estimate > room:
+            why = (f"{key} does not fit this worker's device memory: it needs about "
+                   f"{estimate / 2**20:.1f} MiB and the budget leaves {room / 2**20:.1f} MiB "
+                   "beside the pinned models (SHOAL_DEVICE_MEMORY_BYTES, SHOAL_PIN)")
             metrics.LOADS.labels(model, "does_not_fit").inc()
             self.failures[key] = (now, why)
             return why
-        for gone in evicted:
-            metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0]).inc()
-            log.info("evicting %s to make room for %s", gone, key)
-            if LORA_SEPARATOR not in gone:
-                self.on_state(gone, COLD)
-        self._gauges()
-        self.started[key] = now
-        log.info("loading %s", key)
+        self.queued.append((model, lora))
         if lora is None:
             self.on_state(model, LOADING)
-        future = self.executor.submit(self._load, model, lora, evicted)
-        future.add_done_callback(lambda f: self.call_soon(self._loaded, model, lora, f))
+        self._start_next()
         return None
+
+    def kick(self) -> None:
+        """Something was freed (a batch ended, requests were answered): a queued load
+        that did not fit may fit now."""
+        if self.queued and self.current is None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        """Start the first queued load that fits now, evicting for it at this moment (not
+        when it was queued: what is in use changes meanwhile). One load at a time: loads
+        share the device's bandwidth, and the pool can only promise room for what runs."""
+        if self.current is not None:
+            return
+        now = time.monotonic()
+        in_use = self.in_use()
+        for i, (model, lora) in enumerate(self.queued):
+            if lora is not None and not self.pool.resident(model):
+                continue  # its model was evicted meanwhile; asked again once it is back
+            key = model if lora is None else lora_key(model, lora)
+            try:
+                evicted = self.pool.admit(key, self.runtime.estimate_bytes(model, lora), now,
+                                          in_use, base=None if lora is None else model)
+            except DoesNotFit:
+                continue  # not now: what is in use or loading must end first
+            del self.queued[i]
+            self.current = (model, lora)
+            self.started[key] = now
+            for gone in evicted:
+                metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0]).inc()
+                log.info("evicting %s to make room for %s", gone, key)
+            log.info("loading %s", key)
+            future = self.executor.submit(self._load, model, lora, evicted)
+            future.add_done_callback(
+                lambda f, m=model, lo=lora: self.call_soon(self._loaded, m, lo, f))
+            self._gauges()
+            # Told last: a callback may come back here (a consumer restarting delivers).
+            for gone in evicted:
+                if LORA_SEPARATOR not in gone:
+                    self.on_state(gone, COLD)
+            return
 
     def unload(self, model: str) -> str | None:
         """Drop a model now (operators' `shoal_unload`): None, or why not."""
@@ -152,6 +189,8 @@ class Placement:
             if gone_lora and base in evicted:
                 continue  # goes with its model
             self.runtime.unload(base, gone_lora or None)
+        # Measured from here: a load's own time. Its wait in the queue shows in the
+        # requests' X-Queue-Time-Ms and shoal_model_load_wait_seconds.
         started = time.perf_counter()
         measured = self.runtime.load(model, lora)
         return measured, time.perf_counter() - started
@@ -160,6 +199,14 @@ class Placement:
         now = time.monotonic()
         key = model if lora is None else lora_key(model, lora)
         self.started.pop(key, None)
+        self.current = None
+        try:
+            self._finish_load(model, lora, key, future, now)
+        finally:
+            self._start_next()
+
+    def _finish_load(self, model: str, lora: str | None, key: str, future: Future,
+                     now: float) -> None:
         try:
             measured, seconds = future.result()
         except Exception as exc:
