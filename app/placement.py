@@ -11,9 +11,12 @@ tells the dispatcher (the lane may run, the consumer's priority rises) or `on_fa
 has every request held for it answered MODEL_UNAVAILABLE with the reason. A LoRA
 adapter is loaded the same way once its model is resident (`on_lora` reports the
 end), counts against the same budget and is evicted LRU too (with its model, or
-alone). A failure is
-remembered for `FAILURE_MEMORY_S`, and the requests that arrive meanwhile are answered
-at once instead of each trying the load again.
+alone). A failure is remembered for `FAILURE_MEMORY_S`, and the requests that arrive
+meanwhile are answered at once instead of each trying the load again.
+
+Loads queue and run one at a time; each evicts what it needs when it starts. A load
+that does not fit yet (what is in use or loading must end first) waits; one whose
+requests are all gone by its turn (answered at their deadlines) is dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Placement:
         self.started: dict[str, float] = {}  # model -> when its load began
         self.queued: list[tuple[str, str | None]] = []  # loads waiting, first come first
         self.current: tuple[str, str | None] | None = None  # the load running
+        self.asked: set[str] = set()  # queued by an operator (shoal_load), not by requests
+        self._starting = False
         self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
@@ -98,12 +103,13 @@ class Placement:
 
     # --- loads (event loop thread) ---------------------------------------------------------
 
-    def ensure(self, model: str, lora: str | None = None) -> str | None:
+    def ensure(self, model: str, lora: str | None = None, asked: bool = False) -> str | None:
         """Have `model` (or its LoRA adapter `lora`, once the model is resident: until
         then, the model) loaded: None, or why it cannot be (it failed to load moments
         ago, or it could not fit even with every unpinned model evicted); the caller
         answers its requests then. Otherwise its load is queued and starts when the
-        loader is free and it fits (`_start_next`)."""
+        loader is free and it fits (`_start_next`). `asked`: by an operator, so it loads
+        even with no request waiting."""
         if lora is not None and not self.pool.resident(model):
             lora = None  # the model first; the dispatcher asks again once it is resident
         key = model if lora is None else lora_key(model, lora)
@@ -123,6 +129,8 @@ class Placement:
             self.failures[key] = (now, why)
             return why
         self.queued.append((model, lora))
+        if asked:
+            self.asked.add(key)
         if lora is None:
             self.on_state(model, LOADING)
         self._start_next()
@@ -138,10 +146,23 @@ class Placement:
         """Start the first queued load that fits now, evicting for it at this moment (not
         when it was queued: what is in use changes meanwhile). One load at a time: loads
         share the device's bandwidth, and the pool can only promise room for what runs."""
-        if self.current is not None:
-            return
+        if self.current is not None or self._starting:
+            return  # (re-entered from a callback below: the outer call goes on)
+        self._starting = True
+        try:
+            self._start_first_that_fits()
+        finally:
+            self._starting = False
+
+    def _start_first_that_fits(self) -> None:
         now = time.monotonic()
         in_use = self.in_use()
+        for gone in [(m, lo) for m, lo in self.queued
+                     if (m if lo is None else lora_key(m, lo)) not in in_use | self.asked]:
+            self.queued.remove(gone)  # nobody waits for it any more
+            if gone[1] is None:
+                self.on_state(gone[0], COLD)
+        in_use = self.in_use()  # those callbacks may have taken new requests in
         for i, (model, lora) in enumerate(self.queued):
             if lora is not None and not self.pool.resident(model):
                 continue  # its model was evicted meanwhile; asked again once it is back
@@ -152,6 +173,7 @@ class Placement:
             except DoesNotFit:
                 continue  # not now: what is in use or loading must end first
             del self.queued[i]
+            self.asked.discard(key)
             self.current = (model, lora)
             self.started[key] = now
             for gone in evicted:

@@ -286,7 +286,7 @@ def shoal_load(state: Any, model: str) -> dict[str, Any]:
         return {"error": "not consuming yet"}
     if model not in step.dispatcher.scheduler.lanes:
         return {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
-    why = step.dispatcher.placement.ensure(model)
+    why = step.dispatcher.placement.ensure(model, asked=True)
     if why is not None:
         return {"error": why}
     return {"ok": f"{model} is {step.dispatcher.placement.state(model)}"}

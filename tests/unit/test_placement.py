@@ -59,6 +59,7 @@ class Loop:
 
 def _placement(runtime: MemoryRuntime, budget: int, in_use: set[str],
                pinned: set[str] = frozenset()) -> tuple[Placement, Loop, list, list]:
+    """`in_use`: what requests wait for or run on, as the dispatcher would say."""
     loop, states, failures = Loop(), [], []
     placement = Placement(runtime, Pool(budget), list(runtime.sizes), set(pinned),
                           loop.call_soon, lambda: set(in_use),
@@ -70,7 +71,8 @@ def _placement(runtime: MemoryRuntime, budget: int, in_use: set[str],
 def test_queued_loads_evict_when_they_start_not_when_they_are_asked_for():
     runtime = MemoryRuntime({"a": 100 * MB, "b": 100 * MB, "c": 100 * MB, "d": 100 * MB},
                             resident={"a": 100 * MB, "b": 100 * MB})
-    placement, loop, states, failures = _placement(runtime, 250 * MB, in_use=set())
+    waiting = {"c", "d"}  # requests wait for c and d
+    placement, loop, states, failures = _placement(runtime, 250 * MB, in_use=waiting)
     placement.touch("b")  # a is the least recently used
     assert placement.ensure("c") is None and placement.ensure("d") is None
     # Only c's load runs; it evicted a alone, d waits without evicting anything yet.
@@ -90,7 +92,7 @@ def test_a_load_that_does_not_fit_yet_waits_and_one_that_never_fits_is_refused()
     runtime = MemoryRuntime({"pinned": 100 * MB, "busy": 100 * MB, "next": 100 * MB,
                              "huge": 200 * MB},
                             resident={"pinned": 100 * MB, "busy": 100 * MB})
-    in_use = {"busy"}
+    in_use = {"busy", "next"}
     placement, loop, _, failures = _placement(runtime, 250 * MB, in_use, pinned={"pinned"})
     # Bigger than the budget left beside the pinned model: refused at once, with why.
     why = placement.ensure("huge")
@@ -99,9 +101,26 @@ def test_a_load_that_does_not_fit_yet_waits_and_one_that_never_fits_is_refused()
     assert placement.ensure("next") is None
     assert placement.state("next") == LOADING and placement.state("busy") == RESIDENT
     assert runtime.calls == []
-    in_use.clear()  # the batch of `busy` ended
+    in_use.discard("busy")  # the batch of `busy` ended
     placement.kick()
     runtime.go.release()
     loop.run_one()
     assert placement.state("next") == RESIDENT and placement.state("busy") == COLD
     assert placement.state("pinned") == RESIDENT and not failures
+
+
+def test_a_queued_load_nobody_waits_for_any_more_is_dropped_unless_an_operator_asked():
+    runtime = MemoryRuntime({"a": 100 * MB, "b": 100 * MB, "c": 100 * MB})
+    waiting = {"a", "b", "c"}
+    placement, loop, states, _ = _placement(runtime, 1000 * MB, in_use=waiting)
+    placement.ensure("a")
+    placement.ensure("b")
+    placement.ensure("c", asked=True)
+    waiting.clear()  # b's and c's requests were answered at their deadlines
+    runtime.go.release()
+    loop.run_one()  # a loaded; b is dropped, c loads (an operator asked)
+    assert placement.state("b") == COLD and ("b", COLD) in states
+    runtime.go.release()
+    loop.run_one()
+    assert placement.state("c") == RESIDENT
+    assert [m for op, m in runtime.calls if op == "load"] == ["a", "c"]
