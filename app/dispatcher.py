@@ -357,7 +357,33 @@ class Dispatcher:
     def tick(self) -> None:
         self._tick_queued = False
         actions = self.scheduler.tick(time.monotonic())
+        parked_in = self._expire_parked() if self.parked else None
+        if parked_in is not None:
+            actions.wake_in = parked_in if actions.wake_in is None else min(actions.wake_in,
+                                                                           parked_in)
         self._apply(actions)
+
+    def _expire_parked(self) -> float | None:
+        """Answer the parked requests whose deadline passed (they wait for a LoRA outside
+        the scheduler); seconds until the next such deadline, or None."""
+        now = now_ms()
+        soonest: float | None = None
+        for key, waiting in list(self.parked.items()):
+            kept = []
+            for held, deliveries in waiting:
+                deadline = held.annotations.deadline_ms
+                if deadline is not None and deadline <= now:
+                    self._refuse(key[0], held, "the request's deadline passed while its LoRA "
+                                               "adapter was loading")
+                    continue
+                kept.append((held, deliveries))
+                if deadline is not None:
+                    soonest = deadline if soonest is None else min(soonest, deadline)
+            if kept:
+                self.parked[key] = kept
+            else:
+                del self.parked[key]
+        return None if soonest is None else max((soonest - now) / 1000, TIMER_SLACK_S)
 
     def _apply(self, actions: Actions) -> None:
         for model, pending in actions.expired:

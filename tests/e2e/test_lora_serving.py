@@ -17,7 +17,14 @@ import yaml
 from sentence_transformers import SentenceTransformer
 
 from tasks.pool_state import RESIDENT
-from tests.stack import http_status, private_stack, queue_counts, wait_for
+from tests.stack import (
+    free_port,
+    http_status,
+    metric_sum,
+    private_stack,
+    queue_counts,
+    wait_for,
+)
 from tests.tiny_lora import BERT_TARGETS, build_tiny_lora, save_merged
 from tests.tiny_models import build_tiny_sentence_transformer
 
@@ -99,3 +106,33 @@ def test_each_lora_answers_as_its_merged_model_and_they_share_batches(models, tm
         r = httpx.post(f"{private.url}/v1/encode/{BASE}",
                        json={"items": [{"text": "x"}], "options": {"lora": "nope"}})
         assert r.status_code == 404 and r.json()["error"]["code"] == "LORA_NOT_FOUND"
+
+
+def test_a_request_waiting_for_its_lora_is_answered_at_its_deadline(tmp_path):
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    adapter = tmp_path / "adapter"  # the sim runtime never reads it
+    adapter.mkdir()
+    (catalog / "base.yaml").write_text(yaml.safe_dump({
+        "id": BASE, "adapter": "dense", "dims": 32, "source": {"path": str(tmp_path)},
+        "loras": {"slow": {"path": str(adapter)}}}))
+    with private_stack(tmp_path, "lora-deadline", BASE) as private:
+        # A device 250x slower: the pinned base is in at start, a LoRA takes 5 s.
+        metrics_port = free_port()
+        env = {"SHOAL_QUEUE_PREFIX": private.prefix, "SHOAL_CATALOG_DIR": str(catalog),
+               "SHOAL_WORKER_METRICS_PORT": str(metrics_port), "SHOAL_RUNTIME": "sim",
+               "SHOAL_SIM_SPEED": "0.004"}
+        private.stack.worker(f"lora-deadline-{private.prefix}", [BASE], **env)
+        private.stack.gateway("lora-deadline-gateway", private.port, [BASE], **env)
+        wait_for(lambda: http_status(f"{private.url}/readyz") == 200, 30, "the gateway")
+        wait_for(lambda: queue_counts(private.queue)[1] >= 1, 60, "the worker",
+                 give_up=private.stack.exited)
+        r = httpx.post(f"{private.url}/v1/encode/{BASE}", timeout=30,
+                       json={"items": [{"text": "x"}], "options": {"lora": "slow"}},
+                       headers={"x-timeout-ms": "1000"})
+        assert r.status_code == 504, r.text
+        # The worker answered it too, at its deadline, not 5 s later when the load ends
+        # (the gateway's reply is its own timeout's: the two race).
+        wait_for(lambda: metric_sum(f"http://127.0.0.1:{metrics_port}/metrics",
+                                    "shoal_results_total") >= 1, 2.5,
+                 "the worker to answer the parked request")
