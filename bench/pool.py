@@ -767,6 +767,8 @@ def plot(path: Path, data: dict[str, Any]) -> Path:
             axis.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
             axis.yaxis.set_major_formatter(plain)
             axis.yaxis.set_minor_formatter(NullFormatter())
+        else:  # a share: from 0 (with no errors at all, matplotlib centres the axis on 0)
+            axis.set_ylim(0, max(5.0, axis.get_ylim()[1]))
         axis.set_ylabel(label)
         axis.grid(True, axis="y", alpha=0.3)
         axis.legend(fontsize="small")
