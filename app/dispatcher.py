@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -139,7 +140,11 @@ class Consuming:
 # Consumer priorities by the model's state here: the broker delivers to a lower one only
 # while every higher one has no free prefetch.
 PRIORITY = {RESIDENT: 10, LOADING: 5, COLD: 0}
-COLD_PREFETCH = 1  # a model not loaded here takes one message at a time
+# A model not loaded here takes one message at a time (the one that starts its load).
+# Once its load is queued or running, its consumer takes the model's traffic as a loaded
+# one would: else the broker hands the next request to a cold peer, which loads the same
+# model too (measured: most loads of bench.pool's fleet were such duplicates).
+COLD_PREFETCH = 1
 
 
 ReturnKey = tuple[str, str | None, bool]  # operation, reply_to, reply_batch
@@ -215,7 +220,7 @@ class Dispatcher:
                 warm_peers: Callable[[], int]) -> None:
         """Start consuming a model's queue with the prefetch and priority of its state."""
         state = self.placement.state(model)
-        prefetch = self.prefetch if state == RESIDENT else COLD_PREFETCH
+        prefetch = COLD_PREFETCH if state == COLD else self.prefetch
         self.consuming[model] = Consuming(consumer, queue, count_peers, warm_peers,
                                           priority=PRIORITY[state])
         self._reconsume(model, prefetch, PRIORITY[state], first=True)
@@ -291,6 +296,9 @@ class Dispatcher:
     def _admit(self, model: str, held: Held, deliveries: int) -> None:
         """Into the scheduler, once what it needs is loaded (loads start here)."""
         lora = held.annotations.lora
+        # Used recently = asked for recently: a popular model stays the most recent even
+        # while its requests wait (or were handed to a peer), and so is evicted last.
+        self.placement.touch(model)
         if lora is not None and not self.placement.lora_resident(model, lora):
             self.parked.setdefault((model, lora), []).append((held, deliveries))
             why = self.placement.ensure(model, lora)
@@ -346,11 +354,15 @@ class Dispatcher:
         return Split(parts)
 
     def _queue_tick(self) -> None:
-        # Let the loop finish reading the frames at hand first, so messages
-        # delivered together land in one batch.
+        # Let the loop finish reading the frames at hand first, so messages delivered
+        # together land in one batch. A timer due now, not `call_soon`: kombu's loop runs
+        # what `call_soon` adds from its own thread only after its next poll returns, so
+        # from a callback that itself came by `call_soon` (a load's end) the tick waited
+        # for the next frame or timer (0.03-1.2 s measured after loads, bench.coldstart);
+        # due timers fire before that poll.
         if not self._tick_queued:
             self._tick_queued = True
-            self.c.hub.call_soon(self.tick)
+            self.c.hub.call_later(0, self.tick)
 
     # --- applying the scheduler's decisions (loop thread) -------------------------------
 
@@ -430,7 +442,7 @@ class Dispatcher:
                 metrics.LOAD_WAIT.labels(model).observe(now - pending.received)
         consuming = self.consuming.get(model)
         if consuming is not None:
-            prefetch = self.prefetch if lane.ready else COLD_PREFETCH
+            prefetch = COLD_PREFETCH if state == COLD else self.prefetch
             self._reconsume(model, prefetch, PRIORITY[state])
         self.on_placement()
         self._queue_tick()
@@ -457,19 +469,22 @@ class Dispatcher:
         self.on_placement()
         self._queue_tick()
 
-    def _in_use(self) -> set[str]:
+    def _in_use(self) -> Counter[str]:
         """Models and LoRA adapters (`lora_key`) that requests held, parked or running
-        need: none of them may be evicted."""
-        used = self.scheduler.in_use()
+        need, with how many: none of them may be evicted, and the queued load with the
+        most requests waiting goes first."""
+        used: Counter[str] = Counter()
         running = self.scheduler.running
         pendings = [p for lane in self.scheduler.lanes.values() for p in lane.backlog]
         pendings += running.members if running is not None else []
         for pending in pendings:
             a = pending.handle.annotations
+            used[a.model] += 1
             if a.lora is not None:
-                used.add(lora_key(a.model, a.lora))
-        for model, lora in self.parked:
-            used.update((model, lora_key(model, lora)))
+                used[lora_key(a.model, a.lora)] += 1
+        for (model, lora), waiting in self.parked.items():
+            used[model] += len(waiting)
+            used[lora_key(model, lora)] += len(waiting)
         return used
 
     def _give_back(self, model: str, returned: list[Held]) -> None:

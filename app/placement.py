@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,7 +40,7 @@ DEFAULT_LOAD_S = 1.0
 
 class Placement:
     def __init__(self, runtime: Runtime, pool: Pool, models: list[str], pinned: set[str],
-                 call_soon: Callable[..., Any], in_use: Callable[[], set[str]],
+                 call_soon: Callable[..., Any], in_use: Callable[[], Mapping[str, int]],
                  on_state: Callable[[str, str], None],
                  on_failed: Callable[[str, str], None],
                  load_s: dict[str, float] | None = None,
@@ -50,7 +50,7 @@ class Placement:
         self.models = models  # all it may serve
         self.pinned = pinned
         self.call_soon = call_soon  # runs a callable on the event loop thread
-        self.in_use = in_use  # models with held or running work
+        self.in_use = in_use  # keys with held, parked or running work: how many requests
         self.on_state = on_state  # (model, RESIDENT | LOADING | COLD)
         self.on_failed = on_failed  # (model, why): answer what is held for it
         self.on_lora = on_lora or (lambda model, lora, why: None)  # why None: loaded
@@ -158,11 +158,15 @@ class Placement:
         now = time.monotonic()
         in_use = self.in_use()
         for gone in [(m, lo) for m, lo in self.queued
-                     if (m if lo is None else lora_key(m, lo)) not in in_use | self.asked]:
+                     if (m if lo is None else lora_key(m, lo)) not in set(in_use) | self.asked]:
             self.queued.remove(gone)  # nobody waits for it any more
             if gone[1] is None:
                 self.on_state(gone[0], COLD)
         in_use = self.in_use()  # those callbacks may have taken new requests in
+        # The load most requests wait for first (first come among equals): a popular
+        # model must not wait behind the loads of rare ones.
+        self.queued.sort(key=lambda q: -in_use.get(q[0] if q[1] is None else
+                                                   lora_key(q[0], q[1]), 0))
         for i, (model, lora) in enumerate(self.queued):
             if lora is not None and not self.pool.resident(model):
                 continue  # its model was evicted meanwhile; asked again once it is back

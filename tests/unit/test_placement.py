@@ -62,7 +62,7 @@ def _placement(runtime: MemoryRuntime, budget: int, in_use: set[str],
     """`in_use`: what requests wait for or run on, as the dispatcher would say."""
     loop, states, failures = Loop(), [], []
     placement = Placement(runtime, Pool(budget), list(runtime.sizes), set(pinned),
-                          loop.call_soon, lambda: set(in_use),
+                          loop.call_soon, lambda: dict.fromkeys(in_use, 1),
                           lambda m, s: states.append((m, s)),
                           lambda m, why: failures.append((m, why)))
     return placement, loop, states, failures
