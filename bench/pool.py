@@ -40,6 +40,12 @@ each worker's simulated busy time over the window (utilisation), and loads and
 evictions per minute from the workers' Prometheus counters
 (shoal_model_loads_total{outcome="ok"}, shoal_model_evictions_total), read at the
 window's start and end. Every line of output says SIMULATED.
+
+`--real` runs the same experiment on real workers (the pytorch runtime, one torch
+thread each) serving twelve tiny random BERT sentence encoders built at run time
+under the twelve ids (nothing downloaded): real loads, real footprints (the budget is
+`--slots` of the measured weight files), real batches. Lines then say REAL (tiny
+models) instead; on this 2-core machine use a lower `--rate`.
 """
 
 from __future__ import annotations
@@ -263,15 +269,37 @@ class Fleet:
     stack: Stack
 
 
+def write_real_catalog(directory: Path, models: Sequence[str],
+                       profile: dict[str, Any]) -> int:
+    """Entries for `models` served by tiny random sentence encoders built here (a seed
+    each); the bytes of one model's weight files."""
+    from runtimes.footprint import estimate_bytes
+    from tests.tiny_models import build_tiny_sentence_transformer
+
+    weights = directory / "weights"
+    weights.mkdir()
+    size = 0
+    for i, model in enumerate(models):
+        path = build_tiny_sentence_transformer(weights / f"m{i}", pooling="mean",
+                                               normalize=True, seed=i)
+        size = max(size, estimate_bytes(path))
+        entry = {"id": model, "adapter": "dense", "dims": 32, "source": {"path": str(path)},
+                 "profiles": {"cpu": dict(profile)}}
+        (directory / f"m{i}.yaml").write_text(yaml.safe_dump(entry, sort_keys=False),
+                                               encoding="utf-8")
+    return size
+
+
 @contextlib.contextmanager
 def fleet(deployment: Deployment, catalog_dir: Path, sim_speed: float,
-          log_root: Path) -> Iterator[Fleet]:
+          log_root: Path, real: bool = False) -> Iterator[Fleet]:
     """The deployment's workers on a fresh queue prefix, stopped (and its queues deleted)
     on exit; ready once every model queue has its consumers."""
     prefix = f"shoal-pool-{deployment.name}-{uuid.uuid4().hex[:6]}"
     log_dir = log_root / prefix
     log_dir.mkdir(parents=True)
-    env = {**os.environ, "SHOAL_QUEUE_PREFIX": prefix, "SHOAL_RUNTIME": "sim",
+    env = {**os.environ, "SHOAL_QUEUE_PREFIX": prefix,
+           "SHOAL_RUNTIME": "pytorch" if real else "sim", "SHOAL_TORCH_THREADS": "1",
            "SHOAL_CATALOG_DIR": str(catalog_dir), "SHOAL_SIM_SPEED": f"{sim_speed:g}"}
     for name in [k for k in env if k.startswith("SHOAL_SIM_COST_")]:
         del env[name]  # the catalog's profile decides
@@ -563,7 +591,7 @@ async def run_one(deployment: Deployment, plan: Plan, args: argparse.Namespace,
                   catalog_dir: Path, log_root: Path, models: Sequence[str],
                   weights: Sequence[float]) -> dict[str, Any]:
     started = time.perf_counter()
-    with fleet(deployment, catalog_dir, args.sim_speed, log_root) as f:
+    with fleet(deployment, catalog_dir, args.sim_speed, log_root, args.real) as f:
         client = Client(f.prefix, models, catalog_dir)
         await client.start()
         try:
@@ -587,7 +615,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weights = zipf_weights(len(models), args.zipf_s)
     halves = split_models(weights, args.partition)
     footprint = int(args.footprint_mib * MIB)
-    plans = deployments(models, halves, footprint, args.slots, args.partition_slots)
     profile = {"max_tokens": 4096, "max_items": 64, "cost_a_ms": args.cost_a_ms,
                "cost_b_us": args.cost_b_us, "cost_c_ns": 0.0, "load_ms": args.load_ms,
                "footprint_bytes": footprint,
@@ -595,12 +622,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     catalog_dir = Path(tempfile.mkdtemp(prefix="shoal-pool-catalog-"))
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="shoal-pool-logs-"))
     log_root.mkdir(parents=True, exist_ok=True)
-    write_catalog(catalog_dir, models, profile)
+    if args.real:
+        real_profile = {k: v for k, v in profile.items() if k != "footprint_bytes"}
+        real_profile["measured"] = "bench.pool --real: seed constants, refined online"
+        footprint = write_real_catalog(catalog_dir, models, real_profile)
+        profile["footprint_bytes"] = footprint  # measured weight files, for the report
+    else:
+        write_catalog(catalog_dir, models, profile)
+    plans = deployments(models, halves, footprint, args.slots, args.partition_slots)
+    kind = "REAL (tiny models)" if args.real else "SIMULATED"
     order = schedule(args.rounds, args.deployments)
     rows: list[dict[str, Any]] = []
     began = time.perf_counter()
     try:
-        with tqdm(total=len(order), unit="run", desc="bench.pool [SIMULATED]",
+        with tqdm(total=len(order), unit="run", desc=f"bench.pool [{kind}]",
                   file=sys.stderr) as bar:
             for r, name in order:
                 seed = args.seed + r
@@ -615,12 +650,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"tail {_ms(row['tail']['p99_ms'])} ms, errors {row['errors']}, "
                           f"loads {row['loads_per_min']:.0f}/min, evictions "
                           f"{row['evictions_per_min']:.0f}/min, utilisation "
-                          f"{row['utilisation_mean']:.0%} [SIMULATED]")
+                          f"{row['utilisation_mean']:.0%} [{kind}]")
                 bar.update()
     finally:
         shutil.rmtree(catalog_dir, ignore_errors=True)
     return {
-        "experiment": "pool", "simulated": True, "models": models,
+        "experiment": "pool", "simulated": not args.real, "models": models,
         "weights": weights, "tier_shares": tier_shares(weights),
         "halves": [[models[i] for i in h] for h in halves],
         "halves_share": [sum(weights[i] for i in h) for h in halves],
@@ -690,9 +725,11 @@ def table(data: dict[str, Any]) -> str:
     head = ("| deployment | req/s | errors | " + " | ".join(
         f"{t} p50 / p99 ms (errors)" for t, _, _ in TIERS)
         + " | loads/min | evictions/min | device util |")
+    kind, workers = (("SIMULATED", "sim") if data.get("simulated", True)
+                     else ("REAL (tiny models; batch and load constants are seeds)", "real"))
     lines = [
-        f"SIMULATED: {len(data['models'])} models, Zipf popularity (tiers: " + ", ".join(
-            f"{t} {shares[t]:.0%}" for t, _, _ in TIERS) + f"), {WORKERS} sim workers, "
+        f"{kind}: {len(data['models'])} models, Zipf popularity (tiers: " + ", ".join(
+            f"{t} {shares[t]:.0%}" for t, _, _ in TIERS) + f"), {WORKERS} {workers} workers, "
         f"{data['rate']:g} req/s Poisson; batch {p['cost_a_ms']:g} ms + "
         f"{p['cost_b_us']:g} us/token, load {p['load_ms']:g} ms, footprint "
         f"{p['footprint_bytes'] / MIB:g} MiB, sim speed x{data['sim_speed']:g}; split "
@@ -784,7 +821,8 @@ def plot(path: Path, data: dict[str, Any]) -> Path:
     p = data["profile"]
     rounds = max(m["rounds"] for m in data["medians"].values())
     load_ms = p["load_ms"] / data["sim_speed"]
-    fig.suptitle(f"SIMULATED: {len(data['models'])} models (Zipf {data['zipf_s']:g}), 2 workers, "
+    kind = "SIMULATED" if data.get("simulated", True) else "REAL (tiny models)"
+    fig.suptitle(f"{kind}: {len(data['models'])} models (Zipf {data['zipf_s']:g}), 2 workers, "
                  f"budget {data['slots']} models, {data['rate']:g} req/s, load {load_ms:g} ms\n"
                  f"(bench.pool; bars: medians of {rounds} rounds, dots: each round)",
                  color="tab:red")
@@ -837,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sim: us per padded token")
     parser.add_argument("--sim-speed", type=float, default=1.0,
                         help="SHOAL_SIM_SPEED: divides batch and load times")
+    parser.add_argument("--real", action="store_true",
+                        help="real workers and tiny real models instead of the sim")
     parser.add_argument("--log-dir", type=Path,
                         help="keep the workers' logs here (default: a temporary folder)")
     parser.add_argument("--json", type=Path)

@@ -186,8 +186,12 @@ def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
     }, False
 
 
-def control(host: ModelHost, catalog: Catalog, frame: Any) -> dict[str, Any]:
-    """The reply to one control frame (a load or an unload)."""
+def control(host: ModelHost, catalog: Catalog, frame: Any,
+            imported: threading.Event | None = None) -> dict[str, Any]:
+    """The reply to one control frame (a load or an unload). A load first waits for
+    `imported` (the background imports): transformers' lazy module is not safe to import
+    from two threads at once (a racing load failed with "cannot import name
+    'AutoModel'")."""
     if not isinstance(frame, dict):
         return {"error": f"expected a map, got {type(frame).__name__}"}
     op, model, lora = frame.get("op"), frame.get("model"), frame.get("lora")
@@ -206,6 +210,8 @@ def control(host: ModelHost, catalog: Catalog, frame: Any) -> dict[str, Any]:
     if entry is None:
         return {"failed": f"{model} is not in the runtime's catalog"}
     started = time.perf_counter()
+    if imported is not None:
+        imported.wait()
     try:
         measured = host.load_one(entry) if lora is None else host.load_lora(model, lora)
     except Exception as exc:  # bad weights, missing files, out of memory: not our death
@@ -215,7 +221,8 @@ def control(host: ModelHost, catalog: Catalog, frame: Any) -> dict[str, Any]:
     return {"loaded": model, "bytes": measured, "seconds": time.perf_counter() - started}
 
 
-def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog) -> None:
+def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog,
+                  imported: threading.Event | None = None) -> None:
     """Answer control frames until the worker hangs up (on a thread of its own)."""
     while True:
         try:
@@ -226,7 +233,7 @@ def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog) -> Non
             log.error("control connection: %s", exc)
             return
         try:
-            conn.sendall(encode_frame(control(host, catalog, frame)))
+            conn.sendall(encode_frame(control(host, catalog, frame, imported)))
         except OSError:
             return
 
@@ -275,18 +282,30 @@ def main(argv: list[str] | None = None) -> int:
         model, _, lora = key.rpartition(":")
         host.load_lora(model, lora)
     conn, control_conn = _accept(args.socket, 2)
-    threading.Thread(target=serve_control, args=(control_conn, host, catalog),
+    imported = threading.Event()
+    threading.Thread(target=serve_control, args=(control_conn, host, catalog, imported),
                      name="runtime-control", daemon=True).start()
     conn.sendall(encode_frame({"ready": os.getpid(), "models": dict(host.footprints),
                                "device_bytes": host.device_total_bytes()}))
     log.info("serving %s", ", ".join(args.models) or "no model yet")
-    if not args.models:
+    if args.models:
+        imported.set()  # loading them imported everything
+    else:
         # Nothing pinned: the first load would also pay transformers' imports (~3 s of
         # the ~6 s measured by bench.coldstart, against 0.2 s for the load itself).
         # Made now, beside serving, they are done before most first requests come.
-        threading.Thread(target=importlib.import_module, args=("runtimes.pytorch.loading",),
+        threading.Thread(target=_import_then_set, args=("runtimes.pytorch.loading", imported),
                          name="warm-imports", daemon=True).start()
     return serve(conn, host)
+
+
+def _import_then_set(module: str, done: threading.Event) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception:  # the load that needs it will say what is wrong
+        log.exception("importing %s in the background failed", module)
+    finally:
+        done.set()
 
 
 if __name__ == "__main__":

@@ -130,6 +130,15 @@ def test_a_child_that_replaces_a_dead_one_reloads_what_was_resident(runtime):
     assert runtime.pid != old and set(runtime.resident) >= {TINY, OTHER}
 
 
+def test_a_runtime_with_nothing_pinned_loads_its_first_model_at_once(catalog_dir):
+    # It imports transformers in the background once ready; a load that came meanwhile
+    # used to race that import and fail ("cannot import name 'AutoModel'").
+    with ProcessRuntime(catalog_dir, [], threads=1, start_timeout=60, env=CHILD_ENV) as rt:
+        assert rt.resident == {}
+        assert rt.load(OTHER) > 0
+        assert _encode(rt, OTHER).ok
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_footprint_counts_the_allocator(catalog_dir):
     with ProcessRuntime(catalog_dir, [], device="cuda", start_timeout=120) as runtime:
