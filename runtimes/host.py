@@ -24,6 +24,7 @@ import torch
 from app.catalog import ModelEntry
 from runtimes.base import Outcome, Request, failed, prepare_each
 from runtimes.footprint import physical_memory_bytes, tensor_bytes
+from runtimes.pool import keys_of, lora_key
 from runtimes.pytorch.adapter import Adapter
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
@@ -81,7 +82,7 @@ class ModelHost:
     def unload(self, model_id: str) -> None:
         """Free a model and its LoRA adapters."""
         adapter = self._models.pop(model_id, None)
-        for key in [k for k in self.footprints if k == model_id or k.startswith(model_id + ":")]:
+        for key in keys_of(model_id, self.footprints):
             del self.footprints[key]
         if adapter is None:
             return
@@ -102,7 +103,7 @@ class ModelHost:
             source = adapter.entry.loras.get(lora)
             if source is None:
                 raise ValueError(f"{model_id} has no LoRA adapter {lora!r} in the catalog")
-            key = f"{model_id}:{lora}"
+            key = lora_key(model_id, lora)
             if lora in adapter.loaded_loras:
                 return self.footprints[key]
             started = time.perf_counter()
@@ -114,7 +115,7 @@ class ModelHost:
 
     def unload_lora(self, model_id: str, lora: str) -> None:
         adapter = self._models.get(model_id)
-        self.footprints.pop(f"{model_id}:{lora}", None)
+        self.footprints.pop(lora_key(model_id, lora), None)
         if adapter is None or lora not in adapter.loaded_loras:
             return
         adapter.unload_lora(lora)

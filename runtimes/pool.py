@@ -17,7 +17,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 LORA_SEPARATOR = ":"
@@ -25,6 +25,12 @@ LORA_SEPARATOR = ":"
 
 def lora_key(model: str, lora: str) -> str:
     return f"{model}{LORA_SEPARATOR}{lora}"
+
+
+def keys_of(model: str, keys: Iterable[str]) -> list[str]:
+    """Of `keys`, the model's own and those of its LoRA adapters: what unloading the
+    model frees."""
+    return [k for k in keys if k == model or k.startswith(model + LORA_SEPARATOR)]
 
 
 class DoesNotFit(Exception):

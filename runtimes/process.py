@@ -58,7 +58,7 @@ from typing import Any, Literal
 from app.catalog import load_catalog
 from runtimes.base import Outcome, Request
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
-from runtimes.pool import LORA_SEPARATOR, lora_key
+from runtimes.pool import LORA_SEPARATOR, keys_of, lora_key
 from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
@@ -315,8 +315,7 @@ class ProcessRuntime:
             if lora is not None:
                 self.resident.pop(lora_key(model, lora), None)
             else:
-                for key in [k for k in self.resident
-                            if k == model or k.startswith(model + LORA_SEPARATOR)]:
+                for key in keys_of(model, self.resident):
                     del self.resident[key]
         self._control({"op": "unload", "model": model, "lora": lora},
                       f"unloading {model if lora is None else lora_key(model, lora)}")

@@ -34,7 +34,7 @@ import numpy as np
 from app.catalog import BatchProfile, ModelEntry
 from batching.cost import BatchShape, CostModel
 from runtimes.base import Outcome, Request, failed, prepare_each
-from runtimes.pool import lora_key
+from runtimes.pool import keys_of, lora_key
 from runtimes.process import LoadFailed, RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
@@ -264,7 +264,7 @@ class SimRuntime:
         if lora is not None:
             self.resident.pop(lora_key(model_id, lora), None)
             return
-        for key in [k for k in self.resident if k == model_id or k.startswith(model_id + ":")]:
+        for key in keys_of(model_id, self.resident):
             del self.resident[key]
 
     def constants(self, model_id: str) -> SimConstants:
