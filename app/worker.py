@@ -278,29 +278,33 @@ def shoal_models(state: Any) -> dict[str, Any]:
     return step.dispatcher.placement.snapshot()
 
 
+def _placement_serving(state: Any, model: str) -> tuple[Any, dict[str, str] | None]:
+    """This worker's placement and None, or None and the reply that says why not."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return None, {"error": "not consuming yet"}
+    if model not in step.dispatcher.scheduler.lanes:
+        return None, {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
+    return step.dispatcher.placement, None
+
+
 @control.control_command(args=[("model", str)], signature="<model id>")
 def shoal_load(state: Any, model: str) -> dict[str, Any]:
     """Start loading a model here (warm it before traffic comes)."""
-    step = _step(state)
-    if step is None or step.dispatcher is None:
-        return {"error": "not consuming yet"}
-    if model not in step.dispatcher.scheduler.lanes:
-        return {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
-    why = step.dispatcher.placement.ensure(model, asked=True)
-    if why is not None:
-        return {"error": why}
-    return {"ok": f"{model} is {step.dispatcher.placement.state(model)}"}
+    placement, refused = _placement_serving(state, model)
+    if refused is not None:
+        return refused
+    why = placement.ensure(model, asked=True)
+    return {"error": why} if why is not None else {"ok": f"{model} is {placement.state(model)}"}
 
 
 @control.control_command(args=[("model", str)], signature="<model id>")
 def shoal_unload(state: Any, model: str) -> dict[str, Any]:
     """Drop a model here (not a pinned one, nor one with requests held or running)."""
-    step = _step(state)
-    if step is None or step.dispatcher is None:
-        return {"error": "not consuming yet"}
-    if model not in step.dispatcher.scheduler.lanes:
-        return {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
-    why = step.dispatcher.placement.unload(model)
+    placement, refused = _placement_serving(state, model)
+    if refused is not None:
+        return refused
+    why = placement.unload(model)
     return {"error": why} if why is not None else {"ok": f"{model} unloaded"}
 
 
