@@ -60,6 +60,7 @@ class Placement:
         self.queued: list[tuple[str, str | None]] = []  # loads waiting, first come first
         self.current: tuple[str, str | None] | None = None  # the load running
         self.asked: set[str] = set()  # queued by an operator (shoal_load), not by requests
+        self.estimates: dict[str, int] = {}  # key -> bytes the runtime estimated
         self._starting = False
         self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
         now = time.monotonic()
@@ -119,7 +120,7 @@ class Placement:
         failure = self.failures.get(key)
         if failure is not None and now - failure[0] < FAILURE_MEMORY_S:
             return failure[1]
-        estimate = self.runtime.estimate_bytes(model, lora)
+        estimate = self._estimate(model, lora)
         room = self.pool.budget - sum(s.bytes for s in self.pool.slots.values() if s.pinned)
         if estimate > room:
             why = (f"{key} does not fit this worker's device memory: it needs about "
@@ -135,6 +136,15 @@ class Placement:
             self.on_state(model, LOADING)
         self._start_next()
         return None
+
+    def _estimate(self, model: str, lora: str | None) -> int:
+        """The runtime's estimate, read once (it stats the weight files, and a queued load
+        is tried again after every batch), then what the model measured once loaded."""
+        key = model if lora is None else lora_key(model, lora)
+        estimate = self.estimates.get(key)
+        if estimate is None:
+            estimate = self.estimates[key] = self.runtime.estimate_bytes(model, lora)
+        return estimate
 
     def kick(self) -> None:
         """Something was freed (a batch ended, requests were answered): a queued load
@@ -172,7 +182,7 @@ class Placement:
                 continue  # its model was evicted meanwhile; asked again once it is back
             key = model if lora is None else lora_key(model, lora)
             try:
-                evicted = self.pool.admit(key, self.runtime.estimate_bytes(model, lora), now,
+                evicted = self.pool.admit(key, self._estimate(model, lora), now,
                                           in_use, base=None if lora is None else model)
             except DoesNotFit:
                 continue  # not now: what is in use or loading must end first
@@ -252,6 +262,7 @@ class Placement:
             self.executor.submit(self.runtime.unload, model, lora)
             return
         self.pool.loaded(key, measured, now)
+        self.estimates[key] = measured  # the next load of it, after an eviction, needs as much
         self.failures.pop(key, None)
         metrics.LOADS.labels(model, "ok").inc()
         log.info("loaded %s (%.1f MiB) in %.2fs; %.1f of %.1f MiB in use", key,
