@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services run test lint bench bench-peers clean
+.PHONY: install services run test lint bench bench-peers clean sglang
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ services:
 run: install services
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start
 
-test: install services
+test: install services sglang
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
@@ -57,5 +57,26 @@ $(PEERS_VENV)/.installed: bench/peers-constraints.txt
 bench-peers: install services $(PEERS_VENV)/.installed
 	$(BIN)/python -m bench.peers $(PEERS_ARGS)
 
+# The SGLang runtime (runtimes/sglang, docs/runtimes.md) runs SGLang's server from its own venv:
+# sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0, which clash with shoal's runtime.
+# No CPU build of sglang is published: torch + torchvision first, then sglang's non-CUDA
+# dependencies held by the known-good freeze, then sglang itself without dependencies.
+# On CPU, runtimes/sglang/cpu_kernel_stub stands in for sgl-kernel (import-only).
+# About 4 minutes and 7 GB on a clean machine; `make test` builds it (tests/sglang).
+SGLANG_VENV := .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_REQS := runtimes/sglang/requirements-cpu.txt runtimes/sglang/constraints-cpu.txt
+
+$(SGLANG_VENV)/.installed: $(SGLANG_REQS)
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_VENV)/bin/pip install -q -c runtimes/sglang/constraints-cpu.txt -r runtimes/sglang/requirements-cpu.txt
+	$(SGLANG_VENV)/bin/pip install -q --no-deps "$(SGLANG_SPEC)"
+	PYTHONPATH=runtimes/sglang/cpu_kernel_stub SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -c "import sglang, torch; print('.venv-sglang: sglang', sglang.__version__, 'torch', torch.__version__)"
+	touch $@
+
+sglang: $(SGLANG_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache
