@@ -3,17 +3,57 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 @dataclass(slots=True)
 class Request:
-    """One request of a batch: its id, operation and decoded task kwargs."""
+    """One request of a batch: its id, operation and decoded task kwargs.
+
+    `stream`: the caller follows its tokens as they are made (deltas go to the batch's
+    `on_deltas`). `deadline_ms`: epoch ms after which nobody wants the result (a runtime
+    that can abort a running request does so; None: no deadline)."""
 
     id: str
     op: str
     kwargs: dict[str, Any]
+    stream: bool = False
+    deadline_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New output of one item of a streamed generate request: `text` appended to its
+    completion, which now holds `tokens` tokens."""
+
+    id: str  # the request's
+    index: int  # the item's place in the request
+    text: str
+    tokens: int
+
+
+# Called with the deltas of one decode step (or one chunk a server streamed), from the
+# runtime's thread; it must not block.
+OnDeltas = Callable[[list[Delta]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What a continuously batching runtime holds for one model now, and its bounds."""
+
+    running: int  # requests being decoded
+    waiting: int  # requests accepted but not yet running
+    max_running: int  # the most it decodes at once
+    tokens: int = 0  # KV-cache tokens in use
+    max_tokens: int = 0  # the KV cache's size (0: unknown)
+
+    @property
+    def saturated(self) -> bool:
+        """More work would only wait inside the runtime (where no peer can take it)."""
+        full_cache = self.max_tokens > 0 and self.tokens >= self.max_tokens
+        return self.waiting > 0 or self.running >= self.max_running or full_cache
 
 
 @dataclass(slots=True)
@@ -56,7 +96,21 @@ class Runtime(Protocol):
     resident: dict[str, int]
     device_bytes: int | None
 
-    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]: ...
+    def run_batch(self, model_id: str, requests: list[Request],
+                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+        """Run one batch; the deltas of its `stream` requests go to `on_deltas` as they are
+        made (a runtime that cannot stream sends none: the final result holds all)."""
+        ...
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """Stop generating for these requests (their callers left), from any thread: a
+        running one ends at its next token with what it has (finish_reason "cancelled")."""
+        ...
+
+    def continuous(self, model_id: str) -> bool:
+        """Whether the model's runtime batches continuously (`ContinuousRuntime.submit`
+        one request at a time) rather than running the worker's batches."""
+        ...
 
     def estimate_bytes(self, model_id: str, lora: str | None = None) -> int:
         """What the model (or its LoRA adapter `lora`) should take once loaded (made
@@ -74,6 +128,22 @@ class Runtime(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class ContinuousRuntime(Runtime, Protocol):
+    """A runtime that forms its own batches as requests arrive (SGLang): the worker hands
+    each request over at once while `load` says it has room, instead of batching."""
+
+    def submit(self, model_id: str, request: Request,
+               on_deltas: OnDeltas | None = None) -> Future[Outcome]:
+        """Start one request; its outcome when it ends (never raises: a failure is an
+        outcome). Thread-safe."""
+        ...
+
+    def load_of(self, model_id: str) -> Load: ...
+
+
+CANCELLED = "cancelled"  # the finish_reason of a generation its caller abandoned
 
 
 def failed(request_id: str, code: str, message: str) -> Outcome:

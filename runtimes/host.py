@@ -18,11 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from app.catalog import ModelEntry
-from runtimes.base import Outcome, Request, failed, prepare_each
+from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.pool import keys_of, lora_key
 from runtimes.pytorch.adapter import Adapter
@@ -54,6 +55,8 @@ class ModelHost:
         self._models: dict[str, Adapter] = {}
         self.footprints: dict[str, int] = {}  # measured device bytes, by model id
         self._loading = threading.Lock()  # one load at a time: their memory adds up
+        self._cancelled: set[str] = set()  # requests whose callers left (from any thread)
+        self._cancel_lock = threading.Lock()
 
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
@@ -138,20 +141,56 @@ class ModelHost:
     def adapter(self, model_id: str) -> Adapter | None:
         return self._models.get(model_id)
 
-    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
+    def cancel(self, request_ids: list[str]) -> None:
+        """Generations of these requests stop at their next step (from any thread)."""
+        with self._cancel_lock:
+            self._cancelled.update(request_ids)
+
+    def run_batch(self, model_id: str, requests: list[Request],
+                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
         adapter = self._models.get(model_id)
         if adapter is None:
             return [failed(r.id, ErrorCode.MODEL_NOT_FOUND,
                            f"this worker does not serve {model_id}") for r in requests]
+        try:
+            return self._run(adapter, model_id, requests, on_deltas)
+        finally:
+            with self._cancel_lock:
+                self._cancelled.difference_update(r.id for r in requests)
+
+    def _run(self, adapter: Adapter, model_id: str, requests: list[Request],
+             on_deltas: OnDeltas | None) -> list[Outcome]:
         outcomes, runnable = prepare_each(model_id, adapter.operation, requests,
                                           lambda r: adapter.prepare(r.kwargs))
         if runnable:
             started = time.perf_counter()
-            results = adapter.run([prepared for _, prepared in runnable])
+            prepared = [p for _, p in runnable]
+            stream = self._stream([r for r, _ in runnable], on_deltas) \
+                if getattr(adapter, "streams", False) and on_deltas is not None else None
+            results = adapter.run(prepared, stream) if stream is not None \
+                else adapter.run(prepared)
             stamp_batch(results, model_id, (r.kwargs for r, _ in runnable), started)
             for (request, _), result in zip(runnable, results, strict=True):
                 outcomes[request.id] = Outcome(request.id, result=result)
         return [outcomes[r.id] for r in requests]
+
+    def _stream(self, requests: list[Request], on_deltas: OnDeltas) -> Any:
+        """The adapter's `Stream` for a batch: deltas of its streamed requests go to
+        `on_deltas`, and each step learns which requests were cancelled meanwhile."""
+        from runtimes.pytorch.causal_lm import Stream
+
+        ids = [r.id for r in requests]
+
+        def send(deltas: list[tuple[int, int, str, int]]) -> set[int]:
+            if deltas:
+                on_deltas([Delta(ids[n], index, text, tokens)
+                           for n, index, text, tokens in deltas])
+            with self._cancel_lock:
+                if not self._cancelled:
+                    return set()
+                return {n for n, id_ in enumerate(ids) if id_ in self._cancelled}
+
+        return Stream(frozenset(n for n, r in enumerate(requests) if r.stream), send)
 
     def close(self) -> None:
         self._models.clear()

@@ -34,6 +34,11 @@ a timeout a hung model blocks the calling thread, and the caller's
 deadline is all that ends the wait. After a death the next child is
 spawned at once (without waiting for it), so it loads while the batch's
 replies go out.
+
+Streams: a batch with streamed requests sends their deltas as it goes (see
+`runtimes.server`). A request whose output has begun to go out is never run
+again after a failure (its caller would read the beginning twice): it is
+answered STREAM_INTERRUPTED, and only the rest of the batch is bisected.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.catalog import load_catalog
-from runtimes.base import Outcome, Request
+from runtimes.base import Delta, OnDeltas, Outcome, Request
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.pool import LORA_SEPARATOR, keys_of, lora_key
 from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
@@ -260,6 +265,9 @@ class ProcessRuntime:
         self._child: _Child | None = None
         self._spawned = 0
         self._works_after_failure = False  # in the current run_batch; see _blame
+        self._on_deltas: OnDeltas | None = None  # of the current run_batch
+        self._streamed: set[str] = set()  # its requests whose deltas went out
+        self._cancelled: set[str] = set()  # requests whose callers left
         try:
             self._ready_child()
         except BaseException:
@@ -279,11 +287,27 @@ class ProcessRuntime:
 
     # --- Runtime ----------------------------------------------------------------------
 
-    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
+    def run_batch(self, model_id: str, requests: list[Request],
+                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
         if not requests:
             return []
         self._works_after_failure = False
-        return self._run(model_id, requests, failed_before=False)
+        self._on_deltas = on_deltas if any(r.stream for r in requests) else None
+        self._streamed.clear()
+        try:
+            return self._run(model_id, requests, failed_before=False)
+        finally:
+            self._on_deltas = None
+            with self._lock:
+                self._cancelled.difference_update(r.id for r in requests)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """The next step of a running batch drops these requests' rows (any thread)."""
+        with self._lock:
+            self._cancelled.update(request_ids)
+
+    def continuous(self, model_id: str) -> bool:
+        return False
 
     def estimate_bytes(self, model: str, lora: str | None = None) -> int:
         """What `model` (or its LoRA adapter `lora`) should take once loaded, from its
@@ -353,6 +377,8 @@ class ProcessRuntime:
             if failed_before and any(o.ok for o in result):
                 self._works_after_failure = True
             return result
+        if self._streamed.intersection(r.id for r in requests):
+            return self._interrupted(model, requests, result)
         if len(requests) > 1:
             log.warning("batch of %d requests for %s failed (%s: %s); splitting it",
                         len(requests), model, result.kind, result.detail)
@@ -365,6 +391,26 @@ class ProcessRuntime:
                         requests[0].id, model, result.kind, result.detail)
             return self._run(model, requests, failed_before=True)
         return [self._blame(model, requests[0], result)]
+
+    def _interrupted(self, model: str, requests: list[Request], failure: _Failure
+                     ) -> list[Outcome]:
+        """A failed batch in which some requests had streamed: they end here, the rest
+        run again (bisected, as any failed batch)."""
+        outcomes: dict[str, Outcome] = {}
+        rest = []
+        for request in requests:
+            if request.id in self._streamed:
+                outcomes[request.id] = Outcome(
+                    request.id, error_code=str(ErrorCode.STREAM_INTERRUPTED),
+                    error_message=f"the model runtime failed ({failure.kind}: "
+                                  f"{failure.detail}) after part of this request's output "
+                                  "was streamed; that part stands, the rest will not come "
+                                  "(retry the request)")
+            else:
+                rest.append(request)
+        if rest:
+            outcomes.update((o.id, o) for o in self._run(model, rest, failed_before=True))
+        return [outcomes[r.id] for r in requests]
 
     def probe(self, model: str) -> str | None:
         """Run the model's probe: None when it was answered, else what went wrong."""
@@ -401,8 +447,9 @@ class ProcessRuntime:
     # --- one round trip ---------------------------------------------------------------
 
     def _call(self, model: str, requests: list[Request]) -> list[Outcome] | _Failure:
-        frame = {"op": "run", "model": model,
-                 "requests": [{"id": r.id, "op": r.op, "kwargs": r.kwargs} for r in requests]}
+        frame = {"op": "run", "model": model, "deltas": self._on_deltas is not None,
+                 "requests": [{"id": r.id, "op": r.op, "kwargs": r.kwargs, "stream": r.stream}
+                              for r in requests]}
         return self._exchange(frame, [r.id for r in requests])
 
     def _exchange(self, frame: dict[str, Any], ids: list[str]) -> list[Outcome] | _Failure:
@@ -417,6 +464,12 @@ class ProcessRuntime:
             child.sock.settimeout(self.batch_timeout)
             child.sock.sendall(payload)
             reply = recv_frame(child.sock)
+            while isinstance(reply, dict) and "deltas" in reply:
+                self._forward(reply["deltas"])
+                with self._lock:
+                    cancel = [i for i in ids if i in self._cancelled]
+                child.sock.sendall(encode_frame({"cancel": cancel}))
+                reply = recv_frame(child.sock)
         except TimeoutError:
             why = f"no answer within the {self.batch_timeout:g}s batch timeout"
             self._replace_dead(child, why)
@@ -432,6 +485,21 @@ class ProcessRuntime:
             return _Failure("exception", str(reply["failed"]))
         self._replace_dead(child, "protocol error")
         raise RuntimeError(f"unexpected reply from the model runtime: {reply!r:.300}")
+
+    def _forward(self, raw: Any) -> None:
+        """Hand a step's deltas to the batch's `on_deltas` (the batch timeout then applies
+        to each step, not to the whole stream)."""
+        try:
+            deltas = [Delta(str(d[0]), int(d[1]), str(d[2]), int(d[3])) for d in raw]
+        except (TypeError, ValueError, IndexError):
+            log.error("malformed deltas from the model runtime dropped: %r", raw)
+            return
+        self._streamed.update(d.id for d in deltas)
+        if self._on_deltas is not None:
+            try:
+                self._on_deltas(deltas)
+            except Exception:  # the worker's side of a stream must not fail the batch
+                log.exception("delivering %d deltas failed", len(deltas))
 
     def _outcomes(self, child: _Child, raw: Any, ids: list[str]) -> list[Outcome]:
         try:

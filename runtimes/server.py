@@ -13,9 +13,16 @@ models already loaded. Frames on the batch connection (`runtimes.protocol`):
 
     {"op": "ping"}                         -> {"pong": pid}
     {"op": "run", "model": str,
-     "requests": [{"id", "op", "kwargs"}]} -> {"outcomes": [{"id", "result", "error_code",
+     "requests": [{"id", "op", "kwargs",
+                   "stream": bool}],
+     "deltas": bool}                       -> {"outcomes": [{"id", "result", "error_code",
                                                              "error_message", "stats"}]}
                                             | {"failed": repr(exc), "fatal": bool}
+
+    With "deltas" true, the run is a conversation until its outcomes: after each decode
+    step the runtime sends {"deltas": [[id, index, text, tokens], ...]} and waits for
+    {"cancel": [id, ...]} (requests whose callers left since; their rows stop), so a
+    stream is paced by its reader and a cancel reaches the loop within one step.
     {"op": "probe", "model": str}          -> the same, for one request (id PROBE_ID): the
                                               adapter's own small known-good request
     anything else                          -> {"error": str}
@@ -49,11 +56,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.catalog import Catalog, load_catalog
-from runtimes.base import Request
+from runtimes.base import Delta, Request
 from runtimes.protocol import (
     PROBE_ID,
     ConnectionClosed,
@@ -149,7 +157,27 @@ def probe(host: ModelHost, model: str) -> list[Request]:
     return [Request(PROBE_ID, adapter.operation, adapter.probe())]
 
 
-def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
+class WorkerGone(Exception):
+    """The worker's end of a streamed batch closed: the batch is abandoned."""
+
+
+def _delta_sender(conn: socket.socket, host: ModelHost) -> Callable[[list[Delta]], None]:
+    def send(deltas: list[Delta]) -> None:
+        try:
+            conn.sendall(encode_frame({"deltas": [[d.id, d.index, d.text, d.tokens]
+                                                  for d in deltas]}))
+            reply = recv_frame(conn)
+        except (OSError, EOFError, ProtocolError) as exc:
+            raise WorkerGone(repr(exc)) from exc
+        cancel = reply.get("cancel") if isinstance(reply, dict) else None
+        if cancel:
+            host.cancel([str(c) for c in cancel])
+
+    return send
+
+
+def handle(host: ModelHost, frame: Any, conn: socket.socket | None = None
+           ) -> tuple[dict[str, Any], bool]:
     """The reply to one frame, and whether the process must exit after sending it."""
     if not isinstance(frame, dict):
         return {"error": f"expected a map, got {type(frame).__name__}"}, False
@@ -161,11 +189,15 @@ def handle(host: ModelHost, frame: Any) -> tuple[dict[str, Any], bool]:
     try:
         model = str(frame["model"])
         requests = (probe(host, model) if op == "probe" else
-                    [Request(str(r["id"]), str(r["op"]), r["kwargs"]) for r in frame["requests"]])
+                    [Request(str(r["id"]), str(r["op"]), r["kwargs"], bool(r.get("stream")))
+                     for r in frame["requests"]])
     except (KeyError, TypeError) as exc:
         return {"error": f"malformed {op} frame: {exc!r}"}, False
+    on_deltas = _delta_sender(conn, host) if conn is not None and frame.get("deltas") else None
     try:
-        outcomes = host.run_batch(model, requests)
+        outcomes = host.run_batch(model, requests, on_deltas)
+    except WorkerGone:
+        raise  # nobody is left to answer
     except Exception as exc:
         log.exception("batch of %d requests for %s failed", len(requests), model)
         fatal = _leaves_device_unusable(exc, host.device)
@@ -246,7 +278,11 @@ def serve(conn: socket.socket, host: ModelHost) -> int:
         except (ConnectionClosed, OSError):
             log.info("the worker closed the connection; exiting")
             return 0
-        reply, fatal = handle(host, frame)
+        try:
+            reply, fatal = handle(host, frame, conn)
+        except WorkerGone:
+            log.info("the worker closed the connection mid-stream; exiting")
+            return 0
         try:
             payload = encode_frame(reply)
         except Exception as exc:  # too large, or a result msgpack cannot pack

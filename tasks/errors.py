@@ -35,6 +35,11 @@ class ErrorCode(StrEnum):
     # This request, run alone, crashed the model runtime or made inference fail;
     # not retried (it would fail again), every other request of its batch was served.
     POISON_INPUT = "POISON_INPUT"
+    # The runtime or worker failed after part of a streamed output went out: that part
+    # stands, the rest will not come (a rerun would repeat it); retry the request.
+    STREAM_INTERRUPTED = "STREAM_INTERRUPTED"
+    # Its caller revoked it (a Celery revoke, or an HTTP client that left a stream).
+    CANCELLED = "CANCELLED"
 
 
 STATUS_OF_CODE: dict[str, int] = {
@@ -55,6 +60,9 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.BROKER_UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.STREAM_INTERRUPTED: 503,
+    # nginx's "client closed request": nobody is left to read it.
+    ErrorCode.CANCELLED: 499,
 }
 
 

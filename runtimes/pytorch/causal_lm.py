@@ -9,11 +9,11 @@ prompt alone. Each row samples with its own temperature, top_p and random
 generator, so a seeded request gives the same text whatever else shares its
 batch.
 
-Prompt tokens: a text prompt gets the tokenizer's BOS token when the
-tokenizer itself adds one (Llama, Mistral, Gemma) and nothing otherwise
-(GPT-2, Qwen); end tokens a tokenizer appends (BERT's [SEP]) are never added,
-as they would tell the model the text is over. Chat messages are rendered by
-the tokenizer's chat template, which writes its own special tokens.
+Prompt tokens (`runtimes.prompts`, shared with the SGLang runtime): a text prompt
+gets the tokenizer's BOS token when the tokenizer itself adds one (Llama, Mistral,
+Gemma) and nothing otherwise (GPT-2, Qwen); end tokens a tokenizer appends (BERT's
+[SEP]) are never added, as they would tell the model the text is over. Chat messages
+are rendered by the tokenizer's chat template, which writes its own special tokens.
 
 Only the request options steer decoding: the model's generation_config
 (sampling defaults, repetition penalty, ...) is not applied; its EOS ids are.
@@ -21,26 +21,36 @@ Only the request options steer decoding: the model's generation_config
 LoRA adapters: each row runs through its request's options.lora (or the base
 model) in every forward of the loop, prefill and decode steps alike, so rows
 of different LoRAs share the batch (`runtimes.pytorch.lora`).
+
+Streaming: after every decode step the rows of streamed requests send the text
+they gained (`Stream`); text that may still change is held back (an incomplete
+UTF-8 character, the start of a stop string), so the deltas always add up to
+the final text. The same call says which requests their callers abandoned:
+those rows leave the batch at once (finish_reason "cancelled"). A result's
+`latency` holds, per choice, its time to first token (from the batch's start)
+and its mean time between tokens (`{"ttft_ms", "itl_ms"}`).
 """
 
 from __future__ import annotations
 
 import inspect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from jinja2 import TemplateError
 from transformers import AutoModelForCausalLM
 
 from app.catalog import ModelEntry
+from runtimes.base import CANCELLED
+from runtimes.prompts import bos_id, check_prompt, prompt_ids
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model, pad_id
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import length_chunks, max_length, pad
-from tasks.errors import ErrorCode, ShoalError
-from tasks.schema import GenerateOptions, Item, ParsedRequest, invalid
+from tasks.schema import GenerateOptions, Item, ParsedRequest
 
 STOP = "stop"
 LENGTH = "length"
@@ -61,6 +71,7 @@ class Row:
     prompt: list[int]
     options: GenerateOptions
     index: int = 0
+    request: int = 0  # its request's place in the batch
 
 
 @dataclass(slots=True)
@@ -68,15 +79,33 @@ class Generated:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    sent: str = ""  # the text streamed so far
+    first_at: float | None = None  # perf_counter of its first token
+    last_at: float | None = None
 
 
-def too_long(index: int, prompt: int, max_tokens: int, context: int) -> ShoalError:
-    return ShoalError(
-        ErrorCode.INPUT_TOO_LONG,
-        f"items[{index}] has {prompt} prompt tokens and options.max_tokens is {max_tokens}: "
-        f"{prompt + max_tokens} tokens, over the model's context of {context}; shorten the "
-        "prompt or lower options.max_tokens",
-    )
+# (request's place in the batch, item index, text, completion tokens so far)
+RowDelta = tuple[int, int, str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Where a batch's deltas go: `requests` are the places (in the batch) of the requests
+    that stream; `send` takes one step's deltas and returns the places of the requests
+    whose callers left."""
+
+    requests: frozenset[int]
+    send: Callable[[list[RowDelta]], set[int]]
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of a growing text may still change: an incomplete
+    UTF-8 character (decoded as U+FFFD), or the beginning of a stop string."""
+    cut = len(text) - len(text.rstrip("\ufffd"))
+    text = text[:len(text) - cut]
+    partial = max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                   if text.endswith(stop[:n])), default=0)
+    return cut + partial
 
 
 def row_generator(seed: int | None, index: int) -> torch.Generator:
@@ -123,74 +152,60 @@ class CausalLMAdapter(Adapter):
 
     def _bos_id(self) -> int | None:
         """The BOS id when the tokenizer puts one before a text by itself, else None."""
-        bos = self.tokenizer.bos_token_id
-        if bos is None:
-            return None
-        with_special = self.tokenizer("a")["input_ids"]
-        plain = self.tokenizer("a", add_special_tokens=False)["input_ids"]
-        return bos if with_special[:1] == [bos] and plain[:1] != [bos] else None
+        return bos_id(self.tokenizer)
 
     def prompt_ids(self, item: Item, index: int) -> list[int]:
-        if item.messages is None:
-            ids = self.tokenizer(item.text or "", add_special_tokens=False)["input_ids"]
-            return ids if self.bos_id is None else [self.bos_id, *ids]
-        if not self.tokenizer.chat_template:
-            raise invalid(f"{self.entry.id} has no chat template; send a plain prompt to "
-                          "/v1/completions instead")
-        messages = [{"role": role, "content": content} for role, content in item.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
-        except TemplateError as exc:
-            raise invalid(f"items[{index}].messages: {self.entry.id}'s chat template refused "
-                          f"them: {exc}") from None
-        # The template wrote the special tokens it wants; adding them again doubles BOS.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Built by `runtimes.prompts`, as the SGLang runtime builds them."""
+        return prompt_ids(self.tokenizer, self.bos_id, item, index, self.entry.id)
 
     def check(self, parsed: ParsedRequest) -> Prepared:
         options: GenerateOptions = parsed.options
         prompts = []
         for i, item in enumerate(parsed.items):
             ids = self.prompt_ids(item, i)
-            if not ids:
-                raise invalid(f"items[{i}] is empty; send a prompt of at least one token")
-            if len(ids) + options.max_tokens > self.context:
-                raise too_long(i, len(ids), options.max_tokens, self.context)
+            check_prompt(ids, i, options.max_tokens, self.context)
             prompts.append(ids)
         return Prepared(prompts, options)
 
-    def run(self, prepared: list[Prepared]) -> list[dict[str, Any]]:
-        rows = [Row(ids, p.options, i) for p in prepared for i, ids in enumerate(p.prompts)]
-        generated = self.generate(rows)
+    streams = True
+
+    def run(self, prepared: list[Prepared], stream: Stream | None = None
+            ) -> list[dict[str, Any]]:
+        rows = [Row(ids, p.options, i, n) for n, p in enumerate(prepared)
+                for i, ids in enumerate(p.prompts)]
+        started = time.perf_counter()
+        generated = self.generate(rows, stream)
         results, offset = [], 0
         for p in prepared:
-            choices = []
+            choices, latency = [], []
             for i, ids in enumerate(p.prompts):
                 out = generated[offset + i]
                 choices.append({"index": i, "text": out.text, "finish_reason": out.finish_reason,
                                 "prompt_tokens": len(ids),
                                 "completion_tokens": len(out.token_ids)})
+                latency.append(_latencies(out, started))
             offset += len(p.prompts)
             prompt = sum(c["prompt_tokens"] for c in choices)
             completion = sum(c["completion_tokens"] for c in choices)
-            results.append({"choices": choices, "usage": {
+            results.append({"choices": choices, "latency": latency, "usage": {
                 "tokens": prompt + completion, "prompt_tokens": prompt,
                 "completion_tokens": completion,
             }})
         return results
 
-    def generate(self, rows: list[Row]) -> list[Generated]:
+    def generate(self, rows: list[Row], stream: Stream | None = None) -> list[Generated]:
         """The completion of each row, in order. Rows run together unless their padded
         prompt + completion tokens exceed `chunk_tokens`, which bounds the KV cache."""
         out: list[Generated] = [Generated() for _ in rows]
         lengths = [len(r.prompt) + r.options.max_tokens for r in rows]
         for chunk in length_chunks(lengths, self.chunk_tokens):
-            for i, generated in zip(chunk, self._decode([rows[i] for i in chunk]), strict=True):
+            decoded = self._decode([rows[i] for i in chunk], stream)
+            for i, generated in zip(chunk, decoded, strict=True):
                 out[i] = generated
         return out
 
     @torch.inference_mode()
-    def _decode(self, rows: list[Row]) -> list[Generated]:
+    def _decode(self, rows: list[Row], stream: Stream | None = None) -> list[Generated]:
         device = self.device
         states = [Generated() for _ in rows]
         generators = [row_generator(r.options.seed, r.index) if r.options.temperature > 0
@@ -212,6 +227,13 @@ class CausalLMAdapter(Adapter):
                                 [rows[i].options for i in active], [generators[i] for i in active])
             keep = [slot for slot, (i, token) in enumerate(zip(active, tokens, strict=True))
                     if not self._step(states[i], token, rows[i].options)]
+            now = time.perf_counter()
+            for i in active:
+                states[i].first_at = states[i].first_at or now
+                states[i].last_at = now
+            if stream is not None:
+                left = self._send(stream, rows, states, active)
+                keep = [slot for slot in keep if rows[active[slot]].request not in left]
             if not keep:
                 return states
             next_ids = torch.tensor(tokens, dtype=torch.long, device=device)
@@ -225,6 +247,39 @@ class CausalLMAdapter(Adapter):
             input_ids = next_ids[:, None]
             positions = (last + 1)[:, None]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+
+    def _send(self, stream: Stream, rows: list[Row], states: list[Generated],
+              active: list[int]) -> set[int]:
+        """Send this step's deltas; the requests whose callers left, their unfinished rows
+        ended as cancelled."""
+        deltas: list[RowDelta] = []
+        for i in active:
+            row, state = rows[i], states[i]
+            if row.request in stream.requests:
+                text = self._streamable(state, row.options)
+                if text:
+                    deltas.append((row.request, row.index, text, len(state.token_ids)))
+        left = stream.send(deltas)
+        for i in active:
+            state = states[i]
+            if rows[i].request in left and state.finish_reason is None:
+                state.text = self._decode_text(state.token_ids)
+                state.finish_reason = CANCELLED
+        return left
+
+    def _streamable(self, state: Generated, options: GenerateOptions) -> str:
+        """The text a row gained since its last delta (all of the rest once it finished)."""
+        if state.finish_reason is not None:
+            text = state.text
+        else:
+            text = self._decode_text(state.token_ids)
+            text = text[:len(text) - held_back(text, options.stop)]
+        if not text.startswith(state.sent):
+            # Decoding more tokens rewrote earlier text (rare with real tokenizers): wait
+            # for the final text, whose tail is sent if it still extends what went out.
+            return ""
+        delta, state.sent = text[len(state.sent):], text
+        return delta
 
     def _pick(self, logits: torch.Tensor, options: list[GenerateOptions],
               generators: list[torch.Generator | None]) -> list[int]:
@@ -274,3 +329,12 @@ class CausalLMAdapter(Adapter):
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _latencies(out: Generated, started: float) -> dict[str, float]:
+    """Time to first token (from the batch's start) and mean time between tokens, in ms."""
+    if out.first_at is None or out.last_at is None:
+        return {}
+    between = (out.last_at - out.first_at) / max(1, len(out.token_ids) - 1)
+    return {"ttft_ms": round((out.first_at - started) * 1000, 3),
+            "itl_ms": round(between * 1000, 3)}

@@ -33,7 +33,7 @@ import numpy as np
 
 from app.catalog import BatchProfile, ModelEntry
 from batching.cost import BatchShape, CostModel
-from runtimes.base import Outcome, Request, failed, prepare_each
+from runtimes.base import OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.pool import keys_of, lora_key
 from runtimes.process import LoadFailed, RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
@@ -274,7 +274,14 @@ class SimRuntime:
         """Seconds a batch of this shape sleeps: the device's a + b*T + c*T*L over speed."""
         return self._models[model_id].cost.predict(shape) / self.speed
 
-    def run_batch(self, model_id: str, requests: list[Request]) -> list[Outcome]:
+    def cancel(self, request_ids: list[str]) -> None:
+        """Nothing to stop: a simulated batch streams nothing and ends on its own."""
+
+    def continuous(self, model_id: str) -> bool:
+        return False
+
+    def run_batch(self, model_id: str, requests: list[Request],
+                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
         if self._closed:
             raise RuntimeClosed("the runtime is closed")
         model = self._models.get(model_id) if model_id in self.resident else None

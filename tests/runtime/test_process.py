@@ -289,7 +289,7 @@ class _RaisingHost:
     def __init__(self, device: str, error: Exception) -> None:
         self.device, self.error = device, error
 
-    def run_batch(self, model_id, requests):
+    def run_batch(self, model_id, requests, on_deltas=None):
         raise self.error
 
 
