@@ -47,6 +47,8 @@ class CatalogError(ValueError):
 # request: a catalog entry of any other adapter may not list `loras`. The runtime
 # classes say the same with `supports_lora` (the catalog imports no runtime code).
 LORA_ADAPTERS = frozenset({"dense", "causal-lm"})
+# The adapters an SGLang server can serve (`runtime: sglang`; `runtimes.sglang`).
+SGLANG_ADAPTERS = frozenset({"causal-lm", "dense"})
 # A LoRA adapter's name: no ':' (OpenAI-style callers name one "model:lora", split on the
 # last ':'), no spaces; it travels in a message header and in URLs as it is.
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -136,6 +138,9 @@ class ModelEntry(BaseModel):
     loras: dict[str, Source] = Field(
         default_factory=dict, description="LoRA adapters (peft format) by name; a request "
         "picks one with options.lora")
+    runtime: Literal["pytorch", "sglang"] = Field(
+        "pytorch", description="what serves the model: shoal's PyTorch runtime, or an SGLang "
+        "server (causal-lm and dense only; docs/runtimes.md)")
 
     @field_validator("adapter")
     @classmethod
@@ -171,6 +176,10 @@ class ModelEntry(BaseModel):
         if "lora" in self.defaults:
             raise ValueError("defaults: lora cannot be a default; a request names its LoRA "
                              "adapter in options.lora")
+        if self.runtime == "sglang" and self.adapter not in SGLANG_ADAPTERS:
+            raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on sglang; the "
+                             f"adapters that can: {sorted(SGLANG_ADAPTERS)} (or say runtime: "
+                             "pytorch)")
         if self.loras and self.adapter not in LORA_ADAPTERS:
             raise ValueError(f"loras: adapter {self.adapter!r} does not serve LoRA adapters; "
                              f"those that do: {sorted(LORA_ADAPTERS)}")

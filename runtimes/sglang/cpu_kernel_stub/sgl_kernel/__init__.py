@@ -1,4 +1,4 @@
-"""An import-only stand-in for SGLang's ``sgl_kernel``, for CPU runs without a GPU. Not a kernel library.
+"""An import-only stand-in for SGLang's ``sgl_kernel``, for CPU runs. Not a kernel library.
 
 What it is: SGLang 0.5.23 on its CPU path (``--device cpu --attention-backend torch_native
 --disable-overlap-schedule``) *imports* the eight names below from ``sgl_kernel`` (its
