@@ -1,0 +1,230 @@
+"""The SGLang runtime against real SGLang servers (no mocks) and transformers on the same weights.
+
+Crash tests run last: each costs a server restart (~30 s on this CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runtimes.base import CANCELLED, Delta, Outcome, Request
+from tasks.results import embedding_rows
+from tests.sglang.conftest import EMBED, LLAMA, POISON
+
+PROMPTS = ["the cat sat on the mat", "hello",
+           "a much longer prompt about the weather in paris and the rivers of france today"]
+
+
+def rid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def generate(runtime, items: list[dict[str, Any]], stream: bool = False,
+             on_deltas=None, deadline_ms: float | None = None, **options: Any) -> Request:
+    return Request(rid(), "generate", {"model": LLAMA, "items": items, "options": options},
+                   stream=stream, deadline_ms=deadline_ms)
+
+
+def run(runtime, request: Request, on_deltas=None, timeout: float = 120) -> Outcome:
+    return runtime.submit(LLAMA, request, on_deltas).result(timeout)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(llama_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True).eval()
+
+
+def greedy(model: Any, ids: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                         dtype=torch.long), do_sample=False, max_new_tokens=max_tokens)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_matches_transformers(runtime, tokenizer, reference) -> None:
+    outcome = run(runtime, generate(runtime, [{"text": p} for p in PROMPTS], max_tokens=16,
+                                    temperature=0))
+    assert outcome.ok, outcome
+    result = outcome.result
+    assert result["model"] == LLAMA and result["batch"]["requests"] == 1
+    for i, (prompt, choice) in enumerate(zip(PROMPTS, result["choices"], strict=True)):
+        # BOS because this tokenizer adds one itself; never the [SEP] it appends.
+        ids = [tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+        expected = greedy(reference, ids, 16)
+        assert choice["index"] == i
+        assert choice["prompt_tokens"] == len(ids)
+        assert choice["completion_tokens"] == len(expected)
+        assert choice["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert choice["finish_reason"] == ("stop" if expected[-1] == tokenizer.sep_token_id
+                                           else "length")
+        assert choice["ttft_ms"] > 0 and choice["itl_ms"] >= 0
+    usage = result["usage"]
+    assert usage["prompt_tokens"] == sum(c["prompt_tokens"] for c in result["choices"])
+    assert usage["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_chat_template_applied(runtime, tokenizer, reference) -> None:
+    messages = [{"role": "user", "content": "what is the capital of france"}]
+    outcome = run(runtime, generate(runtime, [{"messages": messages}], max_tokens=8,
+                                    temperature=0))
+    assert outcome.ok, outcome
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    (choice,) = outcome.result["choices"]
+    assert choice["prompt_tokens"] == len(ids)
+    assert choice["text"] == tokenizer.decode(greedy(reference, ids, 8), skip_special_tokens=True)
+
+
+def test_seeded_sampling_repeats(runtime) -> None:
+    def sample(seed: int) -> list[str]:
+        outcome = run(runtime, generate(runtime, [{"text": "hello"}, {"text": "hello"}],
+                                        max_tokens=12, temperature=1.0, seed=seed))
+        assert outcome.ok, outcome
+        return [c["text"] for c in outcome.result["choices"]]
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first == again
+    assert first != other
+    assert first[0] != first[1]  # items of one request draw differently
+
+
+def test_stop_strings_and_length(runtime) -> None:
+    plain = run(runtime, generate(runtime, [{"text": PROMPTS[0]}], max_tokens=12,
+                                  temperature=0))
+    (choice,) = plain.result["choices"]
+    assert choice["finish_reason"] == "length" and choice["completion_tokens"] == 12
+    words = choice["text"].split()
+    stop = words[len(words) // 2]
+    stopped = run(runtime, generate(runtime, [{"text": PROMPTS[0]}], max_tokens=12,
+                                    temperature=0, stop=[stop]))
+    (cut,) = stopped.result["choices"]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == choice["text"][:choice["text"].find(stop)]
+    assert cut["completion_tokens"] < 12
+
+
+def test_embeddings_match_pytorch_dense(runtime, llama_dir) -> None:
+    from runtimes.pytorch.dense import DenseEncoder
+
+    texts = ["the cat sat on the mat", "paris is in france", "hello"]
+    outcome = runtime.submit(EMBED, Request(rid(), "encode", {"model": EMBED, "items": [
+        {"text": t} for t in texts]})).result(60)
+    assert outcome.ok, outcome
+    assert outcome.result["dims"] == 64 and outcome.result["count"] == 3
+    got = np.asarray(embedding_rows(outcome.result))
+    encoder = DenseEncoder(str(llama_dir), pooling="lasttoken", normalize=True)
+    want = encoder.encode(texts)
+    cosine = (got * want).sum(axis=1) / (np.linalg.norm(got, axis=1)
+                                         * np.linalg.norm(want, axis=1))
+    assert cosine.min() >= 0.999, cosine
+
+
+def test_streamed_deltas_make_the_final_text(runtime) -> None:
+    deltas: list[Delta] = []
+    request = generate(runtime, [{"text": p} for p in PROMPTS[:2]], stream=True,
+                       max_tokens=20, temperature=0)
+    outcome = run(runtime, request, deltas.extend)
+    assert outcome.ok, outcome
+    for choice in outcome.result["choices"]:
+        mine = [d for d in deltas if d.index == choice["index"]]
+        assert len(mine) > 1 and all(d.id == request.id for d in mine)
+        assert "".join(d.text for d in mine) == choice["text"]
+        assert mine[-1].tokens == choice["completion_tokens"]
+
+
+def test_cancel_mid_stream_frees_the_slot(runtime) -> None:
+    first = threading.Event()
+    request = generate(runtime, [{"text": "hello"}], stream=True, max_tokens=240,
+                       temperature=0)
+
+    def on_deltas(deltas: list[Delta]) -> None:
+        if not first.is_set():
+            first.set()
+            runtime.cancel([request.id])
+
+    outcome = run(runtime, request, on_deltas)
+    assert first.is_set()
+    assert outcome.ok, outcome
+    (choice,) = outcome.result["choices"]
+    assert choice["finish_reason"] == CANCELLED
+    assert choice["completion_tokens"] < 240
+    wait_until(lambda: runtime.load_of(LLAMA).running == 0
+               and runtime.load_of(LLAMA).waiting == 0, 30, "SGLang to free the slot")
+
+
+def test_deadline_aborts(runtime) -> None:
+    request = generate(runtime, [{"text": "hello"}], max_tokens=240, temperature=0,
+                       deadline_ms=time.time() * 1000 + 150)
+    outcome = run(runtime, request)
+    assert outcome.error_code == "DEADLINE_EXCEEDED", outcome
+    wait_until(lambda: runtime.load_of(LLAMA).running == 0, 30, "SGLang to free the slot")
+
+
+def test_over_context_never_reaches_sglang(runtime) -> None:
+    sent = runtime.requests_sent
+    outcome = run(runtime, generate(runtime, [{"text": "word " * 300}], max_tokens=4))
+    assert outcome.error_code == "INPUT_TOO_LONG", outcome
+    fits_not = run(runtime, generate(runtime, [{"text": "hello"}], max_tokens=255))
+    assert fits_not.error_code == "INPUT_TOO_LONG", fits_not
+    assert runtime.requests_sent == sent
+
+
+def test_server_killed_mid_stream(runtime) -> None:
+    restarts = runtime.restarts
+    first = threading.Event()
+    quiet = runtime.submit(LLAMA, generate(runtime, [{"text": "hello"}], max_tokens=240,
+                                           temperature=0))
+    loud = runtime.submit(LLAMA, generate(runtime, [{"text": PROMPTS[0]}], stream=True,
+                                          max_tokens=240, temperature=0),
+                          lambda deltas: first.set())
+    assert first.wait(60)
+    os.kill(runtime.server_pids()[LLAMA], signal.SIGKILL)
+    died = loud.result(120)
+    assert died.error_code == "STREAM_INTERRUPTED"
+    assert "the SGLang server died mid-generation" in died.error_message
+    survived = quiet.result(240)
+    assert survived.ok, survived
+    assert survived.result["choices"][0]["completion_tokens"] > 0
+    assert runtime.restarts == restarts + 1
+    again = run(runtime, generate(runtime, [{"text": "hello"}], max_tokens=4, temperature=0))
+    assert again.ok, again
+
+
+def test_poison_prompt_is_isolated(runtime) -> None:
+    poisoned = runtime.poison_isolated
+    good = [runtime.submit(LLAMA, generate(runtime, [{"text": p}], max_tokens=30,
+                                           temperature=0)) for p in PROMPTS[:2]]
+    bad = runtime.submit(LLAMA, generate(runtime, [{"text": f"a {POISON} walks"}],
+                                         max_tokens=8, temperature=0))
+    outcome = bad.result(280)
+    assert outcome.error_code == "POISON_INPUT", outcome
+    for future in good:
+        served = future.result(60)
+        assert served.ok, served
+    assert runtime.poison_isolated == poisoned + 1
+    after = run(runtime, generate(runtime, [{"text": "hello"}], max_tokens=4, temperature=0))
+    assert after.ok, after
