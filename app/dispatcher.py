@@ -34,6 +34,14 @@ until its model and then its adapter are loaded. Requests for different LoRAs of
 one model, and for none, batch together: the runtime runs them in one forward
 pass (SHOAL_LORA_MIXED_BATCHES=false batches each LoRA apart, to compare).
 
+Streaming: a generate request whose kwargs say `stream: true` has its output
+published as it is made, as Celery PROGRESS states on its `reply_to` before its
+result (`app.replies.Replier.progress`). The runtime's thread queues each step's
+deltas and wakes the loop, which publishes them in order, and always before the
+batch's results. A request revoked by its caller (Celery's `revoke`, or
+`shoal_cancel`, which a gateway sends when an HTTP stream's client leaves) is
+answered CANCELLED if it has not started, and stops at its next token if it runs.
+
 A request too big for one batch of its model is split into budget-sized
 parts (`tasks.split`) that run one after another: the next part joins the
 backlog when the previous one ends, so requests that arrived meanwhile go
@@ -45,11 +53,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from celery.worker import state as worker_state
 
 from app import metrics
 from app.placement import Placement
@@ -59,7 +69,7 @@ from batching.hold import HoldLimits
 from batching.parts import items_per_part
 from batching.scheduler import Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
-from runtimes.base import Outcome, Request, Runtime
+from runtimes.base import CANCELLED, Delta, OnDeltas, Outcome, Request, Runtime
 from runtimes.pool import Pool, lora_key
 from tasks.envelope import (
     H_COALESCED,
@@ -204,6 +214,9 @@ class Dispatcher:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
         self.consuming: dict[str, Consuming] = {}
         self.future: Future | None = None  # of the running batch
+        # Deltas the runtime's thread made, for the loop to publish in order:
+        # (generation, the batch's requests by task id, one step's deltas).
+        self._deltas: deque[tuple[int, dict[str, Held], list[Delta]]] = deque()
         self._timer: Any = None
         self._timer_at = 0.0
         self._tick_queued = False
@@ -576,30 +589,95 @@ class Dispatcher:
         metrics.BATCH_ITEMS.labels(model).observe(batch.shape.items)
         metrics.BATCH_TOKENS.labels(model).observe(tokens)
         metrics.BATCH_FILL.labels(model).observe(min(1.0, tokens / limits.max_tokens))
-        future = self.executor.submit(self._run, model, [p.handle for p in batch.members])
-        self.future = future
         generation = self.generation
+        future = self.executor.submit(self._run, model, [p.handle for p in batch.members],
+                                      generation)
+        self.future = future
         future.add_done_callback(
             lambda f: self.c.hub.call_soon(self._on_batch_done, generation, f)
         )
 
     # --- the batch (runtime thread) ------------------------------------------------------
 
-    def _run(self, model: str, batch: list[Held]) -> tuple[list[Outcome], float]:
+    def _run(self, model: str, batch: list[Held], generation: int
+             ) -> tuple[list[Outcome], float]:
         started = time.perf_counter()
+        requests, outcomes = self._requests(batch)
+        on_deltas = self._delta_queuer(generation, batch) \
+            if any(r.stream for r in requests) else None
+        if requests:
+            outcomes.update((o.id, o) for o in self.runtime.run_batch(model, requests, on_deltas))
+        return [outcomes[held.task_id] for held in batch], time.perf_counter() - started
+
+    @staticmethod
+    def _requests(batch: list[Held]) -> tuple[list[Request], dict[str, Outcome]]:
+        """The runtime's requests of a batch (bodies decoded here, on the runtime's thread),
+        and the outcomes of those that cannot run: undecodable, or revoked meanwhile."""
         requests: list[Request] = []
-        undecodable: dict[str, Outcome] = {}
+        refused: dict[str, Outcome] = {}
         for held in batch:
+            if held.task_id in worker_state.revoked:
+                refused[held.task_id] = Outcome(
+                    held.task_id, error_code=ErrorCode.CANCELLED,
+                    error_message="the request was revoked by its caller before it ran")
+                continue
             try:
                 kwargs = decode_body(held.body)
             except ValueError as exc:
-                undecodable[held.task_id] = Outcome(
+                refused[held.task_id] = Outcome(
                     held.task_id, error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc))
                 continue
-            requests.append(Request(held.task_id, held.annotations.op, kwargs))
-        outcomes = {o.id: o for o in self.runtime.run_batch(model, requests)} if requests else {}
-        outcomes.update(undecodable)
-        return [outcomes[held.task_id] for held in batch], time.perf_counter() - started
+            requests.append(Request(held.task_id, held.annotations.op, kwargs,
+                                    stream=kwargs.get("stream") is True,
+                                    deadline_ms=held.annotations.deadline_ms))
+        return requests, refused
+
+    def _delta_queuer(self, generation: int, batch: list[Held]) -> OnDeltas:
+        """The batch's `on_deltas` (runtime thread): queue, and wake the loop to publish.
+        Through one queue, as the loop runs `call_soon` callbacks in no set order."""
+        by_id = {held.task_id: held for held in batch}
+
+        def queue(deltas: list[Delta]) -> None:
+            self._deltas.append((generation, by_id, deltas))
+            self.c.hub.call_soon(self._publish_deltas)
+
+        return queue
+
+    # --- streams (loop thread) -----------------------------------------------------------
+
+    def _publish_deltas(self) -> None:
+        """Publish the queued deltas as PROGRESS states, in the order they were made; a
+        request revoked meanwhile publishes no more and is cancelled in the runtime."""
+        updates: list[tuple[Delivery, str, dict[str, Any]]] = []
+        while self._deltas:
+            generation, by_id, deltas = self._deltas.popleft()
+            if generation != self.generation:
+                continue  # the connection was lost: these requests are redelivered
+            choices: dict[str, list[dict[str, Any]]] = {}
+            for delta in deltas:
+                choices.setdefault(delta.id, []).append(
+                    {"index": delta.index, "text": delta.text, "tokens": delta.tokens})
+            for task_id, made in choices.items():
+                if task_id in worker_state.revoked:
+                    self.runtime.cancel([task_id])
+                    continue
+                updates.append((by_id[task_id].delivery, task_id,
+                                {"choices": made, "worker": self.c.hostname}))
+                metrics.STREAM_DELTAS.labels(by_id[task_id].annotations.model).inc(len(made))
+        if updates:
+            self.replier.progress(updates)
+
+    def cancel(self, task_ids: list[str]) -> list[str]:
+        """Revoke requests (loop thread): one that has not started is answered CANCELLED
+        when its batch comes; one that runs stops at its next token. The ids that were
+        running here."""
+        worker_state.revoked.update(task_ids)
+        running = self.scheduler.running
+        here = {p.handle.task_id for p in running.members} if running is not None else set()
+        hit = [t for t in task_ids if t in here]
+        if hit:
+            self.runtime.cancel(hit)
+        return hit
 
     # --- completion (loop thread) --------------------------------------------------------
 
@@ -628,6 +706,7 @@ class Dispatcher:
         # Start the next batch before answering this one: the runtime computes
         # while the loop publishes results, instead of idling until they are out.
         self.tick()
+        self._publish_deltas()  # a stream's last deltas go before its result
         if generation == self.generation:
             self.replier.begin_batch()
             for h, outcome in zip(held, outcomes, strict=True):
@@ -664,6 +743,8 @@ class Dispatcher:
                                                 f"{outcome.error_message}")
         if not outcome.ok:
             metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
+            if outcome.error_code == ErrorCode.CANCELLED:
+                metrics.CANCELLED.labels(model).inc()
             self.replier.failure(held.delivery, held.task_id, outcome.error_code,
                                  outcome.error_message)
             return
@@ -673,6 +754,12 @@ class Dispatcher:
         stamp_delivery(result, round(max(0.0, held.started * 1000 - sent), 2) if sent else None,
                        self.c.hostname)
         metrics.RESULTS.labels(model, "ok").inc()
+        if any(c.get("finish_reason") == CANCELLED for c in result.get("choices") or ()):
+            metrics.CANCELLED.labels(model).inc()
+        for latency in result.get("latency") or ():
+            if "ttft_ms" in latency:
+                metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(latency["ttft_ms"] / 1000)
+                metrics.INTER_TOKEN.labels(model).observe(latency["itl_ms"] / 1000)
         self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)
 
     # --- lifecycle -----------------------------------------------------------------------

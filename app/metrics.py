@@ -46,6 +46,18 @@ EVICTIONS = Counter("shoal_model_evictions_total", "models evicted to make room"
 LOAD_WAIT = Histogram("shoal_model_load_wait_seconds", "how long requests waited for their "
                       "model to load", ["model"], buckets=_SECONDS)
 
+STREAM_DELTAS = Counter("shoal_stream_deltas_total", "streamed output chunks published",
+                        ["model"])
+TIME_TO_FIRST_TOKEN = Histogram("shoal_time_to_first_token_seconds", "generate: from a "
+                                "request's start in the runtime to its first token",
+                                ["model"], buckets=_SECONDS)
+INTER_TOKEN = Histogram("shoal_inter_token_seconds", "generate: mean time between a "
+                        "completion's tokens", ["model"], buckets=_SECONDS)
+CANCELLED = Counter("shoal_generations_cancelled_total", "generations stopped before their "
+                    "end because their caller left or revoked them", ["model"])
+IN_FLIGHT = Gauge("shoal_runtime_in_flight", "requests handed to a continuously batching "
+                  "runtime (SGLang) and not yet answered", ["model"])
+
 
 def start_metrics_server(host: str, port: int) -> None:
     """Serve /metrics on `port` (0 disables); a taken port only costs a warning."""

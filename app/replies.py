@@ -34,7 +34,7 @@ from tasks.errors import ErrorCode, ShoalError
 
 log = logging.getLogger(__name__)
 
-SUCCESS, FAILURE = "SUCCESS", "FAILURE"
+SUCCESS, FAILURE, PROGRESS = "SUCCESS", "FAILURE", "PROGRESS"
 EVENT_BUFFER_LIMIT = 1024  # task events per event message (Celery's default: 24)
 
 
@@ -135,6 +135,24 @@ class Replier:
                      rpc_result(task_id, FAILURE, ShoalError(code, text or "").as_celery_failure()))
         self.event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
                    traceback="")
+
+    def progress(self, updates: list[tuple[Delivery, str, dict[str, Any]]]) -> None:
+        """Publish PROGRESS states (a streamed request's new output) before its result: on
+        the channel its result will take, so they arrive first and in order. Updates for
+        one gateway's reply queue go out as one message; nothing is settled by them."""
+        bundles: dict[str, list[dict[str, Any]]] = {}
+        for delivery, task_id, meta in updates:
+            reply_to = delivery.reply_to
+            if not reply_to:
+                continue
+            payload = rpc_result(task_id, PROGRESS, meta)
+            if delivery.reply_batch:
+                bundles.setdefault(reply_to, []).append(payload)
+            else:
+                self._send(reply_to, task_id, msgpack.packb(payload, use_bin_type=True), [])
+        for reply_to, payloads in bundles.items():
+            body = msgpack.packb({"results": payloads}, use_bin_type=True)
+            self._send(reply_to, "", body, [], headers={H_MULTI: 1})
 
     def event(self, kind: str, task_id: str, **fields: Any) -> None:
         dispatcher = getattr(self.c, "event_dispatcher", None)

@@ -308,5 +308,15 @@ def shoal_unload(state: Any, model: str) -> dict[str, Any]:
     return {"error": why} if why is not None else {"ok": f"{model} unloaded"}
 
 
+@control.control_command(args=[("task_ids", list)], signature="<task id> [...]")
+def shoal_cancel(state: Any, task_ids: list[str]) -> dict[str, Any]:
+    """Revoke requests (a gateway sends it when a stream's client leaves): not started, they
+    are answered CANCELLED; running, their generation stops at its next token."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return {"error": "not consuming yet"}
+    return {"ok": step.dispatcher.cancel([str(t) for t in task_ids])}
+
+
 def install(app: Any) -> None:
     app.steps["consumer"].add(ModelQueueConsumer)

@@ -39,6 +39,12 @@ that a worker consumes. A worker that died stays "serving" until its pool
 state goes stale (STALE_AFTER_INTERVALS of its interval) or, if it sent
 none, for up to `CONSUMERS_TTL_S`; requests sent meanwhile wait for another
 worker or their deadline, as before.
+
+Streams: a streamed request's PROGRESS states (its output so far, see
+`app.replies.Replier.progress`) arrive on the reply queue before its result and
+go, with the result last, to the queue its caller reads (`stream`). A caller
+that leaves revokes the request (`cancel`: Celery's broadcast control message,
+`shoal_cancel`), so the worker stops generating for it.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ import socket
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aio_pika
+import orjson
 from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import DeliveryError, PublishError
 from pamqp.commands import Basic
@@ -83,6 +91,13 @@ COALESCE_MAX_BYTES = 1024 * 1024
 COALESCE_MAX_PART_BYTES = 64 * 1024
 # How long a queue's consumer count is trusted when no pool state lists the model.
 CONSUMERS_TTL_S = 1.0
+# Celery's broadcast control exchange (`app.control`, namespace "celery"); a cancel is
+# published there as `celery -A app control shoal_cancel` would.
+CONTROL_EXCHANGE = "celery.pidbox"
+CONTROL_EXPIRES_S = 10.0
+PROGRESS = "PROGRESS"
+# How often a stream that waits for its next chunk checks that its worker is still there.
+STREAM_LIVENESS_S = 1.0
 
 
 @dataclass(slots=True)
@@ -107,6 +122,10 @@ class Broker:
         self.pool = PoolView(settings.pool_state_interval_s)
         self.origin = f"gateway@{socket.gethostname()}:{os.getpid()}"
         self.pending: dict[str, asyncio.Future] = {}
+        # Streamed requests: their PROGRESS states, then their result.
+        self.streams: dict[str, asyncio.Queue[dict]] = {}
+        self._control: aio_pika.abc.AbstractChannel | None = None
+        self._background: set[asyncio.Task] = set()
         self._outbox: dict[str, list[_Outgoing]] = {}
         self._in_flight: defaultdict[str, int] = defaultdict(int)
         self._flush_due: set[str] = set()
@@ -212,11 +231,19 @@ class Broker:
             log.exception("undecodable reply dropped")
             return
         for result in results:
-            future = self.pending.get(result.get("task_id") or message.correlation_id or "")
+            task_id = result.get("task_id") or message.correlation_id or ""
+            stream = self.streams.get(task_id)
+            if result.get("status") == PROGRESS:
+                if stream is not None:
+                    stream.put_nowait(result)
+                continue  # a stream nobody reads any more
+            future = self.pending.get(task_id)
             if future is None or future.done():
                 DUPLICATE_REPLIES.inc()
             else:
                 future.set_result(result)
+                if stream is not None:
+                    stream.put_nowait(result)
 
     async def submit(self, model: str, part: Part, timeout_s: float) -> dict:
         """Publish a request (alone or coalesced with others waiting for the same model)
@@ -224,26 +251,97 @@ class Broker:
         for a model no worker serves, unless SHOAL_GATEWAY_UNSERVED=wait."""
         if not self.ready or self._exchange is None:
             raise _unavailable("the message broker is not connected")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = asyncio.get_running_loop().create_future()
         task_id = part.task_id
         self.pending[task_id] = future
         try:
             async with asyncio.timeout(timeout_s):
-                await self._admit(model)
-                outgoing = _Outgoing(part, timeout_s, loop.create_future())
-                self._outbox.setdefault(model, []).append(outgoing)
-                self._schedule_flush(model)
-                await outgoing.confirmed
+                await self._send(model, part, timeout_s)
                 return await future
         except TimeoutError:
-            raise ApiError(
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"no result within the request's {timeout_s * 1000:.0f} ms deadline "
-                "(X-Timeout-Ms); the workers may be busy or absent",
-            ) from None
+            raise _late(timeout_s) from None
         finally:
             self.pending.pop(task_id, None)
+
+    async def stream(self, model: str, part: Part, timeout_s: float) -> AsyncIterator[dict]:
+        """Publish a streamed request; yield its PROGRESS states and then its result (the
+        last item). DEADLINE_EXCEEDED when `timeout_s` runs out first. A caller that stops
+        iterating before the result (a client that left) revokes the request.
+
+        A stream whose worker left (its pool state went stale or said farewell) or whose
+        request started over (the broker redelivered it to another worker, which streams
+        from the beginning) ends with STREAM_INTERRUPTED: its caller has the first part,
+        and would otherwise wait for the deadline or read it twice."""
+        if not self.ready or self._exchange is None:
+            raise _unavailable("the message broker is not connected")
+        loop = asyncio.get_running_loop()
+        task_id = part.task_id
+        self.pending[task_id] = loop.create_future()
+        self.streams[task_id] = queue = asyncio.Queue()
+        deadline = loop.time() + timeout_s
+        finished = False
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._send(model, part, timeout_s)
+            except TimeoutError:
+                raise _late(timeout_s) from None
+            worker: str | None = None
+            tokens: dict[int, int] = {}
+            while True:
+                try:
+                    async with asyncio.timeout_at(min(deadline,
+                                                      loop.time() + STREAM_LIVENESS_S)):
+                        result = await queue.get()
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise _late(timeout_s) from None
+                    if worker is not None and self.pool.gone(worker, time.monotonic()):
+                        raise _interrupted(f"its worker {worker} stopped") from None
+                    continue
+                finished = result.get("status") != PROGRESS
+                if not finished:
+                    worker = _progress(result, tokens) or worker
+                yield result
+                if finished:
+                    return
+        finally:
+            self.pending.pop(task_id, None)
+            self.streams.pop(task_id, None)
+            if not finished:
+                # Not awaited: a cancelled generator must not block; best effort.
+                task = loop.create_task(self.cancel([task_id]))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def cancel(self, task_ids: list[str]) -> None:
+        """Revoke requests on every worker (Celery's broadcast `shoal_cancel`): one that has
+        not started is answered CANCELLED, one that runs stops at its next token."""
+        body = orjson.dumps({"method": "shoal_cancel", "arguments": {"task_ids": task_ids},
+                             "destination": None, "pattern": None, "matcher": None})
+        message = aio_pika.Message(
+            body, content_type="application/json", content_encoding="utf-8",
+            headers={"clock": 0, "expires": time.time() + CONTROL_EXPIRES_S},
+            delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT)
+        try:
+            if self._control is None or self._control.is_closed:
+                if self._connection is None:
+                    return
+                self._control = await self._connection.channel(publisher_confirms=False)
+            # Not declared: the workers' pidbox consumers declare it (a publish before any
+            # worker ran closes this channel only; the next cancel opens another).
+            exchange = await self._control.get_exchange(CONTROL_EXCHANGE, ensure=False)
+            await exchange.publish(message, routing_key="")
+        except Exception as exc:
+            log.warning("could not revoke %s: %s", task_ids, exc)
+
+    async def _send(self, model: str, part: Part, timeout_s: float) -> None:
+        """Admit the model, put the request in its outbox; return once the broker has it."""
+        await self._admit(model)
+        outgoing = _Outgoing(part, timeout_s, asyncio.get_running_loop().create_future())
+        self._outbox.setdefault(model, []).append(outgoing)
+        self._schedule_flush(model)
+        await outgoing.confirmed
 
     # --- queues, and whether a worker serves them -----------------------------------------
 
@@ -433,6 +531,33 @@ def _coalescible(waiting: list[_Outgoing]) -> list[list[_Outgoing]]:
     if current:
         groups.append(current)
     return groups
+
+
+def _progress(result: dict, tokens: dict[int, int]) -> str | None:
+    """Check a PROGRESS state against the ones before (`tokens`: each item's count so far):
+    the worker that sent it. STREAM_INTERRUPTED if the output started over."""
+    meta = result.get("result") or {}
+    for choice in meta.get("choices") or ():
+        index, count = choice.get("index", 0), choice.get("tokens", 0)
+        if count <= tokens.get(index, 0):
+            raise _interrupted("it was started over by another worker (its first worker "
+                               "died and the broker redelivered it)")
+        tokens[index] = count
+    return meta.get("worker")
+
+
+def _interrupted(why: str) -> ApiError:
+    return ApiError(ErrorCode.STREAM_INTERRUPTED,
+                    f"the stream was interrupted: {why}; the output so far stands, the rest "
+                    "will not come (retry the request)", retry_after=1)
+
+
+def _late(timeout_s: float) -> ApiError:
+    return ApiError(
+        ErrorCode.DEADLINE_EXCEEDED,
+        f"no result within the request's {timeout_s * 1000:.0f} ms deadline "
+        "(X-Timeout-Ms); the workers may be busy or absent",
+    )
 
 
 def _unavailable(message: str) -> ApiError:

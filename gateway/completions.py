@@ -1,7 +1,8 @@
-"""POST /v1/completions and /v1/chat/completions, OpenAI-compatible (non-streaming).
+"""POST /v1/completions and /v1/chat/completions, OpenAI-compatible.
 
 The body is mapped onto a generate task: each prompt (or the chat) is an
-item, the sampling parameters are options. Parameters shoal does not
+item, the sampling parameters are options. `stream: true` answers with
+server-sent events (`gateway.streaming`). Parameters shoal does not
 implement are refused with a 422 naming them, unless they carry their
 neutral value, so a caller never gets silently different behaviour. `model` may
 name a LoRA adapter ("base:lora", or a `lora` field: `gateway.lora`); the
@@ -17,35 +18,39 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.catalog import ModelEntry
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
 from gateway.lora import openai_model
-from gateway.submit import call_model, check_items
+from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
+from gateway.streaming import ChunkFormat, stream_generation
+from gateway.submit import Reply, call_model, check_items
 from tasks.adapters import GENERATE
+from tasks.served import time_to_first_token_ms
 
 # OpenAI name -> shoal option name.
 _OPTIONS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
             "temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed"}
 # Accepted only with the value that means "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "stream": (None, False), "echo": (None, False), "logprobs": (None, False),
+    "n": (None, 1), "echo": (None, False), "logprobs": (None, False),
     "top_logprobs": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "stream_options": (None,),
+    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True, False),
 }
+_STREAMING = {"stream", "stream_options"}
 _IGNORED = {"user", "metadata", "store", "service_tier"}
 
 
 def _options(body: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
-    unknown = set(body) - allowed - set(_OPTIONS) - set(_NEUTRAL) - _IGNORED
+    unknown = set(body) - allowed - set(_OPTIONS) - set(_NEUTRAL) - _IGNORED - _STREAMING
     if unknown:
         raise invalid(f"unknown fields {sorted(unknown)}")
     for name, neutral in _NEUTRAL.items():
         if name in body and body[name] not in neutral:
-            hint = "; streaming is not supported yet" if name == "stream" else ""
-            raise invalid(f"'{name}' is not supported here (leave it out){hint}")
+            raise invalid(f"'{name}' is not supported here (leave it out)")
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise invalid("give 'max_tokens' or 'max_completion_tokens', not both")
     return {_OPTIONS[k]: v for k, v in body.items() if k in _OPTIONS and v is not None}
@@ -63,22 +68,49 @@ def _message_text(content: Any, index: int) -> str:
     raise invalid(f"messages[{index}].content must be a string or a list of text parts")
 
 
-async def _generate(request: Request, body: Any, items: list[dict[str, Any]],
-                    allowed: set[str]
-                    ) -> tuple[dict[str, Any], dict[str, str], list[dict[str, Any]]]:
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) from `stream` and `stream_options`."""
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise invalid("'stream' must be true or false")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise invalid("'stream_options' is only allowed with 'stream': true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            options.get("include_usage") not in (None, True, False):
+        raise invalid("'stream_options' takes one field, include_usage (true or false)")
+    return True, bool(options.get("include_usage"))
+
+
+def _task(request: Request, body: Any, items: list[dict[str, Any]], allowed: set[str]
+          ) -> tuple[ModelEntry, dict[str, Any]]:
+    """The model's entry and the generate task's kwargs, checked (404 for an unknown LoRA,
+    413 for too many or too long items) before anything is published."""
     entry, lora = openai_model(request, body, GENERATE)
     options = _options(body, allowed | {"lora"})
     if lora is not None:
         options["lora"] = lora
     kwargs = {"model": entry.id, "items": items, "options": options}
-    check_items(request, entry.parse(kwargs))  # 404 for an unknown LoRA, unpublished
+    check_items(request, entry.parse(kwargs))
+    return entry, kwargs
+
+
+async def _generate(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
+                    ) -> tuple[dict[str, Any], Reply]:
     reply = await call_model(request, entry, kwargs)
     usage = reply.result["usage"]
+    first = time_to_first_token_ms(reply.result)
+    if first is not None:
+        TIME_TO_FIRST_TOKEN.labels(entry.id, "false").observe(first / 1000)
+        for latency in reply.result.get("latency") or ():
+            INTER_TOKEN.labels(entry.id, "false").observe(latency["itl_ms"] / 1000)
     return {
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-    }, reply.headers, reply.result["choices"]
+    }, reply
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -97,18 +129,24 @@ async def create_completion(request: Request) -> Response:
     ):
         raise invalid("'prompt' must be a string or a non-empty list of strings "
                       "(token-id prompts are not supported)")
-    usage, headers, choices = await _generate(
-        request, body, [{"text": p} for p in prompts], {"model", "prompt"})
+    stream, include_usage = _streaming(body)
+    entry, kwargs = _task(request, body, [{"text": p} for p in prompts], {"model", "prompt"})
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    if stream:
+        form = ChunkFormat("text_completion", completion_id, body["model"], chat=False,
+                           include_usage=include_usage)
+        return await stream_generation(request, entry, kwargs, form, len(prompts))
+    usage, reply = await _generate(request, entry, kwargs)
     payload = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
+        "id": completion_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": body["model"],  # as the caller named it, "base:lora" included
         "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
-                     "finish_reason": c["finish_reason"]} for c in choices],
+                     "finish_reason": c["finish_reason"]} for c in reply.result["choices"]],
         "usage": usage,
     }
-    return encode_response(request, payload, headers=headers)
+    return encode_response(request, payload, headers=reply.headers)
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -121,15 +159,22 @@ async def create_chat_completion(request: Request) -> Response:
     # OpenAI's newer name for the system role.
     wire = [{"role": "system" if m.get("role") == "developer" else m.get("role"),
              "content": _message_text(m.get("content"), i)} for i, m in enumerate(messages)]
-    usage, headers, choices = await _generate(
-        request, body, [{"messages": wire}], {"model", "messages"})
+    stream, include_usage = _streaming(body)
+    entry, kwargs = _task(request, body, [{"messages": wire}], {"model", "messages"})
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if stream:
+        form = ChunkFormat("chat.completion.chunk", completion_id, body["model"], chat=True,
+                           include_usage=include_usage)
+        return await stream_generation(request, entry, kwargs, form, 1)
+    usage, reply = await _generate(request, entry, kwargs)
     payload = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body["model"],  # as the caller named it, "base:lora" included
         "choices": [{"index": 0, "message": {"role": "assistant", "content": c["text"]},
-                     "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices],
+                     "logprobs": None, "finish_reason": c["finish_reason"]}
+                    for c in reply.result["choices"]],
         "usage": usage,
     }
-    return encode_response(request, payload, headers=headers)
+    return encode_response(request, payload, headers=reply.headers)

@@ -42,6 +42,18 @@ LATENCY = Histogram(
     buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
+_TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "shoal_gateway_time_to_first_token_seconds", "generate: from the request's arrival to "
+    "its first token (streamed: the first chunk sent; else queue wait + the runtime's "
+    "time to it)", ["model", "stream"], buckets=_TOKEN_SECONDS,
+)
+INTER_TOKEN = Histogram(
+    "shoal_gateway_inter_token_seconds", "generate: time between tokens (streamed: between "
+    "chunks per token in them; else the completion's mean)", ["model", "stream"],
+    buckets=_TOKEN_SECONDS,
+)
+
 
 def _registry() -> CollectorRegistry:
     """The default registry, or one that reads every process's files (prometheus_client

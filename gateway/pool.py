@@ -72,6 +72,9 @@ class PoolView:
     def __init__(self, default_interval_s: float) -> None:
         self.default_interval_s = default_interval_s
         self._workers: dict[str, WorkerState] = {}
+        # Workers that went stale (a killed one): a stream they served has ended. Bounded by
+        # the fleet's history of worker names, which `shoal worker` keeps per host.
+        self._forgotten: set[str] = set()
 
     def update(self, body: bytes, now: float) -> WorkerState:
         """Keep a worker's message (ValueError, and nothing kept, if it is malformed)."""
@@ -84,7 +87,20 @@ class PoolView:
         stale = [w for w, s in self._workers.items() if now - s.heard_at > s.stale_after_s]
         for worker in stale:
             del self._workers[worker]
+            self._forgotten.add(worker)
         return sorted(self._workers.values(), key=lambda s: s.worker)
+
+    def gone(self, worker: str, now: float) -> bool:
+        """Whether a worker this view has heard from has since left: it said farewell (a
+        state with no models) or went stale. False for one never heard from."""
+        state = self._workers.get(worker)
+        if state is None:
+            return worker in self._forgotten
+        if now - state.heard_at > state.stale_after_s:
+            del self._workers[worker]
+            self._forgotten.add(worker)
+            return True
+        return not state.models
 
     def placements(self, model: str, now: float) -> list[Placement]:
         """Where `model` is, in any state, on fresh workers, by worker name."""

@@ -7,9 +7,28 @@
 
 The task is routed to the model's queue and served by a shoal worker; the
 result is the same dict an HTTP caller's response is made from.
+
+Streamed generation: with `stream=True` in the kwargs the worker publishes the
+output as it is made (Celery PROGRESS states) before the result; `stream`
+yields it:
+
+    result = generate.apply_async(kwargs={"model": ..., "items": [{"text": "Once"}],
+                                          "options": {"max_tokens": 64}, "stream": True})
+    for delta in stream(result, timeout=60):
+        print(delta["text"], end="")    # {"index", "text", "tokens"} per item
+    result.get()                        # the full text and usage, as without streaming
+
+`result.revoke()` stops a running generation at its next token.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from celery.result import AsyncResult
 
 from app.celery import app
 from tasks import errors  # noqa: F401  (lets AsyncResult.get() re-raise ShoalError)
@@ -23,4 +42,33 @@ classify = app.signature(CLASSIFY)
 generate = app.signature(GENERATE)
 
 __all__ = ["app", "classify", "embedding_rows", "encode", "extract", "generate",
-           "multivector_rows", "ranked", "score"]
+           "multivector_rows", "ranked", "score", "stream"]
+
+_END = object()
+
+
+def stream(result: AsyncResult, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    """The deltas of a streamed generate task (`{"index", "text", "tokens"}`, in order) as
+    they come; returns when its result is in, which `result.get()` then gives at once.
+    Raises what `get` raises (a ShoalError for a failed request, TimeoutError)."""
+    deltas: queue.Queue[Any] = queue.Queue()
+
+    def on_message(meta: dict[str, Any]) -> None:
+        if meta.get("status") == "PROGRESS":
+            for choice in (meta.get("result") or {}).get("choices") or ():
+                deltas.put(choice)
+
+    def follow() -> None:
+        try:
+            result.get(timeout=timeout, on_message=on_message, propagate=True)
+        except BaseException as exc:  # handed to the iterating thread
+            deltas.put(exc)
+        else:
+            deltas.put(_END)
+
+    # Celery's get() blocks and calls on_message from inside; a thread makes it a generator.
+    threading.Thread(target=follow, name=f"stream-{result.id}", daemon=True).start()
+    while (item := deltas.get()) is not _END:
+        if isinstance(item, BaseException):
+            raise item
+        yield item

@@ -314,6 +314,9 @@ def parse_request(op: str, kwargs: Any, inputs: frozenset[str] = frozenset({TEXT
         raise invalid("task kwargs must be an object")
     if op not in _OPTIONS:
         raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION, f"unknown operation {op!r}")
+    stream = kwargs.get("stream", False)
+    if not isinstance(stream, bool) or (stream and op != GENERATE):
+        raise invalid(f"'stream' must be true or false, and true only for generate, not {op}")
     items = parse_items(kwargs.get("items"), inputs, model, messages=op == GENERATE)
     options = parse_options(op, kwargs.get("options"), defaults)
     query = kwargs.get("query")

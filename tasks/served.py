@@ -121,4 +121,20 @@ def reply_headers(result: Mapping[str, Any]) -> dict[str, str]:
         headers["X-Batch-Requests"] = str(served.batch["requests"])
     if served.batch and served.batch.get("parts"):
         headers["X-Batch-Parts"] = str(served.batch["parts"])  # run as this many batches
+    first = time_to_first_token_ms(result)
+    if first is not None:
+        headers["X-Time-To-First-Token-Ms"] = f"{first:.1f}"
+        itl = [t["itl_ms"] for t in result.get("latency") or () if "itl_ms" in t]
+        headers["X-Inter-Token-Latency-Ms"] = f"{sum(itl) / len(itl):.2f}"
     return headers
+
+
+def time_to_first_token_ms(result: Mapping[str, Any]) -> float | None:
+    """A generate result's first token, from its publication: the queue wait plus the
+    runtime's time to the earliest first token of its choices (`latency`). None for other
+    results."""
+    firsts = [t["ttft_ms"] for t in result.get("latency") or () if "ttft_ms" in t]
+    if not firsts:
+        return None
+    queue = (read_served(result).timing or {}).get("queue_ms") or 0.0
+    return float(queue) + min(firsts)

@@ -30,6 +30,7 @@ NER = "test/tiny-ner"
 SENTIMENT = "test/tiny-sentiment"
 NLI = "test/tiny-nli"
 LLAMA = "test/tiny-llama"
+STREAM_LLAMA = "test/stream-llama"  # a tiny causal LM of its own worker (tests/e2e/test_streaming)
 FAMILY_ADAPTERS = {SPLADE: "sparse", COLBERT: "multivector", CLIP: "clip",
                    RERANKER: "cross-encoder", NER: "token-classification",
                    SENTIMENT: "sequence-classification", NLI: "zero-shot", LLAMA: "causal-lm"}
@@ -40,6 +41,7 @@ PREFIX = f"shoal-test-{uuid.uuid4().hex[:8]}"
 WORK_DIR = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
 CATALOG_DIR = WORK_DIR / "catalog"
 FAMILIES_DIR = WORK_DIR / "families"
+STREAM_LLAMA_DIR = WORK_DIR / "stream-llama"  # built by the test that serves it
 HEARTBEAT_S = 2
 os.environ.update(
     SHOAL_QUEUE_PREFIX=PREFIX,
@@ -82,6 +84,8 @@ def _write_catalog() -> None:
         entry = {"id": model, "adapter": adapter, "source": {"path": str(family_dir(model))}}
         entry.update(FAMILY_EXTRAS.get(model, {}))
         entries[model.split("/")[1]] = entry
+    entries["stream-llama"] = {"id": STREAM_LLAMA, "adapter": "causal-lm",
+                               "source": {"path": str(STREAM_LLAMA_DIR)}}
     for name, entry in entries.items():
         (CATALOG_DIR / f"{name}.yaml").write_text(yaml.safe_dump(entry))
 
@@ -146,7 +150,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     worker = stack.worker("main", [MINILM, TINY_CLS])
     stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
-                                     *FAMILY_ADAPTERS])
+                                     STREAM_LLAMA, *FAMILY_ADAPTERS])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready",
