@@ -47,8 +47,7 @@ def _watch_parent(fd: int) -> None:
                 pass
         except OSError:
             pass
-        print("shoal: the worker that started this SGLang server is gone; exiting",
-              file=sys.stderr, flush=True)
+        # The worker read our output: with it gone, writing may raise (EPIPE). Kill first.
         _kill_group()
 
     threading.Thread(target=watch, name="shoal-parent-watch", daemon=True).start()
