@@ -228,3 +228,41 @@ def test_poison_prompt_is_isolated(runtime) -> None:
     assert runtime.poison_isolated == poisoned + 1
     after = run(runtime, generate(runtime, [{"text": "hello"}], max_tokens=4, temperature=0))
     assert after.ok, after
+
+
+WORKER = """
+import sys, time
+from runtimes.sglang import SGLangRuntime
+rt = SGLangRuntime(sys.argv[1], [sys.argv[2]], start_timeout=240)
+print("SERVER", rt.server_pids()[sys.argv[2]], flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_no_orphan_server_outlives_a_killed_worker(catalog_dir) -> None:
+    import subprocess
+    import sys
+
+    from tests.stack import REPO
+
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(catalog_dir), LLAMA],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        line = worker.stdout.readline()
+        assert line.startswith("SERVER"), line
+        server = int(line.split()[1])
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+        def group_gone() -> bool:
+            try:
+                os.killpg(server, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        wait_until(group_gone, 20, "the orphaned SGLang server's process group to exit")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
