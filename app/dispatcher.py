@@ -42,6 +42,10 @@ batch's results. A request revoked by its caller (Celery's `revoke`, or
 `shoal_cancel`, which a gateway sends when an HTTP stream's client leaves) is
 answered CANCELLED if it has not started, and stops at its next token if it runs.
 
+A model whose runtime batches continuously (SGLang, `Runtime.continuous`) gets no
+batches from the scheduler: its requests are handed to the runtime one by one as
+it has room (`app.feeder`), each answered when it ends.
+
 A request too big for one batch of its model is split into budget-sized
 parts (`tasks.split`) that run one after another: the next part joins the
 backlog when the previous one ends, so requests that arrived meanwhile go
@@ -62,6 +66,7 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from app import metrics
+from app.feeder import Feeder, Waiting
 from app.placement import Placement
 from app.replies import Delivery, Replier
 from batching.former import batch_tokens
@@ -95,6 +100,8 @@ log = logging.getLogger(__name__)
 
 # How long a count of the queue's consumers stays fresh (returns need peers).
 PEER_COUNT_TTL_S = 1.0
+# How often a continuous runtime without room is asked again for its load.
+FEED_POLL_S = 0.05
 # A wake-up this close to the one already set needs no new timer.
 TIMER_SLACK_S = 0.001
 
@@ -199,7 +206,7 @@ class Dispatcher:
                  part_target_s: float | None = None, pool: Pool | None = None,
                  pinned: set[str] | None = None, prefetch: int = 64,
                  load_s: dict[str, float] | None = None,
-                 lora_mixed_batches: bool = True) -> None:
+                 lora_mixed_batches: bool = True, feed_return_after_s: float = 0.2) -> None:
         self.c = consumer
         self.runtime = runtime
         self.prefetch = prefetch  # of a consumer whose model is loaded, before adapting
@@ -210,6 +217,8 @@ class Dispatcher:
         self.entries = entries  # to annotate a Celery client's message that came without
         self.part_target_s = part_target_s  # the longest a part of a split request should run
         self.scheduler = Scheduler(lanes, hold, self._peers)
+        self.continuous = {model for model in lanes if runtime.continuous(model)}
+        self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)
         self.replier = Replier(consumer)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
         self.consuming: dict[str, Consuming] = {}
@@ -300,6 +309,9 @@ class Dispatcher:
             self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
                                  f"this worker does not serve {model!r}")
             return
+        if model in self.continuous:
+            self._admit_continuous(model, held, deliveries + returns)
+            return
         split = self._split(held)
         if split is not None:
             metrics.SPLIT.labels(model).inc()
@@ -320,6 +332,18 @@ class Dispatcher:
             return
         self._append(model, held, deliveries)
         if not self.scheduler.lanes[model].ready:
+            why = self.placement.ensure(model)
+            if why is not None:
+                self._on_load_failed(model, why)
+
+    def _admit_continuous(self, model: str, held: Held, deliveries: int) -> None:
+        self.placement.touch(model)
+        deadline = held.annotations.deadline_ms
+        now = time.monotonic()
+        self.feeder.add(model, Waiting(
+            held, now, None if deadline is None else now + (deadline - now_ms()) / 1000,
+            deliveries))
+        if self.placement.state(model) != RESIDENT:
             why = self.placement.ensure(model)
             if why is not None:
                 self._on_load_failed(model, why)
@@ -382,10 +406,10 @@ class Dispatcher:
     def tick(self) -> None:
         self._tick_queued = False
         actions = self.scheduler.tick(time.monotonic())
-        parked_in = self._expire_parked() if self.parked else None
-        if parked_in is not None:
-            actions.wake_in = parked_in if actions.wake_in is None else min(actions.wake_in,
-                                                                           parked_in)
+        for wake in (self._expire_parked() if self.parked else None,
+                     self._feed() if self.continuous else None):
+            if wake is not None:
+                actions.wake_in = wake if actions.wake_in is None else min(actions.wake_in, wake)
         self._apply(actions)
 
     def _expire_parked(self) -> float | None:
@@ -409,6 +433,71 @@ class Dispatcher:
             else:
                 del self.parked[key]
         return None if soonest is None else max((soonest - now) / 1000, TIMER_SLACK_S)
+
+    # --- continuous runtimes (loop thread) -------------------------------------------------
+
+    def _feed(self) -> float | None:
+        """Answer what expired, give back what waited too long while a peer could take it,
+        hand the runtime what it has room for; seconds until this must run again."""
+        now = time.monotonic()
+        for model, late in self.feeder.expired(now):
+            self._refuse(model, late.handle,
+                         "the request's deadline passed while it waited for the model")
+        peers = {}
+        poll: float | None = None
+        for model in self.continuous:
+            if not self.feeder.waiting.get(model):
+                continue
+            peers[model] = self._peers(model, now)
+            back = self.feeder.returns(model, now, peers[model])
+            if back:
+                self._give_back(model, [w.handle for w in back])
+                metrics.RETURNS.labels(model).inc(len(back))
+            if self.placement.state(model) == RESIDENT:
+                for waiting in self.feeder.take(model, self.runtime.load_of(model)):
+                    self._submit(model, waiting.handle)
+                if self.feeder.waiting.get(model):
+                    # No room now: it frees as SGLang finishes requests (ours are answered
+                    # here and tick again, but aborts and its KV cache are its own).
+                    poll = FEED_POLL_S
+            metrics.HELD.labels(model).set(len(self.feeder.waiting.get(model, ())))
+        wake = self.feeder.wake_in(now, peers)
+        return poll if poll is not None and (wake is None or poll < wake) else wake
+
+    def _submit(self, model: str, held: Held) -> None:
+        """Hand one request to the continuous runtime; its outcome comes back on the loop."""
+        requests, refused = self._requests([held])
+        if refused:
+            self._answer(model, held, refused[held.task_id])
+            return
+        (request,) = requests
+        generation = self.generation
+        held.started = time.time()
+        self.replier.event("task-started", held.task_id)
+        if held.annotations.sent_ms:
+            metrics.QUEUE_WAIT.labels(model).observe(
+                max(0.0, held.started - held.annotations.sent_ms / 1000))
+        self.placement.touch(model)
+        self.feeder.started(model, held.task_id, held)
+        metrics.IN_FLIGHT.labels(model).set(len(self.feeder.in_flight[model]))
+        on_deltas = self._delta_queuer(generation, [held]) if request.stream else None
+        future = self.runtime.submit(model, request, on_deltas)  # type: ignore[attr-defined]
+        future.add_done_callback(lambda f: self.c.hub.call_soon(
+            self._on_request_done, generation, model, held, f))
+
+    def _on_request_done(self, generation: int, model: str, held: Held, future: Future) -> None:
+        self._publish_deltas()  # its last deltas go before its result
+        self.feeder.done(model, held.task_id)
+        metrics.IN_FLIGHT.labels(model).set(len(self.feeder.in_flight.get(model, {})))
+        try:
+            outcome: Outcome = future.result()
+        except Exception as exc:  # the contract says never; a bug must not lose the request
+            log.exception("the runtime failed request %s", held.task_id)
+            outcome = Outcome(held.task_id, error_code=ErrorCode.INTERNAL,
+                              error_message=f"runtime failed: {exc!r}")
+        if generation == self.generation:
+            self._answer(model, held, outcome)
+        self._queue_tick()  # a slot is free: hand over the next
 
     def _apply(self, actions: Actions) -> None:
         for model, pending in actions.expired:
@@ -467,6 +556,8 @@ class Dispatcher:
     def _on_load_failed(self, model: str, why: str) -> None:
         for pending in self.scheduler.drop(model):
             self._refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
+        for waiting in self.feeder.drop(model):
+            self._refuse(model, waiting.handle, why, ErrorCode.MODEL_UNAVAILABLE)
         metrics.HELD.labels(model).set(0)
         for (parked_model, lora) in list(self.parked):
             if parked_model == model:
@@ -498,6 +589,7 @@ class Dispatcher:
         for (model, lora), waiting in self.parked.items():
             used[model] += len(waiting)
             used[lora_key(model, lora)] += len(waiting)
+        used.update(self.feeder.counts())
         return used
 
     def _give_back(self, model: str, returned: list[Held]) -> None:
@@ -674,6 +766,8 @@ class Dispatcher:
         worker_state.revoked.update(task_ids)
         running = self.scheduler.running
         here = {p.handle.task_id for p in running.members} if running is not None else set()
+        for in_flight in self.feeder.in_flight.values():
+            here.update(in_flight)
         hit = [t for t in task_ids if t in here]
         if hit:
             self.runtime.cancel(hit)
@@ -769,6 +863,7 @@ class Dispatcher:
         self.generation += 1
         self.scheduler.clear()
         self.parked.clear()
+        self.feeder.clear()
         for model in self.scheduler.lanes:
             metrics.HELD.labels(model).set(0)
         self.consuming.clear()

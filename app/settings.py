@@ -106,10 +106,16 @@ class Settings(BaseSettings):
         "(one forward pass); false: a batch per adapter")
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
-    runtime: Literal["pytorch", "sim"] = Field(
-        "pytorch", description="sim: no model runs; batches sleep as long as SHOAL_DEVICE "
-        "would take (runtimes/sim) and results are fake, marked 'simulated'"
+    runtime: Literal["pytorch", "sglang", "sim"] = Field(
+        "pytorch", description="sglang: generate (causal-lm) and dense encode models run on "
+        "SGLang servers (`make sglang`; a catalog entry's `runtime: sglang` does the same for "
+        "one model). sim: no model runs; batches sleep as long as SHOAL_DEVICE would take "
+        "(runtimes/sim) and results are fake, marked 'simulated'"
     )
+    feed_return_after_ms: float = Field(
+        200.0, ge=0, allow_inf_nan=False, description="continuous runtimes (SGLang): a "
+        "request that waited this long for room while another worker consumes its queue is "
+        "given back to the queue")
     sim_speed: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="sim: divides every simulated latency"
     )

@@ -150,21 +150,43 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             self.runtime = SimRuntime(self.entries, settings.device, settings.sim_speed,
                                       settings.sim_constants, loaded=sorted(self.pinned))
         else:
-            self.runtime = ProcessRuntime(
-                catalog_dir=settings.catalog_dir,
-                models=[e.id for e in self.entries if e.id in self.pinned],
-                device=settings.device,
-                threads=settings.torch_threads,
-                chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
-                start_timeout=settings.runtime_start_timeout_s,
-                batch_timeout=settings.runtime_batch_timeout_s,
-            )
+            self.runtime = self._real_runtime(settings)
         RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
         self.pool = Pool(device_budget(settings, self.runtime.device_bytes))
         self.dispatcher: Dispatcher | None = None
         self.pool_states = PoolStates(settings.queue_prefix, settings.pool_state_interval_s)
         self.state_timer: Any = None
+
+    def _real_runtime(self, settings: Settings) -> Any:
+        """The PyTorch runtime, SGLang servers, or both behind a router (by model)."""
+        on = runtime_of_models(self.entries, settings.runtime)
+        runtimes: dict[str, Any] = {}
+        if "pytorch" in on.values():
+            runtimes["pytorch"] = ProcessRuntime(
+                catalog_dir=settings.catalog_dir,
+                models=[e.id for e in self.entries if e.id in self.pinned
+                        and on[e.id] == "pytorch"],
+                device=settings.device,
+                threads=settings.torch_threads,
+                chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
+                start_timeout=settings.runtime_start_timeout_s,
+                batch_timeout=settings.runtime_batch_timeout_s,
+            )
+        if "sglang" in on.values():
+            from runtimes.sglang import SGLangRuntime
+
+            runtimes["sglang"] = SGLangRuntime(
+                catalog_dir=settings.catalog_dir,
+                models=[e.id for e in self.entries if e.id in self.pinned
+                        and on[e.id] == "sglang"],
+                device=settings.device, threads=settings.torch_threads,
+                start_timeout=settings.runtime_start_timeout_s)
+        if len(runtimes) == 1:
+            return next(iter(runtimes.values()))
+        from runtimes.router import RuntimeRouter
+
+        return RuntimeRouter(runtimes, on)
 
     def _warm_peers(self, model: str) -> Any:
         return lambda: self.pool_states.warm_peers(model)
@@ -183,7 +205,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                                          self.settings.part_target_ms / 1000, self.pool,
                                          self.pinned, self.settings.prefetch,
                                          self._profile_load_s(),
-                                         self.settings.lora_mixed_batches)
+                                         self.settings.lora_mixed_batches,
+                                         self.settings.feed_return_after_ms / 1000)
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
@@ -229,6 +252,18 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             self.dispatcher = None
         else:
             self.runtime.close()
+
+
+def runtime_of_models(entries: list[ModelEntry], worker_runtime: str) -> dict[str, str]:
+    """Which runtime serves each model: the entry's `runtime: sglang`; with
+    SHOAL_RUNTIME=sglang also every causal LM and last-token-pooled (decoder) embedder, the
+    models SGLang is built for (an encoder such as MiniLM stays on PyTorch unless its entry
+    says otherwise); else PyTorch."""
+    def on_sglang(e: ModelEntry) -> bool:
+        return e.adapter == "causal-lm" or (e.adapter == "dense" and e.pooling == "lasttoken")
+
+    return {e.id: "sglang" if e.runtime == "sglang" or (
+        worker_runtime == "sglang" and on_sglang(e)) else "pytorch" for e in entries}
 
 
 def pinned_models(settings: Settings, models: list[str]) -> set[str]:

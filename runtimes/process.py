@@ -267,7 +267,8 @@ class ProcessRuntime:
         self._works_after_failure = False  # in the current run_batch; see _blame
         self._on_deltas: OnDeltas | None = None  # of the current run_batch
         self._streamed: set[str] = set()  # its requests whose deltas went out
-        self._cancelled: set[str] = set()  # requests whose callers left
+        self._cancelled: set[str] = set()  # requests of the running batch whose callers left
+        self._running: set[str] = set()  # the running batch's request ids
         try:
             self._ready_child()
         except BaseException:
@@ -294,17 +295,21 @@ class ProcessRuntime:
         self._works_after_failure = False
         self._on_deltas = on_deltas if any(r.stream for r in requests) else None
         self._streamed.clear()
+        with self._lock:
+            self._running = {r.id for r in requests}
         try:
             return self._run(model_id, requests, failed_before=False)
         finally:
             self._on_deltas = None
             with self._lock:
-                self._cancelled.difference_update(r.id for r in requests)
+                self._running = set()
+                self._cancelled.clear()
 
     def cancel(self, request_ids: list[str]) -> None:
-        """The next step of a running batch drops these requests' rows (any thread)."""
+        """The next step of the running batch drops these requests' rows (any thread); ids
+        of no running request are ignored."""
         with self._lock:
-            self._cancelled.update(request_ids)
+            self._cancelled.update(i for i in request_ids if i in self._running)
 
     def continuous(self, model_id: str) -> bool:
         return False

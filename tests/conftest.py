@@ -31,6 +31,7 @@ SENTIMENT = "test/tiny-sentiment"
 NLI = "test/tiny-nli"
 LLAMA = "test/tiny-llama"
 STREAM_LLAMA = "test/stream-llama"  # a tiny causal LM of its own worker (tests/e2e/test_streaming)
+SGLANG_LLAMA = "test/sglang-serve"  # served on SGLang by a worker of its own (test_sglang_serving)
 FAMILY_ADAPTERS = {SPLADE: "sparse", COLBERT: "multivector", CLIP: "clip",
                    RERANKER: "cross-encoder", NER: "token-classification",
                    SENTIMENT: "sequence-classification", NLI: "zero-shot", LLAMA: "causal-lm"}
@@ -42,6 +43,7 @@ WORK_DIR = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
 CATALOG_DIR = WORK_DIR / "catalog"
 FAMILIES_DIR = WORK_DIR / "families"
 STREAM_LLAMA_DIR = WORK_DIR / "stream-llama"  # built by the test that serves it
+SGLANG_LLAMA_DIR = WORK_DIR / "sglang-llama"  # likewise
 HEARTBEAT_S = 2
 os.environ.update(
     SHOAL_QUEUE_PREFIX=PREFIX,
@@ -86,6 +88,8 @@ def _write_catalog() -> None:
         entries[model.split("/")[1]] = entry
     entries["stream-llama"] = {"id": STREAM_LLAMA, "adapter": "causal-lm",
                                "source": {"path": str(STREAM_LLAMA_DIR)}}
+    entries["sglang-serve"] = {"id": SGLANG_LLAMA, "adapter": "causal-lm", "runtime": "sglang",
+                               "source": {"path": str(SGLANG_LLAMA_DIR)}}
     for name, entry in entries.items():
         (CATALOG_DIR / f"{name}.yaml").write_text(yaml.safe_dump(entry))
 
@@ -150,7 +154,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     worker = stack.worker("main", [MINILM, TINY_CLS])
     stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
-                                     STREAM_LLAMA, *FAMILY_ADAPTERS])
+                                     STREAM_LLAMA, SGLANG_LLAMA, *FAMILY_ADAPTERS])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready",

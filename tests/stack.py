@@ -17,8 +17,9 @@ from pathlib import Path
 from app import stack
 from app.stack import Process, free_port, http_status, wait_for
 
-__all__ = ["BROKER_URL", "REPO", "PrivateStack", "Process", "Stack", "delete_queues",
-           "free_port", "http_status", "metric_sum", "private_stack", "queue_counts", "wait_for"]
+__all__ = ["BROKER_URL", "REPO", "PrivateStack", "Process", "Stack", "child_pid",
+           "delete_queues", "free_port", "http_status", "metric_sum", "private_stack",
+           "queue_counts", "wait_for"]
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER_URL = os.environ.get("SHOAL_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -29,6 +30,22 @@ class Stack(stack.Stack):
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         super().__init__(env, log_dir, cwd=REPO)
+
+
+def child_pid(parent: int, marker: bytes) -> int:
+    """The child of `parent` whose command line contains `marker` (a worker's model runtime,
+    an SGLang server), read from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and marker in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"process {parent} has no child running {marker!r}")
 
 
 def queue_counts(name: str) -> tuple[int, int]:

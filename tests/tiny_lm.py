@@ -40,11 +40,13 @@ def tiny_tokenizer(bos: bool, chat_template: bool) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_tiny_llama(out: Path, seed: int = 0, chat_template: bool = True) -> Path:
+def build_tiny_llama(out: Path, seed: int = 0, chat_template: bool = True,
+                     hidden_size: int = 32) -> Path:
+    """`hidden_size` 64 gives head_dim 16, the smallest SGLang's CPU attention takes."""
     tokenizer = tiny_tokenizer(bos=True, chat_template=chat_template)
     config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * hidden_size,
         max_position_embeddings=CONTEXT, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )

@@ -134,6 +134,7 @@ class _Model:
         self.alone = asyncio.Lock()
         self.calm = asyncio.Condition()  # notified when `isolating` drops
         self.load_cache: tuple[float, Load] | None = None
+        self.load_refreshing = False  # a /v1/loads read is under way
         self.eos_ids: frozenset[int] = frozenset()
         self.dense_normalize = True
 
@@ -408,23 +409,38 @@ class SGLangRuntime:
     def load_of(self, model_id: str) -> Load:
         """SGLang's running and waiting requests and KV tokens in use (`/v1/loads`), with
         the items this runtime sent that SGLang does not count yet as waiting. A model that
-        is down or restarting reads as full."""
+        is down or restarting reads as full.
+
+        Never waits: the worker asks from its event loop. The last answer is returned, and
+        one older than LOAD_CACHE_S is refreshed in the background for the next ask."""
         model = self._models.get(model_id)
         if model is None:
             return Load(running=0, waiting=0, max_running=0)
         cached = model.load_cache
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < LOAD_CACHE_S:
+        if (cached is None or time.monotonic() - cached[0] >= LOAD_CACHE_S) \
+                and not model.load_refreshing:
+            model.load_refreshing = True
+            try:
+                asyncio.run_coroutine_threadsafe(self._refresh_load(model), self._loop)
+            except RuntimeError:  # the loop is closed
+                model.load_refreshing = False
+        if cached is not None:
             return cached[1]
+        # Not read yet: what this runtime sent is all SGLang holds.
+        return Load(running=model.inflight, waiting=0, max_running=max(model.max_running, 1),
+                    max_tokens=model.max_tokens)
+
+    async def _refresh_load(self, model: _Model) -> None:
         try:
-            load = self._call(self._fetch_load(model), timeout=5)
+            load = await self._fetch_load(model)
         except Exception:
             load = None
+        finally:
+            model.load_refreshing = False
         if load is None:
             full = max(model.max_running, 1)
             load = Load(running=full, waiting=model.inflight, max_running=full)
         model.load_cache = (time.monotonic(), load)
-        return load
 
     async def _fetch_load(self, model: _Model) -> Load | None:
         server = model.server

@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import uuid
-from pathlib import Path
 
 import httpx
 import orjson
@@ -20,7 +19,7 @@ import pytest
 from openai import APIError, OpenAI
 
 from tests.conftest import STREAM_LLAMA, STREAM_LLAMA_DIR, queue_name
-from tests.stack import free_port, metric_sum, queue_counts, wait_for
+from tests.stack import child_pid, free_port, metric_sum, queue_counts, wait_for
 from tests.tiny_lm import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -36,19 +35,7 @@ class StreamWorker:
         return metric_sum(self.metrics_url, "shoal_generations_cancelled_total")
 
     def runtime_pid(self) -> int:
-        """The worker's model runtime process (a child running runtimes.server)."""
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.process.pid and b"runtimes.server" in cmdline:
-                return int(entry.name)
-        raise AssertionError("the worker has no runtime process")
+        return child_pid(self.process.pid, b"runtimes.server")
 
 
 @pytest.fixture(scope="module")
