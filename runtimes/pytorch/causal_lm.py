@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM
 
 from app.catalog import ModelEntry
 from runtimes.base import CANCELLED
+from runtimes.deltas import sendable
 from runtimes.prompts import bos_id, check_prompt, prompt_ids
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model, pad_id
@@ -96,16 +97,6 @@ class Stream:
 
     requests: frozenset[int]
     send: Callable[[list[RowDelta]], set[int]]
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of a growing text may still change: an incomplete
-    UTF-8 character (decoded as U+FFFD), or the beginning of a stop string."""
-    cut = len(text) - len(text.rstrip("\ufffd"))
-    text = text[:len(text) - cut]
-    partial = max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
-                   if text.endswith(stop[:n])), default=0)
-    return cut + partial
 
 
 def row_generator(seed: int | None, index: int) -> torch.Generator:
@@ -269,16 +260,10 @@ class CausalLMAdapter(Adapter):
 
     def _streamable(self, state: Generated, options: GenerateOptions) -> str:
         """The text a row gained since its last delta (all of the rest once it finished)."""
-        if state.finish_reason is not None:
-            text = state.text
-        else:
-            text = self._decode_text(state.token_ids)
-            text = text[:len(text) - held_back(text, options.stop)]
-        if not text.startswith(state.sent):
-            # Decoding more tokens rewrote earlier text (rare with real tokenizers): wait
-            # for the final text, whose tail is sent if it still extends what went out.
-            return ""
-        delta, state.sent = text[len(state.sent):], text
+        final = state.finish_reason is not None
+        text = state.text if final else self._decode_text(state.token_ids)
+        sent = sendable(text, state.sent, options.stop, final)
+        delta, state.sent = sent[len(state.sent):], sent
         return delta
 
     def _pick(self, logits: torch.Tensor, options: list[GenerateOptions],

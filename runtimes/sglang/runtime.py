@@ -44,6 +44,7 @@ from typing import Any
 
 from app.catalog import ModelEntry, load_catalog
 from runtimes.base import CANCELLED, Delta, Load, OnDeltas, Outcome, Request, failed
+from runtimes.deltas import sendable
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.prompts import bos_id, check_prompt, prompt_ids
 from runtimes.sglang.server import ServerConfig, ServerStartError, SGLangServer
@@ -78,17 +79,6 @@ class _ServerDied(Exception):
         super().__init__(how)
         self.incarnation = incarnation
         self.how = how
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of a growing text that may still change: an incomplete UTF-8
-    character (U+FFFD), or the beginning of a stop string (the same rule as the PyTorch
-    adapter's streaming)."""
-    cut = len(text) - len(text.rstrip("\ufffd"))
-    text = text[:len(text) - cut]
-    partial = max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
-                   if text.endswith(stop[:n])), default=0)
-    return cut + partial
 
 
 def _sampling_seed(seed: int, index: int) -> int:
@@ -651,9 +641,12 @@ class SGLangRuntime:
             return errors[0]
         prompt = sum(c["prompt_tokens"] for c in choices)
         completion = sum(c["completion_tokens"] for c in choices)
-        return Outcome(request.id, result={"choices": list(choices), "usage": {
-            "tokens": prompt + completion, "prompt_tokens": prompt,
-            "completion_tokens": completion}})
+        # Latencies beside the choices, as the PyTorch adapter reports them.
+        latency = [{"ttft_ms": c.pop("ttft_ms"), "itl_ms": c.pop("itl_ms")} for c in choices]
+        return Outcome(request.id, result={"choices": list(choices), "latency": latency,
+                                           "usage": {"tokens": prompt + completion,
+                                                     "prompt_tokens": prompt,
+                                                     "completion_tokens": completion}})
 
     async def _died_or_broke(self, server: SGLangServer, incarnation: int, request: Request,
                              what: str) -> Outcome:
@@ -769,12 +762,13 @@ class SGLangRuntime:
         """Stream what the item gained since `sent`; the text streamed now."""
         if text is None:
             text = self._text(model, output, stops)
-            text = text[:len(text) - held_back(text, stops)]
-        if len(text) <= len(sent) or not text.startswith(sent):
+        now = sendable(text, sent, stops, final)
+        if now == sent:
             if final and not text.startswith(sent):
                 log.warning("streamed text of %s/%d is no prefix of its final text",
                             request.id, index)
             return sent
+        text = now
         live.streamed = True
         try:
             on_deltas([Delta(request.id, index, text[len(sent):], len(output))])

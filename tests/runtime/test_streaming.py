@@ -19,9 +19,9 @@ import yaml
 
 from app.catalog import ModelEntry
 from runtimes.base import CANCELLED, Delta, Outcome, Request
+from runtimes.deltas import held_back
 from runtimes.host import ModelHost
 from runtimes.process import ProcessRuntime
-from runtimes.pytorch.causal_lm import held_back
 from tasks.errors import ErrorCode
 from tests.tiny_lm import build_tiny_llama
 

@@ -81,7 +81,8 @@ def test_greedy_matches_transformers(runtime, tokenizer, reference) -> None:
         assert choice["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert choice["finish_reason"] == ("stop" if expected[-1] == tokenizer.sep_token_id
                                            else "length")
-        assert choice["ttft_ms"] > 0 and choice["itl_ms"] >= 0
+        latency = result["latency"][i]
+        assert latency["ttft_ms"] > 0 and latency["itl_ms"] >= 0
     usage = result["usage"]
     assert usage["prompt_tokens"] == sum(c["prompt_tokens"] for c in result["choices"])
     assert usage["tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
