@@ -18,7 +18,8 @@ yields it:
         print(delta["text"], end="")    # {"index", "text", "tokens"} per item
     result.get()                        # the full text and usage, as without streaming
 
-`result.revoke()` stops a running generation at its next token.
+`result.revoke()` stops a running generation at its next token (keep iterating: the
+stream then ends with the result, finish_reason "cancelled").
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ _END = object()
 def stream(result: AsyncResult, timeout: float | None = None) -> Iterator[dict[str, Any]]:
     """The deltas of a streamed generate task (`{"index", "text", "tokens"}`, in order) as
     they come; returns when its result is in, which `result.get()` then gives at once.
-    Raises what `get` raises (a ShoalError for a failed request, TimeoutError)."""
+    Raises what `get` raises (a ShoalError for a failed request, TimeoutError).
+
+    The stream waits for the result with Celery's `get` on a thread of its own; two `get`s
+    of one result at once (Celery's rpc backend drains one connection) can leave one
+    waiting forever, so leaving the loop early waits for that thread, that is for the
+    result. To stop a generation, `result.revoke()` first: it ends at the next token."""
     deltas: queue.Queue[Any] = queue.Queue()
 
     def on_message(meta: dict[str, Any]) -> None:
@@ -67,8 +73,12 @@ def stream(result: AsyncResult, timeout: float | None = None) -> Iterator[dict[s
             deltas.put(_END)
 
     # Celery's get() blocks and calls on_message from inside; a thread makes it a generator.
-    threading.Thread(target=follow, name=f"stream-{result.id}", daemon=True).start()
-    while (item := deltas.get()) is not _END:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    follower = threading.Thread(target=follow, name=f"stream-{result.id}", daemon=True)
+    follower.start()
+    try:
+        while (item := deltas.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        follower.join()

@@ -146,3 +146,13 @@ def test_encode_and_generate_name_a_lora():
     assert parse_options("generate", {"lora": "team/chat.v2"}).lora == "team/chat.v2"
     assert parse_options("encode", {"lora": None}) == EncodeOptions()
     assert EncodeOptions().lora is None and GenerateOptions().lora is None
+
+
+@pytest.mark.parametrize(("op", "stream"), [("generate", "yes"), ("encode", True)])
+def test_stream_is_a_boolean_for_generate_only(op, stream):
+    _refused("'stream' must be true or false, and true only for generate", op,
+             {"items": [{"text": "x"}], "stream": stream})
+
+
+def test_a_streamed_generate_request_parses():
+    assert parse_request("generate", {"items": [{"text": "x"}], "stream": True}).items
