@@ -2,15 +2,15 @@
 
     make sglang    # once: SGLang's own venv, .venv-sglang
     .venv/bin/python -m bench.sglang [--clients 1,8,32] [--duration 8] [--warmup 2]
-        [--rounds 3] [--max-tokens 64] [--prompts 64] [--json out.json]
+        [--rounds 3] [--max-tokens 64] [--prompts 64] [--native] [--json out.json]
         [--plot docs/bench/sglang.png] [--py-spy DIR]
 
 The model: a random Llama built in a temporary folder by `tests.tiny_lm.build_tiny_llama`
 with hidden size 128 (4 heads of 32, 2 KV heads, 2 layers, the MiniLM tokenizer's 30522
-words: 8.5 M parameters, 7.8 M of them embeddings). The tests use hidden 64 (head_dim 16,
-the smallest SGLang's CPU attention takes); 128 gives head_dim 32 and is still far too small
-for the forward pass to matter next to SGLang's per-step scheduling, so what is measured is
-per-token overhead, which is the point.
+words: 8.1 M parameters, 7.8 M of them the embedding and output matrices). The tests use
+hidden 64 (head_dim 16, the smallest SGLang's CPU attention takes); 128 gives a head_dim
+less of an edge case and is still far too small for the forward pass to matter next to
+SGLang's per-step scheduling, so what is measured is per-token overhead, which is the point.
 
 shoal: a private stack (`bench.stack.bench_stack`: gateway -> RabbitMQ -> one worker, on a
 queue prefix of its own) whose catalog has one entry, `runtime: sglang`; the worker starts
@@ -23,39 +23,45 @@ prompt's token ids (the ids shoal's runtime sends SGLang for that text:
 process, flags (`runtimes.sglang.server.ServerConfig`) and warm caches. A second server
 started with the same flags would spin: an idle SGLang scheduler polls its sockets
 without sleeping (SGLang's `--sleep-on-idle` is off; shoal does not pass it), so an idle
-server takes about one core of this 2-core machine (measured at start, in "idle_cpu")
-and would slow whichever system is measured beside it. While bare SGLang is measured,
+server takes a whole core of this 2-core machine (measured at start: "idle_cores") and
+would slow whichever system is measured beside it. While bare SGLang is measured,
 shoal's gateway, worker and RabbitMQ sit idle (their CPU is measured too).
+`--native` also measures SGLang's native `/generate` (the API shoal's runtime calls, with
+the same body), for reference.
 
 Both get the same prompts (`bench.mix.make_texts`, kept when greedy SGLang makes exactly
 `--max-tokens` tokens, none of them special, each adding text), greedy (temperature 0),
-`stream: true` with `stream_options.include_usage`. Output lengths are checked on every
-stream: usage.completion_tokens must be `--max-tokens` and shoal's text must be the
-tokenizer's decoding of the ids greedy SGLang made for that prompt (bare SGLang's text, which
-its incremental detokenizer spells with a leading space, must be the same every time); a
-stream that differs counts as an error.
+`stream: true` with `stream_options.include_usage`, and every stream's length is checked
+(usage.completion_tokens must be `--max-tokens`, else it is an error). Every prompt is
+first streamed once through each system; its text is then what later streams should
+repeat: shoal's must be the tokenizer's decoding of the ids greedy SGLang made (bare
+SGLang's incremental detokenizer spells it with leading spaces). Greedy decoding on this
+CPU path can flip a near-tie with the batch a request runs in, so a differing text is
+counted ("other_text"), not an error.
 
 Each level is N closed-loop streams (each sends its next request when its stream ends)
 from one `httpx.AsyncClient` on uvloop in this process; the client's CPU is reported. The
-systems alternate: each round measures every level on both, shoal first in even rounds and
-bare SGLang first in odd ones, and ratios are taken within a round (adjacent phases), then
-their median over rounds. Per phase, over the window [warm-up end, end):
+systems alternate: each round measures every level on each, in order in even rounds and in
+reverse in odd ones, and ratios are taken within a round (adjacent phases), then their
+median over rounds. Per phase, over the window [warm-up end, end):
 - output tokens/s: tokens of content chunks received in the window, of streams that ended
   without an error;
 - TTFT p50/p99: from sending the request to its first content chunk, of streams started
   in the window;
-- ITL p50: each content chunk after the first gives (gap to the previous chunk) / (tokens
-  in the chunk) for each of its tokens (SGLang's bench_serving does the same), of streams
-  started in the window. Tokens in a chunk: bare SGLang reports them
-  (`stream_options.continuous_usage_stats`); for shoal they are read off the text (shoal
-  streams the decoding of the first k tokens: the chunk's tokens are the k whose decoding
-  is as long as the text so far);
-- CPU: seconds per second (cores) of shoal's gateway, worker, SGLang server (its three
-  processes), RabbitMQ, and of the client.
+- ITL p50/p99: each content chunk after the first gives (gap to the previous chunk) /
+  (tokens in the chunk) for each of its tokens (as SGLang's bench_serving does), of
+  streams started in the window. Tokens in a chunk are read off the text: shoal streams
+  the decoding of the first k tokens, so they are the k whose decoding is as long as the
+  text so far; for bare SGLang the same table comes from the first pass, whose requests
+  ask for `continuous_usage_stats` (the measured ones do not: it costs SGLang a little);
+  the native API says them;
+- CPU: seconds per second (cores) of shoal's gateway, worker, RabbitMQ and the SGLang
+  server (its HTTP, scheduler and detokenizer processes), and of the client.
 
 `--py-spy DIR`: after the rounds, one more shoal phase at the largest level with
-`py-spy record` on the gateway, the worker and the SGLang server's HTTP process (raw
-collapsed stacks and their top functions, in DIR); it is not counted in the results.
+`py-spy record --gil --threads` on the gateway, the worker and the SGLang server's HTTP
+process (raw collapsed stacks, and per thread its top functions, in DIR); it is not
+counted in the results.
 """
 
 from __future__ import annotations
@@ -83,8 +89,8 @@ from bench.peers import parse_levels
 
 MODEL_ID = "bench/sglang-llama"
 HIDDEN_SIZE = 128
-SYSTEMS = ("shoal", "bare")
-NAMES = {"shoal": "shoal + SGLang", "bare": "bare SGLang"}
+SYSTEMS = ("shoal", "bare")  # measured by default; "native" with --native
+NAMES = {"shoal": "shoal + SGLang", "bare": "bare SGLang", "native": "SGLang native API"}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 TTFT_TARGET_MS = 5.0
@@ -115,18 +121,20 @@ class SSEParser:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """What one OpenAI streaming event says (text and counts of choice 0)."""
+    """What one streaming event says (text and counts of choice 0)."""
 
     text: str = ""
     finish: str | None = None
-    tokens: int | None = None  # usage.completion_tokens, when the event has usage
+    tokens: int | None = None  # completion tokens so far, when the event says
     error: str | None = None
     done: bool = False
+    whole: bool = False  # `text` is all the text so far (SGLang's native API), not a delta
 
 
 def read_event(data: bytes) -> Event:
-    """One event's data: a completion or chat chunk, an error, or [DONE]. Several entries
-    for choice 0 in one chunk (deltas that travelled together) are joined."""
+    """One event's data: an OpenAI completion or chat chunk, a chunk of SGLang's native
+    /generate (whole text and ids so far, `meta_info`), an error, or [DONE]. Several
+    entries for choice 0 in one chunk (deltas that travelled together) are joined."""
     if data.strip() == b"[DONE]":
         return Event(done=True)
     try:
@@ -140,6 +148,12 @@ def read_event(data: bytes) -> Event:
         code = error.get("code") or error.get("type") or error.get("message") \
             if isinstance(error, dict) else error
         return Event(error=str(code))
+    meta = payload.get("meta_info")
+    if isinstance(meta, dict):
+        finish = meta.get("finish_reason")
+        return Event(str(payload.get("text") or ""),
+                     finish.get("type") if isinstance(finish, dict) else finish,
+                     meta.get("completion_tokens"), whole=True)
     text, finish = [], None
     for choice in payload.get("choices") or ():
         if choice.get("index", 0) != 0:
@@ -159,6 +173,25 @@ def prefix_lengths(pieces: Sequence[str]) -> list[int]:
     """Lengths of the text after 0, 1, ... n tokens, given those texts (`pieces[k]`: the
     decoding of the first k+1 tokens)."""
     return [0, *(len(p) for p in pieces)]
+
+
+def lengths_seen(chunks: Sequence[tuple[float, int, int | None]], tokens: int) -> list[int]:
+    """`prefix_lengths` from a stream whose chunks said their tokens: a chunk of several
+    tokens gives its length to the last of them (the others keep the previous length, so
+    `tokens_at` counts them with it)."""
+    lengths = [0] * (tokens + 1)
+    done, chars = 0, 0
+    for _, now_chars, said in chunks:
+        if said is None or said <= done:
+            continue
+        said = min(said, tokens)
+        for k in range(done + 1, said):
+            lengths[k] = chars
+        lengths[said] = chars = now_chars
+        done = said
+    for k in range(done + 1, tokens + 1):
+        lengths[k] = chars
+    return lengths
 
 
 def tokens_at(lengths: Sequence[int], chars: int) -> int:
@@ -264,12 +297,13 @@ def phase_stats(streams: Sequence[Stream], start: float, end: float,
             "errors": sum(errors.values()), "error_kinds": dict(errors)}
 
 
-def schedule(rounds: int, levels: Sequence[int]) -> list[tuple[int, int, str]]:
-    """(round, clients, system) in run order: both systems at each level in turn, shoal
-    first in even rounds and bare SGLang first in odd ones."""
+def schedule(rounds: int, levels: Sequence[int],
+             systems: Sequence[str] = SYSTEMS) -> list[tuple[int, int, str]]:
+    """(round, clients, system) in run order: every system at each level in turn, in
+    `systems` order in even rounds and in reverse in odd ones."""
     return [(r, clients, system)
             for r in range(rounds) for clients in levels
-            for system in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1])]
+            for system in (systems if r % 2 == 0 else systems[::-1])]
 
 
 def median(values: Sequence[float | None]) -> float | None:
@@ -277,8 +311,9 @@ def median(values: Sequence[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "client_cores",
-           "cores")
+METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+           "client_cores", "cores")
+SHOAL_SIDE = ("gateway", "worker", "rabbitmq")  # what shoal adds to SGLang's processes
 
 
 def _read(run: Mapping[str, Any], key: str) -> float | None:
@@ -290,18 +325,26 @@ def _read(run: Mapping[str, Any], key: str) -> float | None:
 def summarise(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per level: each metric's median over rounds per system; per round, shoal/bare
     throughput and shoal's TTFT p50 minus bare's, and their medians; errors summed."""
+    systems = [s for s in NAMES if any(run["system"] == s for run in runs)]
     summary = []
     for clients in sorted({run["clients"] for run in runs}):
         row: dict[str, Any] = {"clients": clients}
         at = [run for run in runs if run["clients"] == clients]
-        for key in METRICS:
-            for system in SYSTEMS:
-                row[f"{system}_{key}"] = median(
-                    [_read(run, key) for run in at if run["system"] == system])
+        for system in systems:
+            mine = [run for run in at if run["system"] == system]
+            for key in METRICS:
+                row[f"{system}_{key}"] = median([_read(run, key) for run in mine])
+            for group in sorted({g for run in mine for g in run.get("cpu_cores", {})}):
+                row[f"{system}_cpu_{group}"] = median(
+                    [run["cpu_cores"].get(group) for run in mine])
+        # CPU ms that shoal's own processes spend per streamed token.
+        row["shoal_cpu_ms_per_token"] = median(
+            [sum(run["cpu_cores"].get(g, 0.0) for g in SHOAL_SIDE) * 1000 / run["tokens_per_s"]
+             for run in at if run["system"] == "shoal" and run.get("tokens_per_s")])
         ratios, added, added_p99 = [], [], []
         for r in sorted({run["round"] for run in at}):
             pair = {run["system"]: run for run in at if run["round"] == r}
-            if set(pair) != set(SYSTEMS):
+            if not set(SYSTEMS) <= set(pair):
                 continue
             shoal, bare = pair["shoal"], pair["bare"]
             if bare["tokens_per_s"]:
@@ -315,7 +358,7 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         row["added_ttft_p50_ms"] = median(added)
         row["added_ttft_p50_ms_rounds"] = added
         row["added_ttft_p99_ms"] = median(added_p99)
-        for system in SYSTEMS:
+        for system in systems:
             row[f"{system}_errors"] = sum(run["errors"] for run in at
                                           if run["system"] == system)
         summary.append(row)
@@ -327,11 +370,11 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def table(summary: Sequence[Mapping[str, Any]]) -> str:
-    """The summary as a markdown table."""
+    """The summary as markdown: the comparison, CPU, and the native API when measured."""
     header = ["streams", "tokens/s shoal", "tokens/s bare", "shoal/bare",
               "TTFT p50 ms shoal", "TTFT p50 ms bare", "shoal's added TTFT p50 ms",
               "TTFT p99 ms shoal", "TTFT p99 ms bare", "ITL p50 ms shoal", "ITL p50 ms bare",
-              "CPU cores shoal (bare)", "client cores", "errors (shoal, bare)"]
+              "ITL p99 ms shoal", "ITL p99 ms bare", "errors (shoal, bare)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in summary:
         cells = [str(row["clients"]),
@@ -341,11 +384,33 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
                  _num(row["added_ttft_p50_ms"], "+.1f"),
                  _num(row["shoal_ttft_p99_ms"], ".0f"), _num(row["bare_ttft_p99_ms"], ".0f"),
                  _num(row["shoal_itl_p50_ms"], ".1f"), _num(row["bare_itl_p50_ms"], ".1f"),
-                 f"{_num(row['shoal_cores'], '.2f')} ({_num(row['bare_cores'], '.2f')})",
-                 f"{_num(row['shoal_client_cores'], '.2f')}, "
-                 f"{_num(row['bare_client_cores'], '.2f')}",
+                 _num(row["shoal_itl_p99_ms"], ".0f"), _num(row["bare_itl_p99_ms"], ".0f"),
                  f"{row['shoal_errors']}, {row['bare_errors']}"]
         lines.append("| " + " | ".join(cells) + " |")
+    cpu = ["streams", "shoal: gateway", "worker", "RabbitMQ", "SGLang",
+           "bare: SGLang", "shoal's processes, idle", "client (shoal, bare)",
+           "shoal's CPU ms per token"]
+    lines += ["", "CPU, cores (CPU seconds per second; SGLang = its HTTP, scheduler and "
+              "detokenizer processes):", "",
+              "| " + " | ".join(cpu) + " |", "|" + "---:|" * len(cpu)]
+    for row in summary:
+        lines.append("| " + " | ".join([
+            str(row["clients"]), _num(row.get("shoal_cpu_gateway"), ".2f"),
+            _num(row.get("shoal_cpu_worker"), ".2f"), _num(row.get("shoal_cpu_rabbitmq"), ".2f"),
+            _num(row.get("shoal_cpu_sglang"), ".2f"), _num(row.get("bare_cpu_sglang"), ".2f"),
+            _num(row.get("bare_cpu_shoal idle"), ".2f"),
+            f"{_num(row['shoal_client_cores'], '.2f')}, {_num(row['bare_client_cores'], '.2f')}",
+            _num(row.get("shoal_cpu_ms_per_token"), ".2f")]) + " |")
+    if any("native_tokens_per_s" in row for row in summary):
+        lines += ["", "SGLang's native API (/generate, streamed, as shoal's runtime calls it), "
+                  "for reference:", "",
+                  "| streams | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | errors |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {row['clients']} | {_num(row.get('native_tokens_per_s'), '.0f')} | "
+                  f"{_num(row.get('native_ttft_p50_ms'), '.1f')} | "
+                  f"{_num(row.get('native_ttft_p99_ms'), '.0f')} | "
+                  f"{_num(row.get('native_itl_p50_ms'), '.1f')} | "
+                  f"{row.get('native_errors', 0)} |" for row in summary]
     return "\n".join(lines)
 
 
@@ -472,6 +537,7 @@ class Prompt:
     shoal_text: str = ""  # the tokenizer's decoding of output_ids: shoal's completion
     lengths: list[int] = field(default_factory=list)  # prefix_lengths of the decodings
     bare_text: str | None = None  # bare SGLang's streamed text, once seen
+    bare_lengths: list[int] | None = None  # the same for its text (`lengths_seen`)
 
 
 def build_model(directory: Path) -> Path:
@@ -557,14 +623,23 @@ class Target:
     bodies: list[bytes]
 
 
-def bodies(system: str, prompts: Sequence[Prompt], max_tokens: int) -> list[bytes]:
+def bodies(system: str, prompts: Sequence[Prompt], max_tokens: int,
+           counted: bool = False) -> list[bytes]:
+    """Each prompt's request: shoal's OpenAI route with the prompt's text; bare SGLang's
+    with its token ids (`counted`: with each chunk's token count, which costs SGLang a
+    little, so only the output check asks for it); SGLang's native /generate with the ids,
+    as shoal's runtime sends them. Greedy, `max_tokens`, streamed."""
+    if system == "native":
+        return [orjson.dumps({"input_ids": p.ids, "stream": True, "sampling_params": {
+            "max_new_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
+            "skip_special_tokens": True}}) for p in prompts]
     base: dict[str, Any] = {"model": MODEL_ID, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True}
+                            "stream": True, "stream_options": {"include_usage": True}}
     if system == "shoal":
-        return [orjson.dumps({**base, "prompt": p.text,
-                              "stream_options": {"include_usage": True}}) for p in prompts]
-    return [orjson.dumps({**base, "prompt": p.ids, "stream_options": {
-        "include_usage": True, "continuous_usage_stats": True}}) for p in prompts]
+        return [orjson.dumps({**base, "prompt": p.text}) for p in prompts]
+    if counted:
+        base["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return [orjson.dumps({**base, "prompt": p.ids}) for p in prompts]
 
 
 HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
@@ -590,7 +665,11 @@ async def one_stream(client: Any, target: Target, prompt: int, timeout: float) -
                     if event.error is not None:
                         stream.error = f"error event: {event.error}"
                         return stream
-                    if event.text:
+                    if event.whole:
+                        if len(event.text) > len(stream.text):
+                            stream.text = event.text
+                            stream.chunks.append((now, len(stream.text), event.tokens))
+                    elif event.text:
                         stream.text += event.text
                         stream.chunks.append((now, len(stream.text), event.tokens))
                     if event.finish is not None:
@@ -657,19 +736,23 @@ def score(system: str, streams: Sequence[Stream], prompts: Sequence[Prompt],
           max_tokens: int) -> tuple[list[list[int]], int]:
     """Check each stream's length (a wrong one becomes an error), count its tokens per
     chunk, and count the streams whose text is not the prompt's usual one: shoal's must be
-    the decoding of greedy SGLang's ids, bare SGLang's the first it streamed for the prompt.
-    (Greedy decoding on CPU can flip a near-tie with the batch it runs in.)"""
+    the decoding of greedy SGLang's ids, bare SGLang's the first it streamed for the prompt
+    (which also gives `bare_lengths` when its chunks said their tokens). Greedy decoding
+    on CPU can flip a near-tie with the batch it runs in: such a stream is only counted."""
     counts, differ = [], 0
     for stream in streams:
         prompt = prompts[stream.prompt]
         if stream.error is None:
             stream.error = check(stream, max_tokens)
-        if stream.error is None:
+        if stream.error is None and system != "native":
             if system == "bare" and prompt.bare_text is None:
                 prompt.bare_text = stream.text
+                if stream.chunks and stream.chunks[-1][2] is not None:
+                    prompt.bare_lengths = lengths_seen(stream.chunks, max_tokens)
             expected = prompt.shoal_text if system == "shoal" else prompt.bare_text
             differ += stream.text != expected
-        counts.append(token_counts(stream, prompt.lengths if system == "shoal" else None))
+        lengths = {"shoal": prompt.lengths, "bare": prompt.bare_lengths}.get(system)
+        counts.append(token_counts(stream, lengths))
     return counts, differ
 
 
@@ -695,26 +778,56 @@ async def measure(target: Target, prompts: Sequence[Prompt], clients: int, warmu
 
 
 def py_spy(pids: Mapping[str, int], seconds: float, out: Path) -> list[subprocess.Popen]:
-    """`py-spy record` (raw collapsed stacks, 200 Hz, idle frames dropped) of each
-    process, for `seconds`."""
+    """`py-spy record` of each process for `seconds`: raw collapsed stacks, 200 Hz, only
+    samples of a thread holding the GIL (where the process's CPU goes), thread names
+    first."""
     exe = Path(sys.executable).with_name("py-spy")
     out.mkdir(parents=True, exist_ok=True)
     return [subprocess.Popen([str(exe), "record", "--pid", str(pid), "--duration",
                               str(int(seconds)), "--rate", "200", "--format", "raw",
-                              "--output", str(out / f"{name}.txt"), "--nonblocking"],
+                              "--threads", "--gil", "--nonblocking",
+                              "--output", str(out / f"{name}.txt")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in pids.items()]
 
 
-def profile_report(out: Path) -> dict[str, list[tuple[str, float, float]]]:
-    report = {}
+def by_thread(collapsed: str) -> dict[str, str]:
+    """py-spy's collapsed stacks (recorded with --threads) split by thread name."""
+    threads: dict[str, list[str]] = {}
+    for line in collapsed.splitlines():
+        first = line.split(";", 1)[0]
+        name = first.split(": ", 1)[1].strip('"') if first.startswith("thread ") \
+            and ": " in first else "?"
+        threads.setdefault(name, []).append(line)
+    return {name: "\n".join(lines) for name, lines in threads.items()}
+
+
+def samples(collapsed: str) -> int:
+    return sum(int(count) for line in collapsed.splitlines()
+               for _, _, count in [line.rpartition(" ")] if count.isdigit())
+
+
+def profile_report(out: Path, seconds: float, rate: int = 200) -> dict[str, Any]:
+    """For each recorded process: its CPU (GIL-holding samples as cores), and per thread
+    its share and top functions; also written beside each recording as NAME.top.txt."""
+    report: dict[str, Any] = {}
     for path in sorted(out.glob("*.txt")):
         if path.name.endswith(".top.txt"):
             continue
-        top = top_functions(path.read_text(errors="replace"))
-        report[path.stem] = top
-        lines = ["% on stack | % innermost | function"] + \
-            [f"{inc:6.1f} | {own:6.1f} | {name}" for name, inc, own in top]
+        collapsed = path.read_text(errors="replace")
+        total = samples(collapsed)
+        entry: dict[str, Any] = {"cores": total / (seconds * rate), "threads": {}}
+        lines = [f"{path.stem}: {total} samples holding the GIL in {seconds:g} s at "
+                 f"{rate} Hz = {entry['cores']:.2f} cores"]
+        for thread, stacks in sorted(by_thread(collapsed).items(),
+                                     key=lambda item: -samples(item[1])):
+            n = samples(stacks)
+            top = top_functions(stacks)
+            entry["threads"][thread] = {"share": n / total if total else 0.0, "top": top}
+            lines += ["", f"thread {thread}: {100 * n / max(total, 1):.0f}% of the samples",
+                      "% on stack | % innermost | function"]
+            lines += [f"{inc:6.1f} | {own:6.1f} | {name}" for name, inc, own in top]
+        report[path.stem] = entry
         path.with_suffix(".top.txt").write_text("\n".join(lines) + "\n")
     return report
 
@@ -739,7 +852,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not sglang_python().exists():
         raise SystemExit(missing_python_message(sglang_python()))
     os.environ.update({k: v for k, v in OFFLINE_ENV.items() if k not in os.environ})
-    plan = schedule(args.rounds, args.clients)
+    systems = (*SYSTEMS, "native") if args.native else SYSTEMS
+    plan = schedule(args.rounds, args.clients, systems)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="shoal-bench-sglang-") as tmp, \
             tqdm(total=len(plan) + 4 + bool(args.py_spy), unit="step", file=sys.stderr) as bar:
@@ -776,17 +890,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             targets = {"shoal": Target("shoal", f"{stack.url}/v1/completions",
                                        bodies("shoal", prompts, args.max_tokens)),
                        "bare": Target("bare", f"{server_url}/v1/completions",
-                                      bodies("bare", prompts, args.max_tokens))}
+                                      bodies("bare", prompts, args.max_tokens)),
+                       "native": Target("native", f"{server_url}/generate",
+                                        bodies("native", prompts, args.max_tokens))}
+            idle_shoal = [gateway, *worker_side, *broker]
             groups = {"shoal": {"gateway": [gateway], "worker": worker_side,
                                 "sglang": sglang, "rabbitmq": broker},
-                      "bare": {"sglang": sglang, "shoal idle": [gateway, *worker_side,
-                                                                *broker]}}
+                      "bare": {"sglang": sglang, "shoal idle": idle_shoal},
+                      "native": {"sglang": sglang, "shoal idle": idle_shoal}}
             bar.update()
-            # Every prompt once through each system: warms both and checks the outputs.
+            # Every prompt once through each system: warms them and checks the outputs
+            # (bare SGLang's chunks say their tokens here, for counting them later).
             verify = {}
-            for system in SYSTEMS:
+            for system in systems:
                 bar.set_description(f"checking outputs: {NAMES[system]}")
-                streams = uvloop.run(each_once(targets[system], 16))
+                once = Target(system, targets[system].url,
+                              bodies(system, prompts, args.max_tokens, counted=True))
+                streams = uvloop.run(each_once(once, 16))
                 _, differ = score(system, streams, prompts, args.max_tokens)
                 verify[system] = {"streams": len(streams), "other_text": differ,
                                   "errors": Counter(s.error for s in streams if s.error)}
@@ -807,7 +927,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            groups["shoal"]))
                 for process in spied:
                     process.wait(60)
-                profile = {"run": extra, "top": profile_report(args.py_spy)}
+                profile = {"run": extra, "processes": profile_report(args.py_spy,
+                                                                      int(args.duration))}
                 bar.update()
     return {"machine": machine_info(), "model": {
                 "id": MODEL_ID, "hidden_size": HIDDEN_SIZE, "layers": 2, "heads": 4,
@@ -815,7 +936,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "server_argv": [a for a in server_argv if a],
             "sglang_version": sglang_version(),
             "duration": args.duration, "warmup": args.warmup, "rounds": args.rounds,
-            "max_tokens": args.max_tokens,
+            "max_tokens": args.max_tokens, "systems": list(systems),
             "prompts": {"used": len(prompts), "candidates": len(candidates),
                         "prompt_tokens": [len(p.ids) for p in prompts]},
             "idle_cores": idle, "verify": {s: {**v, "errors": dict(v["errors"])}
@@ -840,8 +961,8 @@ def plot(path: Path, summary: Sequence[Mapping[str, Any]], title_text: str) -> P
     fig = Figure(figsize=(10, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
-    colors = {"shoal": "tab:blue", "bare": "tab:orange"}
-    for system in SYSTEMS:
+    colors = {"shoal": "tab:blue", "bare": "tab:orange", "native": "tab:gray"}
+    for system in [s for s in NAMES if f"{s}_tokens_per_s" in summary[0]]:
         left.plot(levels, [row[f"{system}_tokens_per_s"] or 0 for row in summary], "o-",
                   color=colors[system], label=NAMES[system])
         right.plot(levels, [row[f"{system}_ttft_p50_ms"] for row in summary], "o-",
@@ -879,6 +1000,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=64, help="distinct prompts")
     parser.add_argument("--json", type=Path, help="write runs and summary here")
     parser.add_argument("--plot", type=Path, help="plot throughput and TTFT per level here")
+    parser.add_argument("--native", action="store_true",
+                        help="also measure SGLang's native /generate (what shoal's runtime "
+                             "calls), for reference")
     parser.add_argument("--py-spy", type=Path, metavar="DIR",
                         help="after the rounds, profile one shoal phase into DIR")
     args = parser.parse_args(argv)
@@ -893,7 +1017,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def command(args: argparse.Namespace) -> str:
     return (f"python -m bench.sglang --clients {','.join(map(str, args.clients))} "
             f"--duration {args.duration:g} --warmup {args.warmup:g} --rounds {args.rounds} "
-            f"--max-tokens {args.max_tokens}")
+            f"--max-tokens {args.max_tokens}" + (" --native" if args.native else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -913,10 +1037,13 @@ def main(argv: list[str] | None = None) -> int:
     code = emit(table(data["summary"]), data, args.json)
     print("\n" + "\n".join(verdicts(data["summary"])))
     if data["profile"]:
-        for name, top in data["profile"]["top"].items():
-            print(f"\npy-spy, {name} (% of samples on the stack, % innermost):")
-            for function, inclusive, own in top[:15]:
-                print(f"  {inclusive:5.1f} {own:5.1f}  {function}")
+        for name, entry in data["profile"]["processes"].items():
+            print(f"\npy-spy, {name}: {entry['cores']:.2f} cores holding the GIL")
+            for thread, info in list(entry["threads"].items())[:3]:
+                print(f"  thread {thread} ({100 * info['share']:.0f}%), % on stack, "
+                      "% innermost:")
+                for function, inclusive, own in sorted(info["top"], key=lambda t: -t[2])[:12]:
+                    print(f"    {inclusive:5.1f} {own:5.1f}  {function}")
     errors = sum(row["shoal_errors"] + row["bare_errors"] for row in data["summary"])
     if errors:
         print(f"\nwarning: {errors} failed or unexpected streams (error_kinds in the runs)",

@@ -50,6 +50,15 @@ def test_read_event_joins_entries_of_choice_zero_and_ignores_others() -> None:
     assert b.read_event(data) == b.Event("ab", "stop")
 
 
+def test_read_event_native_chunks_carry_the_whole_text_and_their_tokens() -> None:
+    data = orjson.dumps({"text": " a b", "output_ids": [5, 6], "meta_info": {
+        "completion_tokens": 2, "finish_reason": {"type": "length", "length": 2}}})
+    assert b.read_event(data) == b.Event(" a b", "length", 2, whole=True)
+    data = orjson.dumps({"text": " a", "meta_info": {"completion_tokens": 1,
+                                                     "finish_reason": None}})
+    assert b.read_event(data) == b.Event(" a", None, 1, whole=True)
+
+
 def test_read_event_usage_only_done_errors_and_garbage() -> None:
     assert b.read_event(event(choices=[], usage=64)) == b.Event(tokens=64)
     assert b.read_event(b" [DONE]") == b.Event(done=True)
@@ -69,6 +78,15 @@ def test_tokens_at_counts_a_token_without_text_with_the_next_one() -> None:
     assert lengths == [0, 1, 3, 3, 5]
     assert [b.tokens_at(lengths, n) for n in (1, 3, 5)] == [1, 2, 4]
     assert b.tokens_at(lengths, 99) == 4  # never more than the tokens there are
+
+
+def test_lengths_seen_from_chunks_that_said_their_tokens() -> None:
+    chunks = [(1.0, 2, 1), (2.0, 4, 2), (3.0, 9, 5), (4.0, 9, 5), (5.0, 11, 6)]
+    lengths = b.lengths_seen(chunks, 7)
+    assert lengths == [0, 2, 4, 4, 4, 9, 11, 11]
+    # Read back, each chunk gets the count it said.
+    assert [b.tokens_at(lengths, chars) for _, chars, _ in chunks] == [1, 2, 5, 5, 6]
+    assert b.lengths_seen([], 2) == [0, 0, 0]
 
 
 def stream(sent: float, chunks: list[tuple[float, int, int | None]], tokens: int | None = None,
@@ -137,12 +155,16 @@ def test_schedule_alternates_which_system_goes_first() -> None:
     assert b.schedule(2, [1, 8]) == [
         (0, 1, "shoal"), (0, 1, "bare"), (0, 8, "shoal"), (0, 8, "bare"),
         (1, 1, "bare"), (1, 1, "shoal"), (1, 8, "bare"), (1, 8, "shoal")]
+    assert [s for _, _, s in b.schedule(2, [1], ("shoal", "bare", "native"))] == [
+        "shoal", "bare", "native", "native", "bare", "shoal"]
 
 
 def run(system: str, r: int, clients: int, tps: float, ttft: float, errors: int = 0) -> dict:
+    cpu = {"gateway": 0.25, "worker": 0.5, "rabbitmq": 0.25, "sglang": 1.0} \
+        if system == "shoal" else {"sglang": 1.0, "shoal idle": 0.01}
     return {"system": system, "round": r, "clients": clients, "tokens_per_s": tps,
             "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 2, "itl_p50_ms": 5.0,
-            "client_cores": 0.1, "cpu_cores": {"a": 0.5, "b": 0.25}, "errors": errors}
+            "itl_p99_ms": 50.0, "client_cores": 0.1, "cpu_cores": cpu, "errors": errors}
 
 
 def test_summarise_pairs_systems_within_a_round() -> None:
@@ -158,7 +180,11 @@ def test_summarise_pairs_systems_within_a_round() -> None:
     assert row["added_ttft_p50_ms_rounds"] == pytest.approx([10, 40, 2])
     assert row["added_ttft_p50_ms"] == pytest.approx(10)
     assert row["added_ttft_p99_ms"] == pytest.approx(20)
-    assert row["shoal_cores"] == pytest.approx(0.75)
+    assert row["shoal_cores"] == pytest.approx(2.0)
+    assert row["shoal_cpu_worker"] == pytest.approx(0.5)
+    assert row["bare_cpu_sglang"] == pytest.approx(1.0)
+    # gateway + worker + RabbitMQ = 1 core: 1000 ms / (90, 50, 120 tokens) -> median
+    assert row["shoal_cpu_ms_per_token"] == pytest.approx(1000 / 90)
     assert (row["shoal_errors"], row["bare_errors"]) == (2, 0)
 
 
@@ -173,11 +199,23 @@ def test_table_and_verdicts() -> None:
     summary = b.summarise([run("shoal", 0, 1, 95, 24), run("bare", 0, 1, 100, 20),
                            run("shoal", 0, 32, 50, 300), run("bare", 0, 32, 100, 60)])
     lines = b.table(summary).splitlines()
-    assert len(lines) == 4 and lines[0].startswith("| streams |")
+    assert lines[0].startswith("| streams |") and len(lines) == 11
     assert "| 1 | 95 | 100 | 0.95 | 24.0 | 20.0 | +4.0 |" in lines[2]
+    assert lines[10] == "| 32 | 0.25 | 0.50 | 0.25 | 1.00 | 1.00 | 0.01 | 0.10, 0.10 | 20.00 |"
     verdicts = b.verdicts(summary)
     assert "0.95x bare (meets" in verdicts[0] and "+4.0 ms (meets" in verdicts[0]
     assert "0.50x bare (misses" in verdicts[1] and "+240.0 ms (misses" in verdicts[1]
+
+
+def test_native_reference_gets_its_own_columns_and_rows() -> None:
+    runs = [run("shoal", 0, 1, 95, 24), run("bare", 0, 1, 100, 20),
+            run("native", 0, 1, 110, 18, errors=1)]
+    (row,) = b.summarise(runs)
+    assert row["native_tokens_per_s"] == 110 and row["native_errors"] == 1
+    assert row["ratio_tokens_per_s"] == pytest.approx(0.95)  # shoal/bare, still
+    text = b.table([row])
+    assert "| 1 | 110 | 18.0 | 36 | 5.0 | 1 |" in text
+    assert "native" not in b.table(b.summarise(runs[:2]))
 
 
 def test_top_functions_from_collapsed_stacks() -> None:
@@ -195,6 +233,17 @@ def test_top_functions_from_collapsed_stacks() -> None:
     assert b.top_functions("") == []
 
 
+def test_by_thread_and_samples() -> None:
+    collapsed = "\n".join([
+        "thread (0x1): MainThread;main (a.py:1);poll (a.py:2) 3",
+        'thread (0x2): "loop";run (b.py:1) 5',
+        "thread (0x1): MainThread;main (a.py:1) 1",
+    ])
+    threads = b.by_thread(collapsed)
+    assert set(threads) == {"MainThread", "loop"}
+    assert b.samples(threads["MainThread"]) == 4 and b.samples(collapsed) == 9
+
+
 # --------------------------------------------------------------------------- requests, CLI
 
 
@@ -208,7 +257,13 @@ def test_bodies_same_prompt_greedy_and_length_for_both_systems() -> None:
         assert body["stream_options"]["include_usage"] is True
     assert shoal["prompt"] == "a cat"
     assert bare["prompt"] == [101, 1037, 4937]  # the ids shoal's runtime sends for it
-    assert bare["stream_options"]["continuous_usage_stats"] is True
+    assert bare["stream_options"] == shoal["stream_options"] == {"include_usage": True}
+    counted = orjson.loads(b.bodies("bare", prompts, 64, counted=True)[0])
+    assert counted["stream_options"]["continuous_usage_stats"] is True
+    native = orjson.loads(b.bodies("native", prompts, 64)[0])
+    assert native["input_ids"] == [101, 1037, 4937] and native["stream"] is True
+    assert native["sampling_params"]["max_new_tokens"] == 64
+    assert native["sampling_params"]["temperature"] == 0
 
 
 class FakeTokenizer:
