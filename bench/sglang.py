@@ -312,13 +312,15 @@ def median(values: Sequence[float | None]) -> float | None:
 
 
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-           "client_cores", "cores")
+           "client_cores", "cores", "prefill_busy_share")
 SHOAL_SIDE = ("gateway", "worker", "rabbitmq")  # what shoal adds to SGLang's processes
 
 
 def _read(run: Mapping[str, Any], key: str) -> float | None:
     if key == "cores":  # every measured process of the system, the client excluded
         return sum(run["cpu_cores"].values()) if run.get("cpu_cores") else None
+    if key == "prefill_busy_share":
+        return (run.get("sglang") or {}).get(key)
     return run.get(key)
 
 
@@ -369,6 +371,10 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def table(summary: Sequence[Mapping[str, Any]]) -> str:
     """The summary as markdown: the comparison, CPU, and the native API when measured."""
     header = ["streams", "tokens/s shoal", "tokens/s bare", "shoal/bare",
@@ -389,7 +395,7 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     cpu = ["streams", "shoal: gateway", "worker", "RabbitMQ", "SGLang",
            "bare: SGLang", "shoal's processes, idle", "client (shoal, bare)",
-           "shoal's CPU ms per token"]
+           "shoal's CPU ms per token", "SGLang in prefill (shoal, bare)"]
     lines += ["", "CPU, cores (CPU seconds per second; SGLang = its HTTP, scheduler and "
               "detokenizer processes):", "",
               "| " + " | ".join(cpu) + " |", "|" + "---:|" * len(cpu)]
@@ -400,7 +406,9 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
             _num(row.get("shoal_cpu_sglang"), ".2f"), _num(row.get("bare_cpu_sglang"), ".2f"),
             _num(row.get("bare_cpu_shoal idle"), ".2f"),
             f"{_num(row['shoal_client_cores'], '.2f')}, {_num(row['bare_client_cores'], '.2f')}",
-            _num(row.get("shoal_cpu_ms_per_token"), ".2f")]) + " |")
+            _num(row.get("shoal_cpu_ms_per_token"), ".2f"),
+            f"{_pct(row.get('shoal_prefill_busy_share'))}, "
+            f"{_pct(row.get('bare_prefill_busy_share'))}"]) + " |")
     if any("native_tokens_per_s" in row for row in summary):
         lines += ["", "SGLang's native API (/generate, streamed, as shoal's runtime calls it), "
                   "for reference:", "",
@@ -683,17 +691,56 @@ async def one_stream(client: Any, target: Target, prompt: int, timeout: float) -
     return stream
 
 
+def prefill_share(before: Mapping[str, Any], after: Mapping[str, Any],
+                  seconds: float) -> dict[str, float]:
+    """From two reads of SGLang's /v1/loads: the share of the time its scheduler spent in
+    prefill (extend) batches, and the prompt tokens it prefilled per second."""
+    busy = after.get("total_prefill_busy_us", 0) - before.get("total_prefill_busy_us", 0)
+    tokens = (after.get("total_prefill_uncached_tokens", 0)
+              - before.get("total_prefill_uncached_tokens", 0))
+    return {"prefill_busy_share": busy / 1e6 / seconds,
+            "prefill_tokens_per_s": tokens / seconds}
+
+
+async def sglang_counters(url: str | None, start: float, end: float) -> dict[str, float]:
+    """`prefill_share` over [start, end) of the SGLang server at `url` ({} without one)."""
+    if url is None:
+        return {}
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        async def read() -> dict[str, Any]:
+            return (await client.get(f"{url}/v1/loads")).json()["loads"][0]
+
+        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+        before = await read()
+        await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        return prefill_share(before, await read(), end - start)
+
+
+@dataclass
+class Phase:
+    streams: list[Stream]
+    start: float
+    end: float
+    cores: dict[str, float]  # per CPU group
+    client_cores: float
+    server: dict[str, float]  # `prefill_share`
+
+
 async def closed_loop(target: Target, clients: int, warmup: float, duration: float,
-                      cpu_groups: Mapping[str, Sequence[int]], timeout: float = 120.0
-                      ) -> tuple[list[Stream], float, float, dict[str, float], float]:
+                      cpu_groups: Mapping[str, Sequence[int]], timeout: float = 120.0,
+                      server_url: str | None = None) -> Phase:
     """`clients` streams, each sending its next request when its stream ends, until the
-    window ends; the streams, the window, each CPU group's cores over it and the client's."""
+    window ends; the streams, the window, each CPU group's cores over it, the client's,
+    and the SGLang server's prefill counters over it."""
     import httpx
 
     now = time.perf_counter()
     start, end = now + warmup, now + warmup + duration
     streams: list[Stream] = []
     meter = asyncio.create_task(cores_over(start, end, cpu_groups))
+    counters = asyncio.create_task(sglang_counters(server_url, start, end))
     client_cpu: list[float] = []
 
     async def client_meter() -> None:
@@ -715,7 +762,7 @@ async def closed_loop(target: Target, clients: int, warmup: float, duration: flo
         await asyncio.gather(*(loop(k) for k in range(clients)))
     cores = await meter
     await client_task
-    return streams, start, end, cores, client_cpu[0]
+    return Phase(streams, start, end, cores, client_cpu[0], await counters)
 
 
 async def each_once(target: Target, concurrency: int, timeout: float = 300.0) -> list[Stream]:
@@ -738,31 +785,35 @@ def score(system: str, streams: Sequence[Stream], prompts: Sequence[Prompt],
     chunk, and count the streams whose text is not the prompt's usual one: shoal's must be
     the decoding of greedy SGLang's ids, bare SGLang's the first it streamed for the prompt
     (which also gives `bare_lengths` when its chunks said their tokens). Greedy decoding
-    on CPU can flip a near-tie with the batch it runs in: such a stream is only counted."""
+    on CPU can flip a near-tie with the batch it runs in: such a stream is only counted,
+    and its chunks are taken for one token each (they are, but for rare merged ones)."""
     counts, differ = [], 0
     for stream in streams:
         prompt = prompts[stream.prompt]
         if stream.error is None:
             stream.error = check(stream, max_tokens)
+        lengths = {"shoal": prompt.lengths, "bare": prompt.bare_lengths}.get(system)
         if stream.error is None and system != "native":
             if system == "bare" and prompt.bare_text is None:
                 prompt.bare_text = stream.text
                 if stream.chunks and stream.chunks[-1][2] is not None:
-                    prompt.bare_lengths = lengths_seen(stream.chunks, max_tokens)
+                    lengths = prompt.bare_lengths = lengths_seen(stream.chunks, max_tokens)
             expected = prompt.shoal_text if system == "shoal" else prompt.bare_text
-            differ += stream.text != expected
-        lengths = {"shoal": prompt.lengths, "bare": prompt.bare_lengths}.get(system)
+            if stream.text != expected:
+                differ += 1
+                lengths = None  # not the text the table is of: one token a chunk
         counts.append(token_counts(stream, lengths))
     return counts, differ
 
 
 async def measure(target: Target, prompts: Sequence[Prompt], clients: int, warmup: float,
-                  duration: float, max_tokens: int,
-                  cpu_groups: Mapping[str, Sequence[int]]) -> dict[str, Any]:
-    streams, start, end, cores, client = await closed_loop(target, clients, warmup, duration,
-                                                           cpu_groups)
+                  duration: float, max_tokens: int, cpu_groups: Mapping[str, Sequence[int]],
+                  server_url: str | None = None) -> dict[str, Any]:
+    phase = await closed_loop(target, clients, warmup, duration, cpu_groups,
+                              server_url=server_url)
+    streams, start, cores, client = phase.streams, phase.start, phase.cores, phase.client_cores
     counts, differ = score(target.system, streams, prompts, max_tokens)
-    stats = phase_stats(streams, start, end, counts)
+    stats = phase_stats(streams, start, phase.end, counts)
     tokens_seen = Counter(s.completion_tokens for s in streams if s.error is None)
     chunk_tokens = Counter(b - a for c in counts for a, b in zip([0, *c], c, strict=False))
     return {**stats, "cpu_cores": cores, "client_cores": client,
@@ -771,7 +822,7 @@ async def measure(target: Target, prompts: Sequence[Prompt], clients: int, warmu
             "completion_tokens": {str(k): v for k, v in tokens_seen.items()},
             "tokens_per_chunk": {str(k): v for k, v in sorted(chunk_tokens.items())},
             "warmup_errors": sum(1 for s in streams if s.error and s.sent < start),
-            "other_text": differ}
+            "other_text": differ, "sglang": phase.server}
 
 
 # --------------------------------------------------------------------------- profiling
@@ -914,7 +965,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for r, clients, system in plan:
                 bar.set_description(f"round {r + 1}: {NAMES[system]}, {clients} streams")
                 result = uvloop.run(measure(targets[system], prompts, clients, args.warmup,
-                                            args.duration, args.max_tokens, groups[system]))
+                                            args.duration, args.max_tokens, groups[system],
+                                            server_url))
                 runs.append({"system": system, "round": r, "clients": clients, **result})
                 bar.update()
             profile = None

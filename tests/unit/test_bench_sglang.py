@@ -119,6 +119,39 @@ def test_check_wants_exactly_the_expected_tokens() -> None:
     assert b.check(stream(0.0, [], tokens=None), 64) == "None tokens, not 64"
 
 
+def test_score_checks_lengths_and_counts_other_texts() -> None:
+    prompt = b.Prompt("x", [101], shoal_text="a bc", lengths=[0, 1, 4])
+    same = stream(0.0, [(1.0, 1, None), (2.0, 4, None)], tokens=2)
+    same.text = "a bc"
+    other = stream(0.0, [(1.0, 2, None), (2.0, 3, None)], tokens=2)
+    other.text = "xyz"
+    short = stream(0.0, [(1.0, 1, None)], tokens=1)
+    counts, differ = b.score("shoal", [same, other, short], [prompt], 2)
+    assert counts == [[1, 2], [1, 2], [1]]  # the other text: one token a chunk
+    assert differ == 1
+    assert short.error == "1 tokens, not 2" and same.error is None and other.error is None
+
+
+def test_score_learns_bare_sglangs_text_and_token_table_from_its_first_stream() -> None:
+    prompt = b.Prompt("x", [101])
+    first = stream(0.0, [(1.0, 2, 1), (2.0, 8, 3)], tokens=3)
+    first.text = " a bb cc"
+    counts, differ = b.score("bare", [first], [prompt], 3)
+    assert prompt.bare_text == first.text and prompt.bare_lengths == [0, 2, 2, 8]
+    assert counts == [[1, 3]] and differ == 0
+    later = stream(0.0, [(1.0, 2, None), (2.0, 8, None)], tokens=3)
+    later.text = first.text
+    assert b.score("bare", [later], [prompt], 3) == ([[1, 3]], 0)
+
+
+def test_prefill_share_from_two_reads_of_sglangs_loads() -> None:
+    before = {"total_prefill_busy_us": 1_000_000, "total_prefill_uncached_tokens": 100}
+    after = {"total_prefill_busy_us": 3_000_000, "total_prefill_uncached_tokens": 900}
+    assert b.prefill_share(before, after, 8.0) == {"prefill_busy_share": 0.25,
+                                                   "prefill_tokens_per_s": 100.0}
+    assert b.prefill_share({}, {}, 1.0)["prefill_busy_share"] == 0.0
+
+
 def test_percentile_matches_numpy_linear() -> None:
     np = pytest.importorskip("numpy")
     values = [5.0, 1.0, 9.0, 3.0, 7.5, 2.0]
@@ -164,7 +197,8 @@ def run(system: str, r: int, clients: int, tps: float, ttft: float, errors: int 
         if system == "shoal" else {"sglang": 1.0, "shoal idle": 0.01}
     return {"system": system, "round": r, "clients": clients, "tokens_per_s": tps,
             "ttft_p50_ms": ttft, "ttft_p99_ms": ttft * 2, "itl_p50_ms": 5.0,
-            "itl_p99_ms": 50.0, "client_cores": 0.1, "cpu_cores": cpu, "errors": errors}
+            "itl_p99_ms": 50.0, "client_cores": 0.1, "cpu_cores": cpu, "errors": errors,
+            "sglang": {"prefill_busy_share": 0.25 if system == "shoal" else 0.5}}
 
 
 def test_summarise_pairs_systems_within_a_round() -> None:
@@ -201,7 +235,8 @@ def test_table_and_verdicts() -> None:
     lines = b.table(summary).splitlines()
     assert lines[0].startswith("| streams |") and len(lines) == 11
     assert "| 1 | 95 | 100 | 0.95 | 24.0 | 20.0 | +4.0 |" in lines[2]
-    assert lines[10] == "| 32 | 0.25 | 0.50 | 0.25 | 1.00 | 1.00 | 0.01 | 0.10, 0.10 | 20.00 |"
+    assert lines[10] == ("| 32 | 0.25 | 0.50 | 0.25 | 1.00 | 1.00 | 0.01 | 0.10, 0.10 | 20.00 "
+                         "| 25%, 50% |")
     verdicts = b.verdicts(summary)
     assert "0.95x bare (meets" in verdicts[0] and "+4.0 ms (meets" in verdicts[0]
     assert "0.50x bare (misses" in verdicts[1] and "+240.0 ms (misses" in verdicts[1]
