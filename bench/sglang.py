@@ -873,7 +873,7 @@ def profile_report(out: Path, seconds: float, rate: int = 200) -> dict[str, Any]
         for thread, stacks in sorted(by_thread(collapsed).items(),
                                      key=lambda item: -samples(item[1])):
             n = samples(stacks)
-            top = top_functions(stacks)
+            top = top_functions(stacks, limit=60)
             entry["threads"][thread] = {"share": n / total if total else 0.0, "top": top}
             lines += ["", f"thread {thread}: {100 * n / max(total, 1):.0f}% of the samples",
                       "% on stack | % innermost | function"]
