@@ -738,24 +738,31 @@ class Dispatcher:
     # --- streams (loop thread) -----------------------------------------------------------
 
     def _publish_deltas(self) -> None:
-        """Publish the queued deltas as PROGRESS states, in the order they were made; a
+        """Publish the queued deltas as PROGRESS states, in the order they were made, one per
+        request and pass: the deltas of one item that queued up meanwhile go as one text. A
         request revoked meanwhile publishes no more and is cancelled in the runtime."""
-        updates: list[tuple[Delivery, str, dict[str, Any]]] = []
+        made: dict[str, tuple[Held, dict[int, dict[str, Any]]]] = {}
         while self._deltas:
             generation, by_id, deltas = self._deltas.popleft()
             if generation != self.generation:
                 continue  # the connection was lost: these requests are redelivered
-            choices: dict[str, list[dict[str, Any]]] = {}
             for delta in deltas:
-                choices.setdefault(delta.id, []).append(
-                    {"index": delta.index, "text": delta.text, "tokens": delta.tokens})
-            for task_id, made in choices.items():
-                if task_id in worker_state.revoked:
-                    self.runtime.cancel([task_id])
-                    continue
-                updates.append((by_id[task_id].delivery, task_id,
-                                {"choices": made, "worker": self.c.hostname}))
-                metrics.STREAM_DELTAS.labels(by_id[task_id].annotations.model).inc(len(made))
+                held, items = made.setdefault(delta.id, (by_id[delta.id], {}))
+                item = items.get(delta.index)
+                if item is None:
+                    items[delta.index] = {"index": delta.index, "text": delta.text,
+                                          "tokens": delta.tokens}
+                else:
+                    item["text"] += delta.text
+                    item["tokens"] = delta.tokens
+        updates: list[tuple[Delivery, str, dict[str, Any]]] = []
+        for task_id, (held, items) in made.items():
+            if task_id in worker_state.revoked:
+                self.runtime.cancel([task_id])
+                continue
+            updates.append((held.delivery, task_id,
+                            {"choices": list(items.values()), "worker": self.c.hostname}))
+            metrics.STREAM_DELTAS.labels(held.annotations.model).inc(len(items))
         if updates:
             self.replier.progress(updates)
 
