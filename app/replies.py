@@ -29,12 +29,19 @@ import amqp
 import msgpack
 from celery.utils.time import utcoffset
 
-from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, H_MULTI, H_REPLY_BATCH
+from tasks.envelope import (
+    CONTENT_ENCODING,
+    CONTENT_TYPE,
+    FAILURE,
+    H_MULTI,
+    H_REPLY_BATCH,
+    PROGRESS,
+    SUCCESS,
+)
 from tasks.errors import ErrorCode, ShoalError
 
 log = logging.getLogger(__name__)
 
-SUCCESS, FAILURE, PROGRESS = "SUCCESS", "FAILURE", "PROGRESS"
 EVENT_BUFFER_LIMIT = 1024  # task events per event message (Celery's default: 24)
 
 

@@ -74,6 +74,7 @@ from tasks.envelope import (
     CONTENT_ENCODING,
     CONTENT_TYPE,
     H_MULTI,
+    PROGRESS,
     Part,
     coalesce,
     decode_results,
@@ -95,7 +96,6 @@ CONSUMERS_TTL_S = 1.0
 # published there as `celery -A app control shoal_cancel` would.
 CONTROL_EXCHANGE = "celery.pidbox"
 CONTROL_EXPIRES_S = 10.0
-PROGRESS = "PROGRESS"
 # How often a stream that waits for its next chunk checks that its worker is still there.
 STREAM_LIVENESS_S = 1.0
 
@@ -122,7 +122,7 @@ class Broker:
         self.pool = PoolView(settings.pool_state_interval_s)
         self.origin = f"gateway@{socket.gethostname()}:{os.getpid()}"
         self.pending: dict[str, asyncio.Future] = {}
-        # Streamed requests: their PROGRESS states, then their result.
+        # Streamed requests: their PROGRESS states, then their result (which ends the entry).
         self.streams: dict[str, asyncio.Queue[dict]] = {}
         self._control: aio_pika.abc.AbstractChannel | None = None
         self._background: set[asyncio.Task] = set()
@@ -237,13 +237,15 @@ class Broker:
                 if stream is not None:
                     stream.put_nowait(result)
                 continue  # a stream nobody reads any more
+            if stream is not None:
+                del self.streams[task_id]  # a duplicate of the result finds nobody
+                stream.put_nowait(result)
+                continue
             future = self.pending.get(task_id)
             if future is None or future.done():
                 DUPLICATE_REPLIES.inc()
             else:
                 future.set_result(result)
-                if stream is not None:
-                    stream.put_nowait(result)
 
     async def submit(self, model: str, part: Part, timeout_s: float) -> dict:
         """Publish a request (alone or coalesced with others waiting for the same model)
@@ -276,7 +278,6 @@ class Broker:
             raise _unavailable("the message broker is not connected")
         loop = asyncio.get_running_loop()
         task_id = part.task_id
-        self.pending[task_id] = loop.create_future()
         self.streams[task_id] = queue = asyncio.Queue()
         deadline = loop.time() + timeout_s
         finished = False
@@ -306,7 +307,6 @@ class Broker:
                 if finished:
                     return
         finally:
-            self.pending.pop(task_id, None)
             self.streams.pop(task_id, None)
             if not finished:
                 # Not awaited: a cancelled generator must not block; best effort.

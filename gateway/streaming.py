@@ -20,7 +20,7 @@ finish_reason, and with `stream_options.include_usage` every chunk has
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -30,14 +30,10 @@ from starlette.responses import StreamingResponse
 from app.catalog import ModelEntry
 from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
 from gateway.submit import timeout_ms
-from tasks.envelope import task_part
+from tasks.envelope import PROGRESS, SUCCESS, task_part
 from tasks.errors import ShoalError
 
-PROGRESS, SUCCESS = "PROGRESS", "SUCCESS"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-# (choice index, text) -> the chunk's "choices" entry
-ChoiceDelta = Callable[[int, str], dict[str, Any]]
 
 
 class ChunkFormat:

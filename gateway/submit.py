@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from app.catalog import ModelEntry
 from gateway.errors import ApiError, invalid
-from tasks.envelope import task_part
+from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest
 from tasks.served import reply_headers
@@ -104,7 +104,7 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     budget_ms = timeout_ms(request)
     broker = request.app.state.broker
     reply = await broker.submit(entry.id, task_part(entry, kwargs, budget_ms), budget_ms / 1000)
-    if reply.get("status") != "SUCCESS":
+    if reply.get("status") != SUCCESS:
         raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]
     out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}",

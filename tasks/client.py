@@ -33,6 +33,7 @@ from celery.result import AsyncResult
 
 from app.celery import app
 from tasks import errors  # noqa: F401  (lets AsyncResult.get() re-raise ShoalError)
+from tasks.envelope import PROGRESS
 from tasks.names import CLASSIFY, ENCODE, EXTRACT, GENERATE, SCORE
 from tasks.results import embedding_rows, multivector_rows, ranked
 
@@ -60,7 +61,7 @@ def stream(result: AsyncResult, timeout: float | None = None) -> Iterator[dict[s
     deltas: queue.Queue[Any] = queue.Queue()
 
     def on_message(meta: dict[str, Any]) -> None:
-        if meta.get("status") == "PROGRESS":
+        if meta.get("status") == PROGRESS:
             for choice in (meta.get("result") or {}).get("choices") or ():
                 deltas.put(choice)
 

@@ -20,6 +20,9 @@ from tasks.names import OPERATION_OF_TASK, TASK_OF_OPERATION
 
 CONTENT_TYPE = "application/x-msgpack"
 CONTENT_ENCODING = "binary"
+# The `status` of a Celery rpc result message: a streamed request's PROGRESS states (its
+# output so far) come before its one SUCCESS or FAILURE.
+SUCCESS, FAILURE, PROGRESS = "SUCCESS", "FAILURE", "PROGRESS"
 
 H_MODEL = "shoal_model"
 H_OP = "shoal_op"
