@@ -472,11 +472,7 @@ class Dispatcher:
             return
         (request,) = requests
         generation = self.generation
-        held.started = time.time()
-        self.replier.event("task-started", held.task_id)
-        if held.annotations.sent_ms:
-            metrics.QUEUE_WAIT.labels(model).observe(
-                max(0.0, held.started - held.annotations.sent_ms / 1000))
+        self._mark_started(model, held, time.time())
         self.placement.touch(model)
         self.feeder.started(model, held.task_id, held)
         metrics.IN_FLIGHT.labels(model).set(len(self.feeder.in_flight[model]))
@@ -662,6 +658,15 @@ class Dispatcher:
         self.scheduler.prefetch_applied(model, prefetch)
         metrics.PREFETCH.labels(model).set(prefetch)
 
+    def _mark_started(self, model: str, held: Held, started: float) -> None:
+        """A request (or a part of one) begins to run: Flower's task-started, queue wait."""
+        if held.part == 0:  # a split request starts with its first part
+            held.started = started
+            self.replier.event("task-started", held.task_id)
+        sent_ms = held.annotations.sent_ms
+        if sent_ms:
+            metrics.QUEUE_WAIT.labels(model).observe(max(0.0, started - sent_ms / 1000))
+
     def _start(self, batch: Batch) -> None:
         model, limits = batch.lane.model, batch.lane.limits
         self.placement.touch(model)
@@ -669,13 +674,7 @@ class Dispatcher:
             self.placement.touch(lora_key(model, lora))
         started = time.time()
         for pending in batch.members:
-            held: Held = pending.handle
-            if held.part == 0:  # a split request starts with its first part
-                held.started = started
-                self.replier.event("task-started", held.task_id)
-            sent_ms = held.annotations.sent_ms
-            if sent_ms:
-                metrics.QUEUE_WAIT.labels(model).observe(max(0.0, started - sent_ms / 1000))
+            self._mark_started(model, pending.handle, started)
         tokens = batch_tokens(batch.members, limits.padded)
         metrics.BATCH_REQUESTS.labels(model).observe(len(batch.members))
         metrics.BATCH_ITEMS.labels(model).observe(batch.shape.items)
