@@ -47,14 +47,12 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +60,7 @@ from typing import Any, Literal
 
 from app.catalog import load_catalog
 from runtimes.base import Delta, OnDeltas, Outcome, Request
+from runtimes.children import OutputTail, describe_exit
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.pool import LORA_SEPARATOR, keys_of, lora_key
 from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
@@ -97,17 +96,6 @@ class _Failure:
     detail: str
 
 
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
 class _Child:
     """One incarnation of the runtime process: the process, its output, its connection."""
 
@@ -122,27 +110,15 @@ class _Child:
             start_new_session=True,
         )
         self.pid = self.proc.pid
-        self.tail: deque[str] = deque(maxlen=40)
         self.sock: socket.socket | None = None  # batches
         self.control: socket.socket | None = None  # loads and unloads, beside batches
         self.ready: dict[str, Any] = {}  # the ready frame
-        self._tee = threading.Thread(target=self._forward_output, daemon=True,
-                                     name=f"runtime-{self.pid}-output")
-        self._tee.start()
-
-    def _forward_output(self) -> None:
-        # The child's logs go to the worker's stderr; the tail is kept to
-        # explain a failed start.
         assert self.proc.stdout is not None
-        for line in iter(self.proc.stdout.readline, b""):
-            self.tail.append(line.decode(errors="replace").rstrip())
-            with contextlib.suppress(OSError):
-                os.write(2, line)
-        self.proc.stdout.close()
+        # The child's logs go to the worker's stderr; the tail explains a failed start.
+        self.output = OutputTail(self.proc.stdout, f"runtime-{self.pid}-output", 40)
 
     def output_tail(self) -> str:
-        self._tee.join(timeout=2)
-        return "\n".join(self.tail)
+        return self.output.text()
 
     def connect(self, timeout: float, closed: Callable[[], bool]) -> None:
         """Wait for the socket (it appears once the start-up models are loaded), open the
@@ -203,7 +179,7 @@ class _Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._tee.join(timeout=2)
+        self.output.join()
         for sock in (self.sock, self.control):
             if sock is not None:
                 sock.close()

@@ -15,12 +15,12 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from runtimes.children import OutputTail, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -126,36 +126,18 @@ class SGLangServer:
         finally:
             os.close(read_end)
         self.pid = self.proc.pid
-        self.tail: deque[str] = deque(maxlen=60)
-        self._tee = threading.Thread(target=self._forward_output, daemon=True,
-                                     name=f"sglang-{self.pid}-output")
-        self._tee.start()
+        assert self.proc.stdout is not None
+        self.output = OutputTail(self.proc.stdout, f"sglang-{self.pid}-output", 60)
         self._stopped = False
 
-    def _forward_output(self) -> None:
-        assert self.proc.stdout is not None
-        for line in iter(self.proc.stdout.readline, b""):
-            self.tail.append(line.decode(errors="replace").rstrip())
-            with contextlib.suppress(OSError):
-                os.write(2, line)
-        self.proc.stdout.close()
-
     def output_tail(self) -> str:
-        self._tee.join(timeout=2)
-        return "\n".join(self.tail)
+        return self.output.text()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def describe_exit(self) -> str:
-        code = self.proc.poll()
-        if code is None:
-            return "still running"
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                return f"killed by {signal.Signals(-code).name}"
-            return f"killed by signal {-code}"
-        return f"exit code {code}"
+        return describe_exit(self.proc.poll())
 
     def wait_healthy(self, timeout: float, closed=lambda: False) -> float:
         """Block until GET /health answers 200: the seconds start-up took. ServerStartError
@@ -203,7 +185,7 @@ class SGLangServer:
                 os.killpg(self.pid, signal.SIGKILL)
             with contextlib.suppress(OSError):
                 os.close(self._write_end)
-        self._tee.join(timeout=2)
+        self.output.join()
         return self.describe_exit()
 
     def reap_group(self) -> None:
