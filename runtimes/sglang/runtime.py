@@ -547,11 +547,10 @@ class SGLangRuntime:
             return await self._once(model, request, prepared, live, on_deltas)
         except _ServerDied as died:
             if live.streamed:
-                self._loop.create_task(self._restart(model, died.incarnation))
-                return failed(request.id, ErrorCode.STREAM_INTERRUPTED,
-                              f"the SGLang server died mid-generation ({died.how}); this "
-                              "request had already streamed part of its output, so it is not "
-                              "retried. The server is being restarted; send it again.")
+                return self._interrupted(model, request, died,
+                                         "this request had already streamed part of its "
+                                         "output, so it is not retried. The server is being "
+                                         "restarted; send it again.")
             log.warning("SGLang server for %s died (%s) under request %s; retrying it alone "
                         "after the restart", model.entry.id, died.how, request.id)
             model.isolating += 1
@@ -562,6 +561,14 @@ class SGLangRuntime:
                 model.isolating -= 1
                 async with model.calm:
                     model.calm.notify_all()
+
+    def _interrupted(self, model: _Model, request: Request, died: _ServerDied,
+                     why: str) -> Outcome:
+        """A streamed request whose server died: restart it (not awaited) and answer
+        STREAM_INTERRUPTED, as its caller holds text a rerun would repeat."""
+        self._loop.create_task(self._restart(model, died.incarnation))
+        return failed(request.id, ErrorCode.STREAM_INTERRUPTED,
+                      f"the SGLang server died mid-generation ({died.how}); {why}")
 
     async def _retry_alone(self, model: _Model, request: Request, prepared: Any, live: _Live,
                            on_deltas: OnDeltas | None, died: _ServerDied) -> Outcome:
@@ -576,11 +583,9 @@ class SGLangRuntime:
                 return await self._once(model, request, prepared, live, on_deltas)
             except _ServerDied as again:
                 if live.streamed:
-                    self._loop.create_task(self._restart(model, again.incarnation))
-                    return failed(request.id, ErrorCode.STREAM_INTERRUPTED,
-                                  f"the SGLang server died mid-generation ({again.how}), "
-                                  "again, while this request was retried alone; not retried "
-                                  "further")
+                    return self._interrupted(model, request, again,
+                                             "again, while this request was retried alone; "
+                                             "not retried further")
                 if not await self._restart(model, again.incarnation):
                     return self._unavailable(model, request)
                 problem = await self._probe(model)
