@@ -13,13 +13,29 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from app import stack
 from app.stack import Process, free_port, http_status, wait_for
 
-__all__ = ["BROKER_URL", "REPO", "PrivateStack", "Process", "Stack", "child_pid",
-           "delete_queues", "free_port", "http_status", "metric_sum", "private_stack",
-           "queue_counts", "wait_for"]
+__all__ = [
+    "BROKER_URL",
+    "REPO",
+    "MeteredWorker",
+    "PrivateStack",
+    "Process",
+    "Stack",
+    "child_pid",
+    "delete_queues",
+    "free_port",
+    "http_status",
+    "metric_sum",
+    "openai_client",
+    "private_stack",
+    "queue_counts",
+    "start_metered_worker",
+    "wait_for",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER_URL = os.environ.get("SHOAL_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -46,6 +62,38 @@ def child_pid(parent: int, marker: bytes) -> int:
         if int(stat.rsplit(")", 1)[1].split()[1]) == parent and marker in cmdline:
             return int(entry.name)
     raise AssertionError(f"process {parent} has no child running {marker!r}")
+
+
+class MeteredWorker:
+    """A worker a test started, with its /metrics on a port of its own."""
+
+    def __init__(self, process: Process, metrics_port: int) -> None:
+        self.process = process
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def metric(self, name: str) -> float:
+        return metric_sum(self.metrics_url, name)
+
+    def child_pid(self, marker: bytes) -> int:
+        return child_pid(self.process.pid, marker)
+
+
+def openai_client(gateway_url: str) -> Any:
+    """The official `openai` client on a gateway (no retries: a test sees every error)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
+
+
+def start_metered_worker(stack: stack.Stack, name: str, model: str, queue: str,
+                         timeout: float, **overrides: str) -> MeteredWorker:
+    """A worker of its own serving `model`, once it consumes the model's `queue`."""
+    port = free_port()
+    process = stack.worker(f"{name}-{uuid.uuid4().hex[:6]}", [model],
+                           SHOAL_WORKER_METRICS_PORT=str(port), **overrides)
+    wait_for(lambda: queue_counts(queue)[1] >= 1, timeout, f"the {name} worker to consume",
+             give_up=lambda: not process.alive())
+    return MeteredWorker(process, port)
 
 
 def queue_counts(name: str) -> tuple[int, int]:

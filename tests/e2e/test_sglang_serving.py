@@ -12,31 +12,18 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from openai import APIError, OpenAI
+from openai import APIError
 
 from tests.conftest import SGLANG_LLAMA, SGLANG_LLAMA_DIR, queue_name
-from tests.stack import child_pid, free_port, metric_sum, queue_counts, wait_for
+from tests.stack import openai_client, start_metered_worker, wait_for
 from tests.tiny_lm import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"temperature": 0}
-
-
-class SGLangWorker:
-    def __init__(self, process, metrics_url: str) -> None:
-        self.process = process
-        self.metrics_url = metrics_url
-
-    def metric(self, name: str) -> float:
-        return metric_sum(self.metrics_url, name)
-
-    def server_pid(self) -> int:
-        return child_pid(self.process.pid, b"runtimes/sglang/launch.py")
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +34,20 @@ def sglang_worker(stack):
         pytest.fail(missing_python_message(sglang_python()), pytrace=False)
     if not (SGLANG_LLAMA_DIR / "config.json").exists():
         build_tiny_llama(SGLANG_LLAMA_DIR, hidden_size=64)
-    port = free_port()
-    process = stack.stack.worker(f"sglang-{uuid.uuid4().hex[:6]}", [SGLANG_LLAMA],
-                                 SHOAL_WORKER_METRICS_PORT=str(port))
     # The model is pinned: the worker consumes once its SGLang server is healthy.
-    wait_for(lambda: queue_counts(queue_name(SGLANG_LLAMA))[1] >= 1, 300,
-             "the SGLang worker to consume", give_up=lambda: not process.alive())
-    yield SGLangWorker(process, f"http://127.0.0.1:{port}/metrics")
-    process.stop()
-
-
-def client(stack) -> OpenAI:
-    return OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    worker = start_metered_worker(stack.stack, "sglang", SGLANG_LLAMA,
+                                  queue_name(SGLANG_LLAMA), 300)
+    yield worker
+    worker.process.stop()
 
 
 def test_chat_streams_as_the_unstreamed_answer(stack, sglang_worker):
     messages = [{"role": "user", "content": "tell me about the sea"}]
-    whole = client(stack).chat.completions.create(model=SGLANG_LLAMA, messages=messages,
-                                                  max_tokens=16, **GREEDY)
+    client = openai_client(stack.url)
+    whole = client.chat.completions.create(model=SGLANG_LLAMA, messages=messages,
+                                           max_tokens=16, **GREEDY)
     assert whole.usage.completion_tokens > 0
-    chunks = list(client(stack).chat.completions.create(
+    chunks = list(client.chat.completions.create(
         model=SGLANG_LLAMA, messages=messages, max_tokens=16, stream=True,
         stream_options={"include_usage": True}, **GREEDY))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -83,7 +64,7 @@ def test_a_prompt_over_the_context_is_413_before_it_reaches_sglang(stack, sglang
 
 def test_concurrent_streams_are_handed_over_and_all_answered(stack, sglang_worker):
     def one(i: int) -> str:
-        stream = client(stack).completions.create(
+        stream = openai_client(stack.url).completions.create(
             model=SGLANG_LLAMA, prompt=f"story {i}", max_tokens=12, stream=True, **GREEDY)
         return "".join(c.choices[0].text for c in stream if c.choices)
 
@@ -112,14 +93,14 @@ def test_a_client_that_leaves_aborts_its_sglang_request(stack, sglang_worker):
 def test_an_sglang_server_killed_mid_stream_ends_that_stream(stack, sglang_worker):
     body = {"model": SGLANG_LLAMA, "messages": [{"role": "user", "content": "go on"}],
             "max_tokens": 200, "stream": True, **GREEDY}
-    chunks = client(stack).chat.completions.create(**body)
+    chunks = openai_client(stack.url).chat.completions.create(**body)
     with pytest.raises(APIError) as raised:
         for i, _ in enumerate(chunks):
             if i == 1:
-                os.kill(sglang_worker.server_pid(), signal.SIGKILL)
+                os.kill(sglang_worker.child_pid(b"runtimes/sglang/launch.py"), signal.SIGKILL)
     assert "STREAM_INTERRUPTED" in str(raised.value.body)
     # The server restarts (tens of seconds); meanwhile requests wait within their deadline.
-    again = client(stack).with_options(timeout=300).chat.completions.create(
+    again = openai_client(stack.url).with_options(timeout=300).chat.completions.create(
         **{**body, "max_tokens": 4, "stream": False}, extra_headers={"X-Timeout-Ms": "280000"})
     assert again.choices[0].finish_reason in ("stop", "length")
     assert sglang_worker.metric("shoal_runtime_restarts") >= 1

@@ -11,57 +11,42 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import uuid
 
 import httpx
 import orjson
 import pytest
-from openai import APIError, OpenAI
+from openai import APIError
 
 from tests.conftest import STREAM_LLAMA, STREAM_LLAMA_DIR, queue_name
-from tests.stack import child_pid, free_port, metric_sum, queue_counts, wait_for
+from tests.stack import MeteredWorker, openai_client, start_metered_worker, wait_for
 from tests.tiny_lm import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"temperature": 0}
 
 
-class StreamWorker:
-    def __init__(self, process, metrics_url: str) -> None:
-        self.process = process
-        self.metrics_url = metrics_url
-
-    def cancelled(self) -> float:
-        return metric_sum(self.metrics_url, "shoal_generations_cancelled_total")
-
-    def runtime_pid(self) -> int:
-        return child_pid(self.process.pid, b"runtimes.server")
-
-
 @pytest.fixture(scope="module")
 def streams(stack):
     if not (STREAM_LLAMA_DIR / "config.json").exists():
         build_tiny_llama(STREAM_LLAMA_DIR)
-    port = free_port()
-    process = stack.stack.worker(f"streams-{uuid.uuid4().hex[:6]}", [STREAM_LLAMA],
-                                 SHOAL_WORKER_METRICS_PORT=str(port),
-                                 SHOAL_POOL_STATE_INTERVAL_S="0.5")
-    wait_for(lambda: queue_counts(queue_name(STREAM_LLAMA))[1] >= 1, 120,
-             "the stream worker to consume", give_up=lambda: not process.alive())
-    yield StreamWorker(process, f"http://127.0.0.1:{port}/metrics")
-    if process.alive():
-        process.stop()
+    worker = start_metered_worker(stack.stack, "streams", STREAM_LLAMA,
+                                  queue_name(STREAM_LLAMA), 120,
+                                  SHOAL_POOL_STATE_INTERVAL_S="0.5")
+    yield worker
+    if worker.process.alive():
+        worker.process.stop()
 
 
-def client(stack) -> OpenAI:
-    return OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+def cancelled(worker: MeteredWorker) -> float:
+    return worker.metric("shoal_generations_cancelled_total")
 
 
 def test_the_openai_client_streams_chat_as_the_unstreamed_answer(stack, streams):
     messages = [{"role": "user", "content": "tell me about the sea"}]
-    whole = client(stack).chat.completions.create(model=STREAM_LLAMA, messages=messages,
-                                                  max_tokens=24, **GREEDY)
-    chunks = list(client(stack).chat.completions.create(
+    client = openai_client(stack.url)
+    whole = client.chat.completions.create(model=STREAM_LLAMA, messages=messages,
+                                           max_tokens=24, **GREEDY)
+    chunks = list(client.chat.completions.create(
         model=STREAM_LLAMA, messages=messages, max_tokens=24, stream=True,
         stream_options={"include_usage": True}, **GREEDY))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -75,11 +60,12 @@ def test_the_openai_client_streams_chat_as_the_unstreamed_answer(stack, streams)
 
 def test_completions_stream_each_prompt_by_its_index(stack, streams):
     prompts = ["once upon a time", "the cat"]
-    whole = client(stack).completions.create(model=STREAM_LLAMA, prompt=prompts,
-                                             max_tokens=16, **GREEDY)
+    client = openai_client(stack.url)
+    whole = client.completions.create(model=STREAM_LLAMA, prompt=prompts, max_tokens=16,
+                                      **GREEDY)
     texts = ["", ""]
-    for chunk in client(stack).completions.create(model=STREAM_LLAMA, prompt=prompts,
-                                                  max_tokens=16, stream=True, **GREEDY):
+    for chunk in client.completions.create(model=STREAM_LLAMA, prompt=prompts, max_tokens=16,
+                                           stream=True, **GREEDY):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
@@ -107,7 +93,7 @@ def test_errors_before_the_first_token_are_http_statuses(stack, streams):
 
 
 def test_a_client_that_leaves_cancels_its_generation(stack, streams):
-    before = streams.cancelled()
+    before = cancelled(streams)
     body = {"model": STREAM_LLAMA, "prompt": "a long story", "max_tokens": 240, "stream": True,
             **GREEDY}
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
@@ -115,8 +101,9 @@ def test_a_client_that_leaves_cancels_its_generation(stack, streams):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # the first token came; leave
-    wait_for(lambda: streams.cancelled() > before, 30, "the worker to stop the generation")
-    after = client(stack).completions.create(model=STREAM_LLAMA, prompt="again", max_tokens=4)
+    wait_for(lambda: cancelled(streams) > before, 30, "the worker to stop the generation")
+    after = openai_client(stack.url).completions.create(model=STREAM_LLAMA, prompt="again",
+                                                        max_tokens=4)
     assert after.usage.completion_tokens <= 4
 
 
@@ -143,15 +130,15 @@ def test_celery_clients_follow_and_revoke_streams(stack, streams):
 def test_a_runtime_killed_mid_stream_ends_that_stream_with_an_error(stack, streams):
     body = {"model": STREAM_LLAMA, "messages": [{"role": "user", "content": "go on"}],
             "max_tokens": 240, "stream": True, **GREEDY}
-    chunks = client(stack).chat.completions.create(**body)
+    chunks = openai_client(stack.url).chat.completions.create(**body)
     with pytest.raises(APIError) as raised:
         for i, _ in enumerate(chunks):
             if i == 1:
-                os.kill(streams.runtime_pid(), signal.SIGKILL)
+                os.kill(streams.child_pid(b"runtimes.server"), signal.SIGKILL)
     assert "STREAM_INTERRUPTED" in str(raised.value.body) or \
         "interrupted" in str(raised.value).lower()
     # The runtime restarts; the next stream completes.
-    again = list(client(stack).chat.completions.create(**{**body, "max_tokens": 4}))
+    again = list(openai_client(stack.url).chat.completions.create(**{**body, "max_tokens": 4}))
     assert again[-1].choices[0].finish_reason in ("stop", "length")
 
 
