@@ -83,6 +83,31 @@ class Settings(BaseSettings):
         2, ge=1, description="unconfirmed publishes per model; later requests wait and coalesce"
     )
 
+    # --- blob store (claim check) and jobs ---
+    blob_url: str = Field(
+        "", description="where binaries over SHOAL_CLAIM_CHECK_BYTES, job inputs and job "
+        "results live: any fsspec URL (s3://bucket/prefix needs s3fs); default: a local "
+        "folder, ~/.cache/shoal/blobs (one machine only)")
+    claim_check_bytes: int = Field(
+        256 * 1024, ge=0, description="gateway: a binary part (an image) over this many bytes "
+        "goes to the blob store and the message carries a claim (0: every binary part)")
+    claim_upload_timeout_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="how long a worker waits for a claimed "
+        "blob that is still being uploaded (within the request's deadline)")
+    max_claim_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1, description="body limit of routes that take images (their "
+        "large parts are claim-checked); other routes keep SHOAL_MAX_BODY_BYTES")
+    blob_ttl_s: float = Field(
+        24 * 3600.0, gt=0, description="claim blobs older than this are orphans (their "
+        "request was dead-lettered or lost) and are swept")
+    blob_sweep_interval_s: float = Field(600.0, gt=0, description="gateway: how often it "
+                                         "sweeps orphaned claim blobs")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="jobs' state")
+    job_ttl_s: float = Field(7 * 24 * 3600.0, gt=0, description="how long a finished job "
+                             "(its state and result file) is kept")
+    max_job_input_bytes: int = Field(4 * 1024**3, ge=1, description="bytes of a bulk job's "
+                                     "input file")
+
     # --- worker ---
     prefetch: int = Field(64, ge=1, description="unacked messages per model consumer")
     batch_max_tokens: int = Field(16_384, ge=1, description="padded tokens per batch")

@@ -40,6 +40,12 @@ class ErrorCode(StrEnum):
     STREAM_INTERRUPTED = "STREAM_INTERRUPTED"
     # Its caller revoked it (a Celery revoke, or an HTTP client that left a stream).
     CANCELLED = "CANCELLED"
+    # A claim-checked binary (see tasks.blobs) that is not in the blob store, or whose
+    # bytes do not match the claim's size and sha256: that request fails alone.
+    BLOB_MISSING = "BLOB_MISSING"
+    BLOB_CORRUPT = "BLOB_CORRUPT"
+    BLOB_STORE_UNAVAILABLE = "BLOB_STORE_UNAVAILABLE"
+    JOB_NOT_FOUND = "JOB_NOT_FOUND"
 
 
 STATUS_OF_CODE: dict[str, int] = {
@@ -63,6 +69,11 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.STREAM_INTERRUPTED: 503,
     # nginx's "client closed request": nobody is left to read it.
     ErrorCode.CANCELLED: 499,
+    # The store lost it (deleted, expired) or it was altered: send the request again.
+    ErrorCode.BLOB_MISSING: 422,
+    ErrorCode.BLOB_CORRUPT: 422,
+    ErrorCode.BLOB_STORE_UNAVAILABLE: 503,
+    ErrorCode.JOB_NOT_FOUND: 404,
 }
 
 
