@@ -21,8 +21,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
 
-import fsspec
-
 DEFAULT_LOCAL_DIR = Path.home() / ".cache" / "shoal" / "blobs"
 CLAIMS = "claims"
 JOBS = "jobs"
@@ -34,6 +32,10 @@ class BlobMissing(LookupError):
 
 class BlobStore:
     def __init__(self, url: str = "", **storage_options: Any) -> None:
+        # Imported here: fsspec takes ~0.15 s to import and the gateway (which must start
+        # light) needs it only for its first claim-checked request.
+        import fsspec
+
         url = url or str(DEFAULT_LOCAL_DIR)
         self.url = url
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)

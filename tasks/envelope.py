@@ -3,13 +3,19 @@
 Any Celery client can produce these messages and Flower understands them;
 shoal's gateway builds them directly (no Celery import) and workers read the
 `shoal_*` headers to schedule a message without decoding its body.
+
+An image over SHOAL_CLAIM_CHECK_BYTES travels as a claim check instead of its bytes:
+the item is `{"image": {"claim": {"key", "size", "sha256"}}}` (see `tasks.claims`) and
+the header `shoal_claims` says how many items are claims, so a worker starts fetching
+them from the blob store before it schedules the request. Everything else about the
+message is unchanged; Celery clients keep sending images inline.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -40,6 +46,10 @@ H_REPLY_BATCH = "shoal_reply_batch"
 H_MULTI = "shoal_multi"
 # On a message that carries several requests (see `coalesce`): how many.
 H_COALESCED = "shoal_coalesced"
+# How many of the request's binary parts are claim checks (`tasks.claims`): the worker
+# fetches them from the blob store before the request is scheduled. Such a request always
+# travels in a message of its own (never coalesced), so the header is its own.
+H_CLAIMS = "shoal_claims"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
@@ -66,6 +76,7 @@ class Annotations:
     deadline_ms: int | None
     sent_ms: float | None
     lora: str | None = None
+    claims: int = 0  # binary parts carried as claim checks (H_CLAIMS)
 
     def as_headers(self) -> dict[str, Any]:
         headers: dict[str, Any] = {
@@ -81,6 +92,8 @@ class Annotations:
             headers[H_SENT] = round(self.sent_ms * 1000)
         if self.lora:
             headers[H_LORA] = self.lora
+        if self.claims:
+            headers[H_CLAIMS] = self.claims
         return headers
 
 
@@ -134,6 +147,7 @@ def read_annotations(headers: dict[str, Any]) -> Annotations | None:
             deadline_ms=headers.get(H_DEADLINE),
             sent_ms=None if headers.get(H_SENT) is None else int(headers[H_SENT]) / 1000,
             lora=headers.get(H_LORA),
+            claims=int(headers.get(H_CLAIMS) or 0),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -179,12 +193,16 @@ class TaskMessage:
     body: bytes
 
 
-def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int) -> Part:
+def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int,
+              claims: int = 0) -> Part:
     """A request to `entry`'s operation, annotated and due in `timeout_ms`, before it is
-    framed: alone (`single_message`) or with others (`coalesce`)."""
+    framed: alone (`single_message`) or with others (`coalesce`). `claims`: how many of its
+    binary parts are claim checks (see `tasks.claims`)."""
     sent = sent_now_ms()
     annotations = annotate(TASK_OF_OPERATION[entry.operation], kwargs, entry,
                            deadline_ms=int(sent) + timeout_ms, sent_ms=sent)
+    if claims:
+        annotations = replace(annotations, claims=claims)
     return Part(str(uuid.uuid4()), annotations, task_body(kwargs))
 
 
