@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -18,6 +19,7 @@ from starlette.routing import Route
 from app.catalog import load_catalog
 from app.settings import Settings, get_settings
 from gateway.broker import Broker
+from gateway.claims import sweep_forever
 from gateway.codecs import encode_response
 from gateway.completions import create_chat_completion, create_completion
 from gateway.embeddings import create_embeddings
@@ -121,7 +123,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         broker.start()
+        # Orphaned claim blobs (requests dead-lettered or lost) go after SHOAL_BLOB_TTL_S.
+        sweeper = asyncio.get_running_loop().create_task(sweep_forever(
+            settings.blob_url, settings.blob_ttl_s, settings.blob_sweep_interval_s))
         yield
+        sweeper.cancel()
         await broker.close()
 
     app = Starlette(

@@ -514,12 +514,14 @@ class Broker:
 
 
 def _coalescible(waiting: list[_Outgoing]) -> list[list[_Outgoing]]:
-    """Groups to publish: big requests alone, the rest together within the caps."""
+    """Groups to publish: big and claim-checked requests alone, the rest together within
+    the caps."""
     groups: list[list[_Outgoing]] = []
     current: list[_Outgoing] = []
     size = 0
     for o in waiting:
-        if len(o.part.body) > COALESCE_MAX_PART_BYTES:
+        # A claim-checked request goes alone: its `shoal_claims` header must be its own.
+        if len(o.part.body) > COALESCE_MAX_PART_BYTES or o.part.annotations.claims:
             groups.append([o])
             continue
         if current and (len(current) >= COALESCE_MAX_PARTS

@@ -37,6 +37,17 @@ POOL_STATES = Counter(
     "shoal_gateway_pool_states_total",
     "pool-state messages from workers: kept, or dropped as malformed", ["outcome"],
 )
+CLAIMS = Counter(
+    "shoal_gateway_claims_total", "binary parts moved to the blob store (claim checks): "
+    "uploaded, or failed (the caller got 503 BLOB_STORE_UNAVAILABLE)", ["outcome"],
+)
+CLAIM_BYTES = Counter("shoal_gateway_claim_bytes_total", "bytes uploaded as claim checks")
+CLAIM_UPLOAD_SECONDS = Histogram(
+    "shoal_gateway_claim_upload_seconds", "from publishing a claim-checked request to the end "
+    "of its upload", buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+BLOBS_SWEPT = Counter("shoal_gateway_blobs_swept_total",
+                      "orphaned claim blobs (older than SHOAL_BLOB_TTL_S) deleted")
 LATENCY = Histogram(
     "shoal_gateway_request_seconds", "HTTP request latency", ["route"],
     buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),

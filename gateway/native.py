@@ -14,10 +14,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.catalog import ModelEntry
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
 from gateway.submit import Reply, call_model, check_items, served_model, wire_items
-from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, MULTIVECTOR, SCORE
+from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, IMAGE, MULTIVECTOR, SCORE
 from tasks.results import embedding_rows, multivector_rows, ranked
 from tasks.schema import ParsedRequest
 
@@ -25,7 +26,7 @@ from tasks.schema import ParsedRequest
 async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
     """Check the body for the path's model and `op`, publish it, await the result."""
     entry = served_model(request, request.path_params["model"], op)
-    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    body = await read_body(request, body_limit(request, entry))
     fields = {"items", "options"} | ({"query"} if op == SCORE else set())
     if not isinstance(body, dict):
         raise invalid(f"the body must be an object with {sorted(fields)}")
@@ -33,10 +34,20 @@ async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
     if unknown:
         raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
     kwargs = {"model": entry.id, **body}
+    del body  # JSON: its base64 images; only the decoded bytes stay alive from here on
     parsed = entry.parse(kwargs)  # served_model made sure the entry's operation is `op`
     check_items(request, parsed)
     kwargs["items"] = wire_items(parsed)
     return parsed, await call_model(request, entry, kwargs)
+
+
+def body_limit(request: Request, entry: ModelEntry) -> int:
+    """Models that take images accept bodies up to SHOAL_MAX_CLAIM_BODY_BYTES (their large
+    images travel as claim checks, not through the broker); others SHOAL_MAX_BODY_BYTES."""
+    settings = request.app.state.settings
+    if IMAGE in entry.contract.inputs:
+        return max(settings.max_claim_body_bytes, settings.max_body_bytes)
+    return settings.max_body_bytes
 
 
 def _encode_payload(parsed: ParsedRequest, result: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +79,10 @@ def _classify_payload(parsed: ParsedRequest, result: dict[str, Any]) -> dict[str
 def _endpoint(op: str, shape: Callable[[ParsedRequest, dict[str, Any]], dict[str, Any]]
               ) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
+        from gateway.jobs import accept_native, prefers_async  # jobs import this module
+
+        if prefers_async(request):  # RFC 7240: run it as a job, answer 202 + Location
+            return await accept_native(request, op)
         parsed, reply = await submit(request, op)
         payload = {"model": reply.result["model"], **shape(parsed, reply.result),
                    "usage": reply.result["usage"]}
@@ -75,6 +90,18 @@ def _endpoint(op: str, shape: Callable[[ParsedRequest, dict[str, Any]], dict[str
 
     endpoint.__name__ = op
     return endpoint
+
+
+_SHAPES = {ENCODE: _encode_payload, SCORE: _score_payload, EXTRACT: _extract_payload,
+           CLASSIFY: _classify_payload}
+
+
+def payload(op: str, parsed: ParsedRequest, result: dict[str, Any]) -> dict[str, Any]:
+    """The sync route's response body for a result (a job's inline result too); generate's
+    result as the runtime gave it (its choices per prompt)."""
+    shape = _SHAPES.get(op)
+    body = shape(parsed, result) if shape is not None else {"choices": result["choices"]}
+    return {"model": result["model"], **body, "usage": result["usage"]}
 
 
 encode = _endpoint(ENCODE, _encode_payload)

@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.catalog import ModelEntry
+from gateway.claims import check_out, submit_claimed
 from gateway.errors import ApiError, invalid
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
@@ -86,7 +87,8 @@ def check_items(request: Request, parsed: ParsedRequest) -> None:
 
 
 def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:
-    """Items as they travel: images as raw bytes (msgpack bin), never base64."""
+    """Items as they travel: images as raw bytes (msgpack bin), never base64; `call_model`
+    turns those over SHOAL_CLAIM_CHECK_BYTES into claim checks."""
     out: list[dict[str, Any]] = []
     for item in parsed.items:
         if item.image is not None:
@@ -103,7 +105,16 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     started = time.perf_counter()
     budget_ms = timeout_ms(request)
     broker = request.app.state.broker
-    reply = await broker.submit(entry.id, task_part(entry, kwargs, budget_ms), budget_ms / 1000)
+    settings = request.app.state.settings
+    # Images over SHOAL_CLAIM_CHECK_BYTES travel as claims; their bytes go to the blob
+    # store while the message is already queued (gateway.claims).
+    kwargs, uploads = await check_out(kwargs, settings.claim_check_bytes)
+    part = task_part(entry, kwargs, budget_ms, claims=len(uploads))
+    if uploads:
+        reply = await submit_claimed(broker, entry.id, part, budget_ms / 1000, uploads,
+                                     settings.blob_url, settings.claim_upload_timeout_s)
+    else:
+        reply = await broker.submit(entry.id, part, budget_ms / 1000)
     if reply.get("status") != SUCCESS:
         raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]
