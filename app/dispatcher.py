@@ -46,6 +46,14 @@ A model whose runtime batches continuously (SGLang, `Runtime.continuous`) gets n
 batches from the scheduler: its requests are handed to the runtime one by one as
 it has room (`app.feeder`), each answered when it ends.
 
+A request whose images were claim-checked (header `shoal_claims`, see
+`tasks.claims`) enters the scheduler only once `app.claims` has fetched and
+checked its blobs, on threads of its own; the bytes stay on its `Held` (its
+body keeps the claims, so a request given back carries no bytes) and are put
+in place when the batch's bodies are decoded. A blob that never comes fails
+that request alone (BLOB_MISSING, BLOB_CORRUPT). Its blobs are deleted once its
+message is acked.
+
 A request too big for one batch of its model is split into budget-sized
 parts (`tasks.split`) that run one after another: the next part joins the
 backlog when the previous one ends, so requests that arrived meanwhile go
@@ -66,6 +74,7 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from app import metrics
+from app.claims import ClaimFetcher, Fetched
 from app.feeder import Feeder, Waiting
 from app.placement import Placement
 from app.replies import Delivery, Replier
@@ -76,6 +85,7 @@ from batching.scheduler import Actions, Batch, Lane, Scheduler
 from batching.shapes import Pending
 from runtimes.base import CANCELLED, Delta, OnDeltas, Outcome, Request, Runtime
 from runtimes.pool import Pool, lora_key
+from tasks.claims import substitute
 from tasks.envelope import (
     H_COALESCED,
     H_DEADLINE,
@@ -90,7 +100,7 @@ from tasks.envelope import (
     read_coalesced,
     task_body,
 )
-from tasks.errors import ErrorCode
+from tasks.errors import ErrorCode, ShoalError
 from tasks.names import ENCODE
 from tasks.pool_state import COLD, LOADING, RESIDENT
 from tasks.served import read_served, stamp_delivery, stamp_parts
@@ -118,6 +128,9 @@ class Held:
     started: float = 0.0  # epoch seconds when its batch started
     split: Split | None = None  # set on each part of a request run in parts
     part: int = 0  # which part
+    # Its claim-checked inputs by key, once fetched (`body` keeps the claims: a request
+    # given back must carry them, never the bytes); put in place by `_requests`.
+    blobs: dict[str, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -132,7 +145,7 @@ class Split:
     def part_held(self, whole: Held, index: int) -> Held:
         annotations, body = self.parts[index]
         return Held(whole.delivery, whole.task_id, annotations, body, whole.returns,
-                    whole.started, self, index)
+                    whole.started, self, index, whole.blobs)
 
     def describe(self, index: int) -> str:
         first = sum(a.items for a, _ in self.parts[:index])
@@ -206,7 +219,8 @@ class Dispatcher:
                  part_target_s: float | None = None, pool: Pool | None = None,
                  pinned: set[str] | None = None, prefetch: int = 64,
                  load_s: dict[str, float] | None = None,
-                 lora_mixed_batches: bool = True, feed_return_after_s: float = 0.2) -> None:
+                 lora_mixed_batches: bool = True, feed_return_after_s: float = 0.2,
+                 blob_url: str = "", claim_upload_timeout_s: float = 10.0) -> None:
         self.c = consumer
         self.runtime = runtime
         self.prefetch = prefetch  # of a consumer whose model is loaded, before adapting
@@ -221,6 +235,8 @@ class Dispatcher:
         self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)
         self.replier = Replier(consumer)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
+        self.claims = ClaimFetcher(blob_url, claim_upload_timeout_s,
+                                   lambda fn: self.c.hub.call_soon(fn))
         self.consuming: dict[str, Consuming] = {}
         self.future: Future | None = None  # of the running batch
         # Deltas the runtime's thread made, for the loop to publish in order:
@@ -304,19 +320,49 @@ class Dispatcher:
                            f"{{'model': {annotations.model!r}, 'items': {annotations.items}}}",
                            root_id=h.get("root_id", task_id), parent_id=h.get("parent_id"),
                            retries=h.get("retries", 0), eta=None, expires=h.get("expires"))
+        if annotations.claims:
+            # Once acked (answered, whichever way), nobody needs its blobs any more.
+            delivery.on_acked = [lambda: self.claims.delete(body)]
         model = annotations.model
         if model not in self.scheduler.lanes:  # a message routed to the wrong queue
             self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
                                  f"this worker does not serve {model!r}")
             return
+        if annotations.claims:
+            self._fetch_claims(model, held, deliveries + returns)
+            return
+        self._place(model, held, deliveries + returns)
+
+    def _fetch_claims(self, model: str, held: Held, deliveries: int) -> None:
+        """Fetch a request's claimed inputs (on the fetcher's threads) before it is placed:
+        it enters the scheduler only when its inputs are here."""
+        generation = self.generation
+        a = held.annotations
+
+        def fetched(outcome: Fetched) -> None:  # on the loop
+            if generation != self.generation:
+                return  # the connection was lost: the message is redelivered
+            if outcome.error_code is not None:
+                self._refuse(model, held, outcome.error_message or "",
+                             ErrorCode(outcome.error_code))
+                return
+            held.blobs = outcome.blobs
+            self._place(model, held, deliveries)
+            self._queue_tick()
+
+        self.claims.fetch(held.body, a.sent_ms, a.deadline_ms,
+                          lambda: held.task_id in worker_state.revoked, fetched)
+
+    def _place(self, model: str, held: Held, deliveries: int) -> None:
+        """A held request (its inputs at hand) joins its model's feeder or scheduler."""
         if model in self.continuous:
-            self._admit_continuous(model, held, deliveries + returns)
+            self._admit_continuous(model, held, deliveries)
             return
         split = self._split(held)
         if split is not None:
             metrics.SPLIT.labels(model).inc()
             held = split.part_held(held, 0)
-        self._admit(model, held, deliveries + returns)
+        self._admit(model, held, deliveries)
 
     def _admit(self, model: str, held: Held, deliveries: int) -> None:
         """Into the scheduler, once what it needs is loaded (loads start here)."""
@@ -718,6 +764,13 @@ class Dispatcher:
                 refused[held.task_id] = Outcome(
                     held.task_id, error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc))
                 continue
+            if held.blobs is not None:
+                try:
+                    substitute(kwargs, held.blobs)
+                except ShoalError as exc:
+                    refused[held.task_id] = Outcome(held.task_id, error_code=exc.code,
+                                                    error_message=exc.message)
+                    continue
             requests.append(Request(held.task_id, held.annotations.op, kwargs,
                                     stream=kwargs.get("stream") is True,
                                     deadline_ms=held.annotations.deadline_ms))
@@ -878,6 +931,7 @@ class Dispatcher:
         self._timer = None
 
     def close(self) -> None:
+        self.claims.close()
         self.placement.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.runtime.close()

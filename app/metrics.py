@@ -58,6 +58,14 @@ CANCELLED = Counter("shoal_generations_cancelled_total", "generations stopped be
 IN_FLIGHT = Gauge("shoal_runtime_in_flight", "requests handed to a continuously batching "
                   "runtime (SGLang) and not yet answered", ["model"])
 
+CLAIMS_FETCHED = Counter("shoal_claims_fetched_total", "claim-checked inputs fetched from the "
+                         "blob store: ok, or the error that failed their request", ["outcome"])
+CLAIM_BYTES = Counter("shoal_claim_bytes_total", "bytes of claim-checked inputs fetched")
+CLAIM_FETCH_SECONDS = Histogram("shoal_claim_fetch_seconds", "from a claim-checked request's "
+                                "delivery to its inputs fetched and checked", buckets=_SECONDS)
+CLAIMS_DELETED = Counter("shoal_claims_deleted_total", "claimed blobs deleted once their "
+                         "message was acked")
+
 
 def start_metrics_server(host: str, port: int) -> None:
     """Serve /metrics on `port` (0 disables); a taken port only costs a warning."""

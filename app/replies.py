@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -52,7 +53,8 @@ class Delivery:
     requeued as a whole at most once, after which nothing more of it is acked (a
     second ack or reject of a tag closes the channel)."""
 
-    __slots__ = ("closed", "message", "open", "reply_batch", "reply_to", "requests")
+    __slots__ = ("closed", "message", "on_acked", "open", "reply_batch", "reply_to",
+                 "requests")
 
     def __init__(self, message: Any, requests: int = 1) -> None:
         self.message = message
@@ -61,6 +63,9 @@ class Delivery:
         self.closed = False
         self.reply_to: str | None = message.properties.get("reply_to")
         self.reply_batch = bool((message.headers or {}).get(H_REPLY_BATCH))
+        # Called once the message is acked, never if it is requeued (a claim-checked
+        # request's blobs are deleted then: its next delivery needs them).
+        self.on_acked: list[Callable[[], None]] | None = None
 
     @property
     def untouched(self) -> bool:
@@ -72,6 +77,11 @@ class Delivery:
         if self.open == 0 and not self.closed:
             self.closed = True
             self.message.ack()
+            for callback in self.on_acked or ():
+                try:
+                    callback()
+                except Exception:  # cleanup must not keep other requests from settling
+                    log.exception("an on_acked callback failed")
 
     def requeue(self) -> None:
         if not self.closed:

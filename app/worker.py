@@ -206,7 +206,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                                          self.pinned, self.settings.prefetch,
                                          self._profile_load_s(),
                                          self.settings.lora_mixed_batches,
-                                         self.settings.feed_return_after_ms / 1000)
+                                         self.settings.feed_return_after_ms / 1000,
+                                         self.settings.blob_url,
+                                         self.settings.claim_upload_timeout_s)
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
