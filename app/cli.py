@@ -89,6 +89,20 @@ def _queues(_: argparse.Namespace) -> int:
     return 0
 
 
+def _blobs_sweep(args: argparse.Namespace) -> int:
+    """Delete claim blobs older than --older-than (default SHOAL_BLOB_TTL_S): those of
+    requests that were dead-lettered or lost. Gateways do this every
+    SHOAL_BLOB_SWEEP_INTERVAL_S; this is for a cron job or a fleet without gateways."""
+    from app.settings import get_settings
+    from tasks.blobs import CLAIMS, blob_store
+
+    settings = get_settings()
+    older_than = settings.blob_ttl_s if args.older_than is None else args.older_than
+    swept = blob_store(settings.blob_url).sweep(CLAIMS, older_than)
+    print(f"swept {len(swept)} claim blobs older than {older_than:g} s")
+    return 0
+
+
 def _bench(argv: list[str]) -> int:
     from bench.cli import main as bench_main
 
@@ -131,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
     models_cli.add_parser(sub)
+    blobs = sub.add_parser("blobs", help="the blob store (claim checks)")
+    blobs_sub = blobs.add_subparsers(dest="blobs_command", required=True)
+    sweep = blobs_sub.add_parser("sweep", help="delete orphaned claim blobs")
+    sweep.add_argument("--older-than", type=float, metavar="S",
+                       help="age in seconds (default: SHOAL_BLOB_TTL_S)")
+    sweep.set_defaults(run=_blobs_sweep)
     for name, (_, text) in _DELEGATED.items():  # listed in --help; handled above
         sub.add_parser(name, help=text, add_help=False)
 
