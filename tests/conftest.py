@@ -61,6 +61,8 @@ os.environ.update(
     # letters, the full queue): a request for a model no worker consumes waits, as with
     # scale-to-zero. tests/e2e/test_gateway_models.py checks the default, refuse (503).
     SHOAL_GATEWAY_UNSERVED="wait",
+    # Claim-checked blobs of this session (never ~/.cache); removed with WORK_DIR.
+    SHOAL_BLOB_URL=str(WORK_DIR / "blobs"),
 )
 
 
