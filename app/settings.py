@@ -107,6 +107,17 @@ class Settings(BaseSettings):
                              "(its state and result file) is kept")
     max_job_input_bytes: int = Field(4 * 1024**3, ge=1, description="bytes of a bulk job's "
                                      "input file")
+    job_part_items: int = Field(
+        0, ge=0, description="items per task message of a bulk job (0: 8 batches of the "
+        "model's tuned max_items, clamped to 256..4096)")
+    job_parts_in_flight: int = Field(
+        8, ge=1, description="a bulk job's parts published and not yet answered; the rest "
+        "wait (backpressure: a big job never floods its model's queue)")
+    job_part_timeout_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, description="deadline of one job part")
+    job_lease_s: float = Field(
+        15.0, gt=0, allow_inf_nan=False, description="a job's splitter lease: a gateway that "
+        "dies holding it is replaced after this")
 
     # --- worker ---
     prefetch: int = Field(64, ge=1, description="unacked messages per model consumer")

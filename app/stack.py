@@ -184,7 +184,8 @@ def prefix_queues(prefix: str, models: Iterable[str]) -> list[str]:
     from app.topology import queue_for
 
     settings = Settings(queue_prefix=prefix)
-    names = [f"{prefix}.default"]  # Celery's own default queue
+    # Celery's own default queue, and the jobs' reply queue every gateway declares.
+    names = [f"{prefix}.default", f"{prefix}.jobs.replies"]
     for model in models:
         queue = queue_for(model.strip(), settings)
         names += [queue.name, queue.dead_letter_queue]

@@ -24,6 +24,10 @@ from gateway.codecs import encode_response
 from gateway.completions import create_chat_completion, create_completion
 from gateway.embeddings import create_embeddings
 from gateway.health import healthz, list_models, readyz
+from gateway.job_driver import JobDriver
+from gateway.job_replies import JobReplies
+from gateway.job_store import JobStore
+from gateway.jobs import cancel_job, create_job, get_job, get_result
 from gateway.metrics import LATENCY, REQUESTS, metrics
 from gateway.native import classify, encode, extract, score
 from tasks.errors import ErrorCode, ShoalError
@@ -60,7 +64,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 
 _FIXED_ROUTES = {"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                 "/healthz", "/readyz", "/metrics"}
+                 "/v1/jobs", "/healthz", "/readyz", "/metrics"}
 _MODEL_ROUTES = ("encode", "score", "extract", "classify")
 
 
@@ -119,16 +123,29 @@ def create_app(settings: Settings | None = None) -> Starlette:
     # (SHOAL_MODELS is the workers' list); a model's queue is declared on first use.
     served = {entry.id: entry for entry in catalog.select(settings.gateway_models)}
     broker = Broker(settings, list(served))
+    job_store = JobStore(settings.redis_url, settings.queue_prefix, settings.job_ttl_s)
+
+    def blobs() -> Any:
+        from tasks.blobs import blob_store  # fsspec: imported when a job needs it
+
+        return blob_store(settings.blob_url)
+
+    job_driver = JobDriver(settings, job_store, broker, served, blobs)
+    job_replies = JobReplies(job_store, settings.queue_prefix, blobs, job_driver.notify)
+    broker.on_connect.append(job_replies.attach)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         broker.start()
+        job_driver.start()
         # Orphaned claim blobs (requests dead-lettered or lost) go after SHOAL_BLOB_TTL_S.
         sweeper = asyncio.get_running_loop().create_task(sweep_forever(
             settings.blob_url, settings.blob_ttl_s, settings.blob_sweep_interval_s))
         yield
         sweeper.cancel()
+        await job_driver.close()
         await broker.close()
+        await job_store.close()
 
     app = Starlette(
         routes=[
@@ -139,6 +156,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/v1/classify/{model:path}", classify, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+            Route("/v1/jobs", create_job, methods=["POST"]),
+            Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+            Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
+            Route("/v1/jobs/{job_id}/result", get_result, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
@@ -156,4 +177,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.state.served = served
     app.state.catalog = catalog
     app.state.broker = broker
+    app.state.job_store = job_store
+    app.state.job_driver = job_driver
     return app

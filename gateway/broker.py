@@ -56,7 +56,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aio_pika
@@ -140,6 +140,10 @@ class Broker:
         self._probes: dict[str, asyncio.Task[int]] = {}
         self._ready = False
         self._task: asyncio.Task | None = None
+        # Called with the connection once it is up (the jobs' shared reply consumer); a
+        # robust connection restores what they declare and consume after a reconnect.
+        self.on_connect: list[Callable[[aio_pika.abc.AbstractRobustConnection],
+                                       Awaitable[None]]] = []
 
     @property
     def ready(self) -> bool:
@@ -185,6 +189,8 @@ class Broker:
             await connection.close()
             raise
         await self._subscribe_pool(connection)
+        for hook in self.on_connect:
+            await hook(connection)
         self._connection = connection
         self._ready = True
         log.info("gateway connected; replies on %s", self.reply_to)
@@ -335,6 +341,24 @@ class Broker:
         except Exception as exc:
             log.warning("could not revoke %s: %s", task_ids, exc)
 
+    async def publish_part(self, model: str, part: Part, timeout_s: float,
+                           reply_to: str) -> None:
+        """Publish one request alone, its result to `reply_to` (a job's part: its result
+        goes to the jobs' shared reply queue, and nobody here awaits it); return once the
+        broker has it. QUEUE_FULL or BROKER_UNAVAILABLE as for any request."""
+        if not self.ready or self._exchange is None:
+            raise _unavailable("the message broker is not connected")
+        await self._queue(model)
+        message = single_message(part, self.origin)
+        await self._publish(model, message.task_id, message.body, message.headers, timeout_s,
+                            reply_to=reply_to)
+
+    async def admit(self, model: str) -> None:
+        """Refuse (503) a model no worker serves, as a request for it would be."""
+        if not self.ready:
+            raise _unavailable("the message broker is not connected")
+        await self._admit(model)
+
     async def _send(self, model: str, part: Part, timeout_s: float) -> None:
         """Admit the model, put the request in its outbox; return once the broker has it."""
         await self._admit(model)
@@ -480,7 +504,8 @@ class Broker:
         await asyncio.gather(*(publish(group) for group in groups))
 
     async def _publish(
-        self, model: str, task_id: str, body: bytes, headers: dict, timeout_s: float
+        self, model: str, task_id: str, body: bytes, headers: dict, timeout_s: float,
+        reply_to: str | None = None,
     ) -> None:
         assert self._exchange is not None
         message = aio_pika.Message(
@@ -489,7 +514,7 @@ class Broker:
             content_type=CONTENT_TYPE,
             content_encoding=CONTENT_ENCODING,
             correlation_id=task_id,
-            reply_to=self.reply_to,
+            reply_to=reply_to or self.reply_to,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             expiration=max(timeout_s, 0.001),
         )

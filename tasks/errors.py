@@ -46,6 +46,7 @@ class ErrorCode(StrEnum):
     BLOB_CORRUPT = "BLOB_CORRUPT"
     BLOB_STORE_UNAVAILABLE = "BLOB_STORE_UNAVAILABLE"
     JOB_NOT_FOUND = "JOB_NOT_FOUND"
+    JOB_NOT_FINISHED = "JOB_NOT_FINISHED"  # its result was asked for before it succeeded
 
 
 STATUS_OF_CODE: dict[str, int] = {
@@ -74,6 +75,7 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.BLOB_CORRUPT: 422,
     ErrorCode.BLOB_STORE_UNAVAILABLE: 503,
     ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.JOB_NOT_FINISHED: 409,
 }
 
 

@@ -1,0 +1,297 @@
+"""Jobs: POST /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs/{id}/result, DELETE /v1/jobs/{id}.
+
+A job is a native request run in the background (`{"operation", "model", "items",
+"options"}`, answered inline in the job's view), or a bulk run over a JSONL file
+(streamed into the blob store as the body of a POST with Content-Type
+application/x-ndjson, or named by `"input"`: a key already in the store), cut into
+parts and gathered into one result file. Either is checked exactly as the sync
+route checks a request, and refused with a 4xx before anything is queued.
+`Prefer: respond-async` on a native route makes its request a job (`accept_native`).
+
+State lives in Redis (`gateway.job_store`); parts are driven by
+`gateway.job_driver`; their results come back through `gateway.job_replies`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import msgpack
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from app.catalog import ModelEntry
+from gateway.bulk import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
+from gateway.codecs import encode_response, media_type, read_body
+from gateway.errors import ApiError, invalid
+from gateway.job_store import CANCELLED, Job, JobStore, view
+from gateway.submit import ROUTE_OF_OPERATION, check_items, served_model, wire_items
+from tasks.errors import ErrorCode
+
+JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonl",
+                         "application/ndjson"})
+_REQUEST_FIELDS = {"operation", "model", "items", "options", "query"}
+_INPUT_FIELDS = {"operation", "model", "input", "options", "query"}
+
+
+def _blobs(request: Request) -> Any:
+    from tasks.blobs import blob_store  # fsspec takes ~0.15 s to import: not at start
+
+    return blob_store(request.app.state.settings.blob_url)
+
+
+def _store(request: Request) -> JobStore:
+    return request.app.state.job_store
+
+
+async def create_job(request: Request) -> Response:
+    if media_type(request.headers.get("content-type")) in JSONL_TYPES:
+        return await _upload(request)
+    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    if not isinstance(body, dict):
+        raise invalid("the body must be an object: {\"operation\", \"model\", \"items\", "
+                      "\"options\"}, or {\"operation\", \"model\", \"input\"} for a file in "
+                      "the blob store, or send the file itself as application/x-ndjson")
+    if "input" in body:
+        return await _from_input(request, body)
+    op = body.get("operation")
+    _check_operation(op)
+    fields = _REQUEST_FIELDS - ({"query"} if op != "score" else set())
+    unknown = set(body) - fields
+    if unknown:
+        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
+    request_body = {k: v for k, v in body.items() if k not in ("operation", "model")}
+    return await _accept(request, op, body.get("model"), request_body)
+
+
+async def accept_native(request: Request, op: str) -> Response:
+    """A native route's request with `Prefer: respond-async`: the same checks, then a job."""
+    entry = served_model(request, request.path_params["model"], op)
+    from gateway.native import body_limit
+
+    body = await read_body(request, body_limit(request, entry))
+    fields = {"items", "options"} | ({"query"} if op == "score" else set())
+    if not isinstance(body, dict):
+        raise invalid(f"the body must be an object with {sorted(fields)}")
+    unknown = set(body) - fields
+    if unknown:
+        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
+    return await _accept(request, op, entry.id, body)
+
+
+def prefers_async(request: Request) -> bool:
+    prefer = request.headers.get("prefer")
+    return prefer is not None and "respond-async" in prefer.lower()
+
+
+def _check_operation(op: Any) -> None:
+    if op not in ROUTE_OF_OPERATION:
+        raise invalid(f"'operation' must be one of {sorted(ROUTE_OF_OPERATION)}, got {op!r}")
+
+
+async def _accept(request: Request, op: str, model: Any, body: dict[str, Any]) -> Response:
+    """An inline job: checked as the sync route checks it, its request kept in the blob
+    store (a gateway that takes the job over publishes it from there)."""
+    entry = served_model(request, model, op)
+    kwargs = {"model": entry.id, **body}
+    parsed = entry.parse(kwargs)
+    check_items(request, parsed)
+    kwargs["items"] = wire_items(parsed)
+    await request.app.state.broker.admit(entry.id)
+    job = _new_job(request, entry, op, parsed.options, kwargs.get("query"))
+    job.input = f"{job.folder}/request.msgpack"
+    job.parts_total, job.items_total = 1, len(parsed.items)
+    await asyncio.to_thread(_blobs(request).put, job.input,
+                            msgpack.packb(kwargs, use_bin_type=True))
+    return await _start(request, job)
+
+
+def _new_job(request: Request, entry: ModelEntry, op: str, options: Any,
+             query: Any) -> Job:
+    from tasks.blobs import JOBS, BlobStore
+
+    job_id = uuid.uuid4().hex
+    raw_options = options if isinstance(options, dict) else None
+    return Job(id=job_id, operation=op, model=entry.id, options=raw_options or {},
+               query=query if isinstance(query, str) else None,
+               folder=BlobStore.new_key(JOBS, job_id))
+
+
+async def _start(request: Request, job: Job) -> Response:
+    await _store(request).create(job)
+    await request.app.state.job_driver.kick(job.id)
+    return encode_response(request, view(job), 202, {"Location": f"/v1/jobs/{job.id}"})
+
+
+# --- bulk ------------------------------------------------------------------------------------
+
+def _bulk_entry(request: Request, op: Any, model: Any, options: Any,
+                query: Any) -> tuple[ModelEntry, InputCheck]:
+    """The model's entry and a check for its input lines; 4xx for a bad operation,
+    model or options before any byte of the input is read."""
+    _check_operation(op)
+    if op not in BULK_OPERATIONS:
+        raise invalid(f"a bulk job runs {sorted(BULK_OPERATIONS)}; {op} needs its items "
+                      "together: send them as an inline job ({\"items\": [...]})")
+    entry = served_model(request, model, op)
+    if options is not None and not isinstance(options, dict):
+        raise invalid("'options' must be an object")
+    if op == "score" and not isinstance(query, str):
+        raise invalid("a bulk score needs 'query' (a string)")
+    settings = request.app.state.settings
+
+    def check(items: list[Any]) -> None:
+        kwargs: dict[str, Any] = {"model": entry.id, "items": items, "options": options}
+        if query is not None:
+            kwargs["query"] = query
+        entry.parse(kwargs)
+
+    check([{"text": "x"}]) if "text" in entry.contract.inputs else None  # options first
+    profile = entry.profile(settings.device)
+    per_part = part_items(settings.job_part_items,
+                          profile.max_items if profile else settings.batch_max_items)
+    return entry, InputCheck(check, settings.max_text_chars, per_part)
+
+
+async def _upload(request: Request) -> Response:
+    """The body is the input file: streamed into the blob store and checked line by line
+    as it comes, never held whole."""
+    params = request.query_params
+    try:
+        options = orjson.loads(params["options"]) if "options" in params else None
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"the 'options' query parameter is not JSON: {exc}") from None
+    entry, check = _bulk_entry(request, params.get("operation"), params.get("model"), options,
+                               params.get("query"))
+    await request.app.state.broker.admit(entry.id)
+    limit = request.app.state.settings.max_job_input_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    job = _new_job(request, entry, str(params.get("operation")), options, params.get("query"))
+    job.input = f"{job.folder}/input.jsonl"
+    blobs = _blobs(request)
+    writer = blobs.open_write(job.input)
+    file = await asyncio.to_thread(writer.__enter__)
+
+    def take(chunk: bytes) -> None:  # one thread hop per chunk: check it and write it
+        check.feed(chunk)
+        file.write(chunk)
+
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            if chunk:
+                await asyncio.to_thread(take, chunk)
+        await asyncio.to_thread(check.close)
+    except BaseException as exc:
+        await asyncio.to_thread(writer.__exit__, type(exc), exc, exc.__traceback__)
+        await asyncio.to_thread(blobs.delete, [job.folder], True)  # nothing of it stays
+        raise
+    await asyncio.to_thread(writer.__exit__, None, None, None)
+    return await _start(request, _bulk(job, check))
+
+
+async def _from_input(request: Request, body: dict[str, Any]) -> Response:
+    """A bulk job over a file already in the blob store: read and checked before it is
+    accepted (the caller's file: it stays when the job ends)."""
+    unknown = set(body) - _INPUT_FIELDS
+    if unknown:
+        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(_INPUT_FIELDS)}")
+    key = body.get("input")
+    if not isinstance(key, str) or not key or ".." in key.split("/"):
+        raise invalid("'input' must be a key in the blob store")
+    entry, check = _bulk_entry(request, body.get("operation"), body.get("model"),
+                               body.get("options"), body.get("query"))
+    await request.app.state.broker.admit(entry.id)
+    blobs = _blobs(request)
+    from tasks.blobs import BlobMissing
+
+    limit = request.app.state.settings.max_job_input_bytes
+
+    def read_all() -> None:
+        if blobs.size(key) > limit:
+            raise _too_large(limit)
+        with blobs.open_read(key) as file:
+            for chunk in read_chunks(file):
+                check.feed(chunk)
+        check.close()
+
+    try:
+        await asyncio.to_thread(read_all)
+    except BlobMissing:
+        raise ApiError(ErrorCode.NOT_FOUND, f"no file {key!r} in the blob store") from None
+    job = _new_job(request, entry, body["operation"], body.get("options"), body.get("query"))
+    job.input, job.owns_input = key, False
+    return await _start(request, _bulk(job, check))
+
+
+def _bulk(job: Job, check: InputCheck) -> Job:
+    job.bulk = True
+    job.part_items = check.per_part
+    job.parts_total, job.items_total = check.parts, check.items
+    return job
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"the input is over SHOAL_MAX_JOB_INPUT_BYTES ({limit} bytes)")
+
+
+# --- reading and cancelling ----------------------------------------------------------------
+
+async def _job(request: Request) -> Job:
+    job_id = request.path_params["job_id"]
+    job = await _store(request).get(job_id)
+    if job is None:
+        raise ApiError(ErrorCode.JOB_NOT_FOUND, f"no job {job_id!r} (unknown, or finished "
+                       "more than SHOAL_JOB_TTL_S ago)")
+    return job
+
+
+async def get_job(request: Request) -> Response:
+    return encode_response(request, view(await _job(request)))
+
+
+async def get_result(request: Request) -> Response:
+    job = await _job(request)
+    if job.state != "succeeded":
+        raise ApiError(ErrorCode.JOB_NOT_FINISHED, f"job {job.id} is {job.state}; its result "
+                       "is there once it has succeeded")
+    if not job.bulk:
+        return encode_response(request, job.result)
+    blobs = _blobs(request)
+    size = await asyncio.to_thread(blobs.size, job.result_file)
+    file = await asyncio.to_thread(blobs.open_read, job.result_file)
+
+    async def body() -> Any:
+        chunks = read_chunks(file)
+        try:
+            while chunk := await asyncio.to_thread(next, chunks, b""):
+                yield chunk
+        finally:
+            await asyncio.to_thread(chunks.close)
+
+    kind = "application/x-npy" if job.result_type == NPY else "application/x-ndjson"
+    name = f"{job.id}.{job.result_type}"
+    return StreamingResponse(body(), media_type=kind, headers={
+        "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{name}"'})
+
+
+async def cancel_job(request: Request) -> Response:
+    """Cancel: parts not yet published never are, published ones are revoked (a worker
+    answers them CANCELLED unrun), running ones finish and are dropped. A job that has
+    already finished is left as it is (200 with its view)."""
+    job = await _job(request)
+    store = _store(request)
+    if job.active and await store.finish(job.id, CANCELLED):
+        # The driver revokes too when it notices; this covers a job whose driver is gone.
+        await request.app.state.job_driver.revoke(job.id, job.published)
+        job = await _job(request)
+    return encode_response(request, view(job))
