@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from app import models_cli
+from app import jobs_cli, models_cli
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
     models_cli.add_parser(sub)
+    jobs_cli.add_parsers(sub)
     blobs = sub.add_parser("blobs", help="the blob store (claim checks)")
     blobs_sub = blobs.add_subparsers(dest="blobs_command", required=True)
     sweep = blobs_sub.add_parser("sweep", help="delete orphaned claim blobs")
