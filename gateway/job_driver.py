@@ -33,7 +33,7 @@ from app.settings import Settings
 from gateway.bulk import PartReader, gather
 from gateway.errors import ApiError
 from gateway.job_replies import part_id, replies_queue
-from gateway.job_store import FAILED, SUCCEEDED, Job, JobStore, error_body
+from gateway.job_store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
 from tasks.envelope import task_part
 from tasks.errors import ErrorCode
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 SWEEP_MIN_AGE_S = 3600.0
 POLL_S = 0.5  # how often a waiting driver re-reads counts another gateway may have moved
 RETRY_CODES = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.BROKER_UNAVAILABLE,
-                         ErrorCode.MODEL_UNAVAILABLE})
+                         ErrorCode.MODEL_UNAVAILABLE})  # a part waits and tries again
 
 
 class JobDriver:
@@ -159,7 +159,7 @@ class JobDriver:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if _transient(exc):
+            if transient(exc):
                 log.warning("job %s paused (%s); it resumes on the next scan", job_id, exc)
             else:
                 log.exception("job %s failed", job_id)
@@ -303,12 +303,3 @@ class JobDriver:
         body = payload(job.operation, entry.parse(request), result)
         await self.store.finish(job.id, SUCCEEDED, result=body)
         await asyncio.to_thread(blobs.delete, [job.folder], True)
-
-
-def _transient(exc: Exception) -> bool:
-    """Redis or the broker away (worth another try on the next scan), not a bug."""
-    if isinstance(exc, ConnectionError | TimeoutError | OSError):
-        return True
-    if isinstance(exc, ApiError) and exc.code in RETRY_CODES:
-        return True
-    return type(exc).__module__.startswith("redis") and "Connection" in type(exc).__name__

@@ -20,7 +20,7 @@ import msgpack
 from aio_pika.abc import AbstractIncomingMessage
 
 from gateway.bulk import encode_part, part_key
-from gateway.job_store import FAILED, Job, JobStore, error_body
+from gateway.job_store import FAILED, Job, JobStore, error_body, transient
 from tasks.envelope import H_MULTI, PROGRESS, SUCCESS, decode_results
 from tasks.errors import ErrorCode, ShoalError
 
@@ -69,17 +69,32 @@ class JobReplies:
             log.exception("undecodable job reply dropped")
             await message.ack()
             return
-        while True:
-            try:
-                for result in results:
+        for result in results:
+            while True:
+                try:
                     await self.record(result, message.correlation_id)
-                break
-            except Exception:
-                # Redis or the blob store is away: keep the message (unacked, so another
-                # gateway gets it if this one dies) and try again.
-                log.exception("cannot record a job reply; retrying in %.0fs", RETRY_S)
-                await asyncio.sleep(RETRY_S)
+                    break
+                except Exception as exc:
+                    if not transient(exc):
+                        await self._broken(result, message.correlation_id, exc)
+                        break
+                    # Redis or the blob store is away: keep the message (unacked, so
+                    # another gateway gets it if this one dies) and try again.
+                    log.warning("cannot record a job reply (%s); retrying in %.0fs", exc,
+                                RETRY_S)
+                    await asyncio.sleep(RETRY_S)
         await message.ack()
+
+    async def _broken(self, result: dict[str, Any], correlation_id: str | None,
+                      exc: Exception) -> None:
+        """A result that cannot be recorded (not the shape its operation gives): its job
+        fails, rather than the reply coming back for ever."""
+        log.error("job reply %s cannot be recorded", result.get("task_id"), exc_info=exc)
+        ids = parse_part_id(str(result.get("task_id") or correlation_id or ""))
+        if ids is not None:
+            await self.store.finish(ids[0], FAILED, error=error_body(
+                str(ErrorCode.INTERNAL), f"the result of part {ids[1]} could not be "
+                f"recorded: {exc!r}"))
 
     async def record(self, result: dict[str, Any], correlation_id: str | None) -> None:
         status = result.get("status")

@@ -264,6 +264,18 @@ class JobStore:
             await self.redis.delete(self.lease_key(job_id))
 
 
+def transient(exc: BaseException) -> bool:
+    """Redis, the broker or the blob store away (worth another try), not a bug."""
+    if isinstance(exc, ConnectionError | TimeoutError | OSError):
+        return True
+    code = getattr(exc, "code", None)
+    if code in ("QUEUE_FULL", "BROKER_UNAVAILABLE", "MODEL_UNAVAILABLE",
+                "BLOB_STORE_UNAVAILABLE"):
+        return True
+    name = type(exc).__name__
+    return type(exc).__module__.startswith("redis") and ("Connection" in name or "Timeout" in name)
+
+
 def error_body(code: str, message: str) -> dict[str, str]:
     return {"code": code, "message": message}
 

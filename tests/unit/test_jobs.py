@@ -254,3 +254,14 @@ def test_leases_are_exclusive_renewed_by_their_owner_only(store):
         assert await store.acquire("j3", "b", 5)
 
     run(store, scenario())
+
+
+def test_only_an_absent_service_is_worth_another_try():
+    import redis.exceptions
+
+    from gateway.job_store import transient
+
+    assert transient(redis.exceptions.ConnectionError()) and transient(ConnectionError())
+    assert transient(redis.exceptions.TimeoutError())
+    assert transient(ShoalError("QUEUE_FULL", "full"))
+    assert not transient(KeyError("embeddings")) and not transient(ShoalError("INTERNAL", "x"))
