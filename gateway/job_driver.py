@@ -301,5 +301,6 @@ class JobDriver:
         result = msgpack.unpackb(parts[0], raw=False)
         request = msgpack.unpackb(await asyncio.to_thread(blobs.get, job.input), raw=False)
         body = payload(job.operation, entry.parse(request), result)
+        body["model"] = body["model"] or job.model
         await self.store.finish(job.id, SUCCEEDED, result=body)
         await asyncio.to_thread(blobs.delete, [job.folder], True)

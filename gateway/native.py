@@ -101,7 +101,7 @@ def payload(op: str, parsed: ParsedRequest, result: dict[str, Any]) -> dict[str,
     result as the runtime gave it (its choices per prompt)."""
     shape = _SHAPES.get(op)
     body = shape(parsed, result) if shape is not None else {"choices": result["choices"]}
-    return {"model": result["model"], **body, "usage": result["usage"]}
+    return {"model": result.get("model"), **body, "usage": result.get("usage")}
 
 
 encode = _endpoint(ENCODE, _encode_payload)

@@ -48,6 +48,18 @@ def jobs_stack(tmp_path_factory) -> Iterator[tuple[PrivateStack, MeteredWorker]]
             yield private, worker
         finally:
             delete_queues([f"{private.prefix}.jobs.replies"])
+            forget_jobs(private.prefix)
+
+
+def forget_jobs(prefix: str) -> None:
+    """The Redis keys of this stack's jobs (finished ones would expire; running ones not)."""
+    import redis
+
+    client = redis.Redis.from_url(os.environ.get("SHOAL_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 def start_gateway(private: PrivateStack, name: str, **env: str) -> tuple[Process, str]:
