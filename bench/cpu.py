@@ -40,6 +40,11 @@ def process_label(pid: int) -> str:
     return f"{name} ({pid})"
 
 
+def process_kind(label: str) -> str:
+    """A `process_label` without its pid: what processes of one kind add up under."""
+    return label.rsplit(" (", 1)[0]
+
+
 def cpu_snapshot(pids: Sequence[int]) -> dict[int, float]:
     """CPU seconds of each process still alive."""
     snapshot = {}

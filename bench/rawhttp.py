@@ -9,7 +9,13 @@ connection, read status, headers and a Content-Length body.
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import urlsplit
+
+# uvicorn closes a keep-alive connection idle for 5 s (its timeout_keep_alive): a request
+# written to it then reads "connection lost", an error of the client's making (an open
+# loop's spare connections sit idle that long between bursts). Reconnect before that.
+IDLE_RECONNECT_S = 4.0
 
 
 class HttpError(Exception):
@@ -23,6 +29,7 @@ class Connection:
         self.port = parts.port or 80
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.last_used = 0.0  # time.monotonic() of the last response read
 
     async def _connect(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -33,6 +40,9 @@ class Connection:
         return head.encode() + body
 
     async def send(self, request: bytes) -> tuple[int, dict[str, str], bytes]:
+        if self.writer is not None and time.monotonic() - self.last_used > IDLE_RECONNECT_S:
+            self.writer.close()
+            self.writer = None
         if self.writer is None or self.writer.is_closing():
             await self._connect()
         assert self.reader is not None and self.writer is not None
@@ -50,6 +60,7 @@ class Connection:
                 name, value = line.split(":", 1)
                 headers[name.strip().lower()] = value.strip()
         body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        self.last_used = time.monotonic()
         return status, headers, body
 
     async def close(self) -> None:

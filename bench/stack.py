@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from app.stack import (
@@ -56,19 +57,25 @@ def gateway_workers_of(pid: int) -> list[int]:
     return workers
 
 
-def reply_queues(prefix: str, management_url: str) -> dict[str, int]:
-    """The gateways' reply queues on `prefix` ({prefix}.reply.<uuid>, one per gateway
-    process) and their consumers, from RabbitMQ's management API (its queue list lags
-    by up to its statistics interval)."""
+def management_get(management_url: str, path: str, timeout: float = 10.0) -> Any:
+    """GET `path` (e.g. "queues?columns=name") of RabbitMQ's management API at
+    `management_url` (credentials in the URL, as SHOAL_MANAGEMENT_URL has them), as JSON."""
     parts = urlsplit(management_url)
     url = f"{parts.scheme}://{parts.hostname}:{parts.port or 15672}" \
-          f"{parts.path.rstrip('/')}/queues?columns=name,consumers"
+          f"{parts.path.rstrip('/')}/{path}"
     request = urllib.request.Request(url)
     if parts.username:
         user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
-    with urllib.request.urlopen(request, timeout=10) as response:
-        queues = json.load(response)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+def reply_queues(prefix: str, management_url: str) -> dict[str, int]:
+    """The gateways' reply queues on `prefix` ({prefix}.reply.<uuid>, one per gateway
+    process) and their consumers, from RabbitMQ's management API (its queue list lags
+    by up to its statistics interval)."""
+    queues = management_get(management_url, "queues?columns=name,consumers")
     return {q["name"]: q.get("consumers") or 0 for q in queues
             if q["name"].startswith(f"{prefix}.reply.")}
 
