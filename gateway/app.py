@@ -58,9 +58,20 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    if _redis_unreachable(exc):  # the jobs' state: the caller may retry, nothing is lost
+        log.warning("%s %s: Redis is not reachable: %s", request.method, request.url.path, exc)
+        return _error_response(request, ShoalError(
+            ErrorCode.JOB_STORE_UNAVAILABLE, "the job store (Redis, SHOAL_REDIS_URL) is not "
+            "reachable; retry later", retry_after=1))
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     return _error_response(request, ShoalError(ErrorCode.INTERNAL, "internal error; see the "
                                              "gateway's log"))
+
+
+def _redis_unreachable(exc: Exception) -> bool:
+    # By module and name, not class: redis is imported only once a job route needs it.
+    return type(exc).__module__.startswith("redis") and type(exc).__name__ in (
+        "ConnectionError", "TimeoutError", "BusyLoadingError")
 
 
 _FIXED_ROUTES = {"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models",

@@ -47,6 +47,7 @@ class ErrorCode(StrEnum):
     BLOB_STORE_UNAVAILABLE = "BLOB_STORE_UNAVAILABLE"
     JOB_NOT_FOUND = "JOB_NOT_FOUND"
     JOB_NOT_FINISHED = "JOB_NOT_FINISHED"  # its result was asked for before it succeeded
+    JOB_STORE_UNAVAILABLE = "JOB_STORE_UNAVAILABLE"  # Redis (SHOAL_REDIS_URL) not reachable
 
 
 STATUS_OF_CODE: dict[str, int] = {
@@ -76,6 +77,7 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.BLOB_STORE_UNAVAILABLE: 503,
     ErrorCode.JOB_NOT_FOUND: 404,
     ErrorCode.JOB_NOT_FINISHED: 409,
+    ErrorCode.JOB_STORE_UNAVAILABLE: 503,
 }
 
 
