@@ -2,7 +2,8 @@
 
     .venv/bin/python -m bench.claims [--rate 40] [--image-share 0.05]
         [--image-bytes 4000000] [--duration 20] [--warmup 3] [--rounds 3]
-        [--no-reference] [--json bench/out/claims.json] [--plot docs/bench/claims.png]
+        [--modes inline,claim,text] [--json bench/out/claims.json]
+        [--plot docs/bench/claims.png]
 
 One stack (`bench.stack.bench_stack`, a queue prefix of its own): one worker serving the
 packaged MiniLM and a tiny random CLIP (`tests.tiny_clip`, built into a temporary folder
@@ -20,8 +21,9 @@ in all, as two independent streams: texts at (1 - share) x rate, one sentence ea
 each to the CLIP's /v1/encode as a msgpack body carrying the raw bytes. Each image is an
 uncompressed PNG of random pixels of about --image-bytes (a real image of that size whose
 decoding is cheap: what is measured is the bytes that travel, not a decoder). The
-reference phase (`--no-reference` skips it) sends the same texts at the same rate and no
-images, through the claim-checked gateway: the text latency the images are compared with.
+reference phase ("text" in --modes) sends the same text stream (rate, seed: the same
+arrival times) and no images, through the claim-checked gateway: the text latency the
+images are compared with.
 
 Broker memory, sampled on a thread during each phase (warm-up included) and --tail
 seconds after it: the RSS of RabbitMQ's process (beam.smp, /proc, every 0.2 s: the fine
@@ -346,7 +348,9 @@ async def load_phase(url: str, texts: Sequence[Prepared], images: Sequence[Prepa
     """The texts' and (when `with_images`) the images' open loops, side by side."""
     from bench.load import open_loop
 
-    text_rate = args.rate * (1 - args.image_share) if with_images else args.rate
+    # The same text stream (rate and seed) with images or without: the images are the
+    # only difference between phases of a round.
+    text_rate = args.rate * (1 - args.image_share)
     text = open_loop(f"{url}/v1/encode/{MINILM}", texts, text_rate, warmup=args.warmup,
                      duration=args.duration, timeout=args.timeout, seed=seed,
                      cpu_pids=cpu_pids)

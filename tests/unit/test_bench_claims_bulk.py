@@ -191,13 +191,13 @@ def test_server_times_from_the_jobs_iso_instants() -> None:
 
 
 def test_job_times_add_up_and_the_cli_has_one_part() -> None:
-    assert bulk.JobTimes(1.0, 8.0, 0.5).total == 9.5
-    assert bulk.JobTimes(12.0, None, None).total == 12.0
+    assert bulk.JobTimes.parts(1.0, 8.0, 0.5) == bulk.JobTimes(9.5, 1.0, 8.0, 0.5)
+    assert bulk.JobTimes(12.0).upload is None
 
 
-def job(upload: float, queue_run: float | None, download: float | None,
-        runtime_cores: float = 1.0) -> dict:
-    times = bulk.JobTimes(upload, queue_run, download)
+def job(upload: float | None, queue_run: float | None, download: float | None,
+        runtime_cores: float = 1.0, total: float | None = None) -> dict:
+    times = bulk.JobTimes(total) if total else bulk.JobTimes.parts(upload, queue_run, download)
     return {"seconds": {"upload": upload, "queue_run": queue_run, "download": download,
                         "total": times.total}, "cores": {"runtime": runtime_cores},
             "server_seconds": {"queued": 0.01, "running": queue_run}}
@@ -216,9 +216,10 @@ def test_bulk_summary_and_table() -> None:
     assert "| 1000 | 100.0 | 100.0 | **0.67** | 10.0 | 1.00 | 9.0 | 1.00 |" in text
     assert "NOT met" in text and "queue+run 90.0%" in text
     assert "running 9.0 s" in text and "CPU cores over the job: runtime 1.00" in text
-    cli = bulk.summarise(1000, [job(5.0, None, None)], [100.0, 100.0])
-    assert cli["ratio"] == 2.0 and cli["seconds"]["queue_run"] is None
+    cli = bulk.summarise(1000, [job(None, None, None, total=5.0)], [100.0, 100.0])
+    assert cli["ratio"] == 2.0 and cli["seconds"]["upload"] is None
     text = bulk.table(cli, "cli")
+    assert "| 5.0 | - | - | - |" in text
     assert ": met" in text and "wall time split" not in text
 
 
