@@ -31,6 +31,7 @@ import msgpack
 from app.catalog import ModelEntry
 from app.settings import Settings
 from gateway.bulk import PartReader, gather
+from gateway.claims import check_out, upload_first
 from gateway.errors import ApiError
 from gateway.job_replies import part_id, replies_queue
 from gateway.job_store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
@@ -214,7 +215,12 @@ class JobDriver:
     async def _publish(self, job: Job, entry: ModelEntry, index: int,
                        kwargs: dict[str, Any]) -> bool:
         timeout_ms = int(self.settings.job_part_timeout_s * 1000)
-        part = dataclasses.replace(task_part(entry, kwargs, timeout_ms),
+        # Large images go through the blob store here too; each publish of a part (a
+        # takeover may publish it again) has its own claims, deleted by its worker's ack.
+        kwargs, uploads = await check_out(kwargs, self.settings.claim_check_bytes)
+        if uploads:
+            await upload_first(self.settings.blob_url, uploads)
+        part = dataclasses.replace(task_part(entry, kwargs, timeout_ms, claims=len(uploads)),
                                    task_id=part_id(job.id, index))
         while True:
             try:

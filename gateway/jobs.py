@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from app.catalog import ModelEntry
 from gateway.bulk import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
-from gateway.codecs import encode_response, media_type, read_body
+from gateway.codecs import check_body_size, encode_response, media_type, read_body
 from gateway.errors import ApiError, invalid
 from gateway.job_store import CANCELLED, Job, JobStore, view
 from gateway.submit import ROUTE_OF_OPERATION, check_items, served_model, wire_items
@@ -50,7 +50,9 @@ def _store(request: Request) -> JobStore:
 async def create_job(request: Request) -> Response:
     if media_type(request.headers.get("content-type")) in JSONL_TYPES:
         return await _upload(request)
-    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    settings = request.app.state.settings
+    # The widest limit here; `_accept` applies the model's own once it knows the model.
+    body = await read_body(request, max(settings.max_body_bytes, settings.max_claim_body_bytes))
     if not isinstance(body, dict):
         raise invalid("the body must be an object: {\"operation\", \"model\", \"items\", "
                       "\"options\"}, or {\"operation\", \"model\", \"input\"} for a file in "
@@ -96,6 +98,9 @@ async def _accept(request: Request, op: str, model: Any, body: dict[str, Any]) -
     """An inline job: checked as the sync route checks it, its request kept in the blob
     store (a gateway that takes the job over publishes it from there)."""
     entry = served_model(request, model, op)
+    from gateway.native import body_limit
+
+    check_body_size(request, body_limit(request, entry))
     kwargs = {"model": entry.id, **body}
     parsed = entry.parse(kwargs)
     check_items(request, parsed)

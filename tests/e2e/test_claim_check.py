@@ -140,6 +140,29 @@ def test_a_10mb_image_goes_through_the_claim_check(families, big_png, expected):
     assert r.status_code == 413
 
 
+def test_a_jobs_large_image_goes_through_the_claim_check(families, big_png, expected):
+    """A job's request is claim-checked too: uploaded before its part is published."""
+    blobs = store()
+    before = claim_keys(blobs)
+    metrics = f"{families.url}/metrics"
+    claimed = metric_sum(metrics, "shoal_gateway_claim_bytes_total")
+    body = msgpack.packb({"operation": "encode", "model": CLIP,
+                          "items": [{"image": big_png}]})
+    r = httpx.post(f"{families.url}/v1/jobs", content=body, headers=MSGPACK, timeout=60)
+    assert r.status_code == 202, r.text
+    job_url = f"{families.url}{r.headers['location']}"
+    job = wait_for(lambda: (j := httpx.get(job_url, timeout=10).json())["state"] not in
+                   ("queued", "running") and j, 120, "the job to finish")
+    assert job["state"] == "succeeded", job
+    assert_same(np.array(job["result"]["embeddings"][0], dtype=np.float32), expected)
+    assert metric_sum(metrics, "shoal_gateway_claim_bytes_total") - claimed >= len(big_png)
+    wait_for(lambda: not claim_keys(blobs) - before, 30, "the job's claim blob to be deleted")
+    # A job for a text-only model keeps SHOAL_MAX_BODY_BYTES (1 MiB in tests).
+    r = httpx.post(f"{families.url}/v1/jobs", timeout=60, json={
+        "operation": "encode", "model": MINILM, "items": [{"text": "x" * (2 * 1024 * 1024)}]})
+    assert r.status_code == 413, r.text
+
+
 def test_the_cli_sweeps_orphans_older_than_the_ttl(tmp_path):
     blobs = BlobStore(str(tmp_path / "blobs"))
     orphan, fresh = f"{CLAIMS}/{int(time.time()) - 7200}-orphan", BlobStore.new_key(CLAIMS)
