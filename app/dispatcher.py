@@ -420,12 +420,8 @@ class Dispatcher:
         entry = self.entries.get(a.model)
         if a.op not in SPLITTABLE or a.items <= 1 or entry is None:
             return None
-        # Background work (a bulk job's part) runs in batch-sized pieces: only the pieces
-        # of the target's size (~35 MiniLM texts on CPU) kept it at 0.88x the in-process
-        # ceiling (bench.bulk); a request that arrives waits at most one full batch.
-        target = None if a.bulk else min(
-            (t for t in (self.part_target_s, lane.limits.latency_target_s) if t is not None),
-            default=None)
+        target = min((t for t in (self.part_target_s, lane.limits.latency_target_s)
+                      if t is not None), default=None)
         per_part = items_per_part(a.items, a.longest, a.cost, lane.limits, lane.cost, target)
         if per_part >= a.items:
             return None

@@ -545,10 +545,8 @@ def _coalescible(waiting: list[_Outgoing]) -> list[list[_Outgoing]]:
     current: list[_Outgoing] = []
     size = 0
     for o in waiting:
-        # A claim-checked request, or a bulk part, goes alone: its `shoal_claims` or
-        # `shoal_bulk` header must be its own (a coalesced message has no per-request ones).
-        a = o.part.annotations
-        if len(o.part.body) > COALESCE_MAX_PART_BYTES or a.claims or a.bulk:
+        # A claim-checked request goes alone: its `shoal_claims` header must be its own.
+        if len(o.part.body) > COALESCE_MAX_PART_BYTES or o.part.annotations.claims:
             groups.append([o])
             continue
         if current and (len(current) >= COALESCE_MAX_PARTS

@@ -220,10 +220,8 @@ class JobDriver:
         kwargs, uploads = await check_out(kwargs, self.settings.claim_check_bytes)
         if uploads:
             await upload_first(self.settings.blob_url, uploads)
-        part = task_part(entry, kwargs, timeout_ms, claims=len(uploads))
-        part = dataclasses.replace(
-            part, task_id=part_id(job.id, index),
-            annotations=dataclasses.replace(part.annotations, bulk=job.bulk))
+        part = dataclasses.replace(task_part(entry, kwargs, timeout_ms, claims=len(uploads)),
+                                   task_id=part_id(job.id, index))
         while True:
             try:
                 await self.broker.publish_part(entry.id, part, timeout_ms / 1000,

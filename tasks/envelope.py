@@ -50,9 +50,6 @@ H_COALESCED = "shoal_coalesced"
 # fetches them from the blob store before the request is scheduled. Such a request always
 # travels in a message of its own (never coalesced), so the header is its own.
 H_CLAIMS = "shoal_claims"
-# Background work (a bulk job's part): nobody waits on its latency, so a worker runs it in
-# pieces as big as a batch allows, not as short as SHOAL_PART_TARGET_MS asks.
-H_BULK = "shoal_bulk"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
@@ -80,7 +77,6 @@ class Annotations:
     sent_ms: float | None
     lora: str | None = None
     claims: int = 0  # binary parts carried as claim checks (H_CLAIMS)
-    bulk: bool = False  # background work (H_BULK)
 
     def as_headers(self) -> dict[str, Any]:
         headers: dict[str, Any] = {
@@ -98,8 +94,6 @@ class Annotations:
             headers[H_LORA] = self.lora
         if self.claims:
             headers[H_CLAIMS] = self.claims
-        if self.bulk:
-            headers[H_BULK] = 1
         return headers
 
 
@@ -154,7 +148,6 @@ def read_annotations(headers: dict[str, Any]) -> Annotations | None:
             sent_ms=None if headers.get(H_SENT) is None else int(headers[H_SENT]) / 1000,
             lora=headers.get(H_LORA),
             claims=int(headers.get(H_CLAIMS) or 0),
-            bulk=bool(headers.get(H_BULK)),
         )
     except (KeyError, TypeError, ValueError):
         return None
