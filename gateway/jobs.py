@@ -28,7 +28,8 @@ from gateway.bulk import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chun
 from gateway.codecs import check_body_size, encode_response, media_type, read_body
 from gateway.errors import ApiError, invalid
 from gateway.job_store import CANCELLED, Job, JobStore, view
-from gateway.submit import ROUTE_OF_OPERATION, check_items, served_model, wire_items
+from gateway.native import body_limit, checked_kwargs, read_native
+from gateway.submit import ROUTE_OF_OPERATION, served_model
 from tasks.errors import ErrorCode
 
 JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonl",
@@ -71,17 +72,8 @@ async def create_job(request: Request) -> Response:
 
 async def accept_native(request: Request, op: str) -> Response:
     """A native route's request with `Prefer: respond-async`: the same checks, then a job."""
-    entry = served_model(request, request.path_params["model"], op)
-    from gateway.native import body_limit
-
-    body = await read_body(request, body_limit(request, entry))
-    fields = {"items", "options"} | ({"query"} if op == "score" else set())
-    if not isinstance(body, dict):
-        raise invalid(f"the body must be an object with {sorted(fields)}")
-    unknown = set(body) - fields
-    if unknown:
-        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
-    return await _accept(request, op, entry.id, body)
+    entry, body = await read_native(request, op)
+    return await _accept_checked(request, op, entry, body)
 
 
 def prefers_async(request: Request) -> bool:
@@ -95,16 +87,18 @@ def _check_operation(op: Any) -> None:
 
 
 async def _accept(request: Request, op: str, model: Any, body: dict[str, Any]) -> Response:
+    """An inline job from POST /v1/jobs: its model, and the body limit the model's sync
+    route has (the body was read under the widest)."""
+    entry = served_model(request, model, op)
+    check_body_size(request, body_limit(request, entry))
+    return await _accept_checked(request, op, entry, body)
+
+
+async def _accept_checked(request: Request, op: str, entry: ModelEntry,
+                          body: dict[str, Any]) -> Response:
     """An inline job: checked as the sync route checks it, its request kept in the blob
     store (a gateway that takes the job over publishes it from there)."""
-    entry = served_model(request, model, op)
-    from gateway.native import body_limit
-
-    check_body_size(request, body_limit(request, entry))
-    kwargs = {"model": entry.id, **body}
-    parsed = entry.parse(kwargs)
-    check_items(request, parsed)
-    kwargs["items"] = wire_items(parsed)
+    parsed, kwargs = checked_kwargs(request, entry, body)
     await request.app.state.broker.admit(entry.id)
     job = _new_job(request, entry, op, parsed.options, kwargs.get("query"))
     job.input = f"{job.folder}/request.msgpack"

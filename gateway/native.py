@@ -23,8 +23,8 @@ from tasks.results import embedding_rows, multivector_rows, ranked
 from tasks.schema import ParsedRequest
 
 
-async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
-    """Check the body for the path's model and `op`, publish it, await the result."""
+async def read_native(request: Request, op: str) -> tuple[ModelEntry, dict[str, Any]]:
+    """The path's model (one that performs `op`) and the body, checked for its fields."""
     entry = served_model(request, request.path_params["model"], op)
     body = await read_body(request, body_limit(request, entry))
     fields = {"items", "options"} | ({"query"} if op == SCORE else set())
@@ -33,11 +33,25 @@ async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
     unknown = set(body) - fields
     if unknown:
         raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
+    return entry, body
+
+
+def checked_kwargs(request: Request, entry: ModelEntry, body: dict[str, Any]
+                   ) -> tuple[ParsedRequest, dict[str, Any]]:
+    """A request body checked for `entry` (the same schema function the runtime uses, the
+    gateway's limits), and the task kwargs it becomes."""
     kwargs = {"model": entry.id, **body}
-    del body  # JSON: its base64 images; only the decoded bytes stay alive from here on
-    parsed = entry.parse(kwargs)  # served_model made sure the entry's operation is `op`
+    parsed = entry.parse(kwargs)  # served_model made sure the entry's operation is right
     check_items(request, parsed)
     kwargs["items"] = wire_items(parsed)
+    return parsed, kwargs
+
+
+async def submit(request: Request, op: str) -> tuple[ParsedRequest, Reply]:
+    """Check the body for the path's model and `op`, publish it, await the result."""
+    entry, body = await read_native(request, op)
+    parsed, kwargs = checked_kwargs(request, entry, body)
+    del body  # JSON: its base64 images; only the decoded bytes stay alive from here on
     return parsed, await call_model(request, entry, kwargs)
 
 
@@ -76,17 +90,15 @@ def _classify_payload(parsed: ParsedRequest, result: dict[str, Any]) -> dict[str
     return {"labels": result["labels"]}
 
 
-def _endpoint(op: str, shape: Callable[[ParsedRequest, dict[str, Any]], dict[str, Any]]
-              ) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(op: str) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         from gateway.jobs import accept_native, prefers_async  # jobs import this module
 
         if prefers_async(request):  # RFC 7240: run it as a job, answer 202 + Location
             return await accept_native(request, op)
         parsed, reply = await submit(request, op)
-        payload = {"model": reply.result["model"], **shape(parsed, reply.result),
-                   "usage": reply.result["usage"]}
-        return encode_response(request, payload, headers=reply.headers)
+        return encode_response(request, payload(op, parsed, reply.result),
+                               headers=reply.headers)
 
     endpoint.__name__ = op
     return endpoint
@@ -104,7 +116,7 @@ def payload(op: str, parsed: ParsedRequest, result: dict[str, Any]) -> dict[str,
     return {"model": result.get("model"), **body, "usage": result.get("usage")}
 
 
-encode = _endpoint(ENCODE, _encode_payload)
-score = _endpoint(SCORE, _score_payload)
-extract = _endpoint(EXTRACT, _extract_payload)
-classify = _endpoint(CLASSIFY, _classify_payload)
+encode = _endpoint(ENCODE)
+score = _endpoint(SCORE)
+extract = _endpoint(EXTRACT)
+classify = _endpoint(CLASSIFY)

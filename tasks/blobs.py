@@ -13,7 +13,6 @@ Calls are blocking (fsspec's sync API); the gateway runs them in a thread.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 import uuid
 from collections.abc import Iterable
@@ -151,10 +150,6 @@ def _protocols(fs: Any) -> set[str]:
 def _made_at(name: str) -> int | None:
     head = name.split("-", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @lru_cache(maxsize=8)
