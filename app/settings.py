@@ -169,6 +169,14 @@ class Settings(BaseSettings):
     runtime_batch_timeout_s: float = Field(
         600.0, gt=0, description="a batch running longer is killed and bisected like a crash"
     )
+    # --- shutdown and recovery (worker) ---
+
+    # --- broker failover ---
+
+    # --- HTTP edge (gateway) ---
+
+    # --- API keys, Flower and secrets ---
+
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = Field(9540, ge=0, description="0 disables the worker's /metrics")
 

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from app.catalog import load_catalog
 from app.settings import Settings, get_settings
+from gateway.auth import install_auth
 from gateway.broker import Broker
 from gateway.claims import sweep_forever
 from gateway.codecs import encode_response
@@ -183,6 +184,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         },
         lifespan=lifespan,
     )
+    install_auth(app, settings)  # inside RequestIdMiddleware: a refusal is counted too
     app.add_middleware(RequestIdMiddleware)
     app.state.settings = settings
     app.state.served = served

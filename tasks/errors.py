@@ -48,6 +48,14 @@ class ErrorCode(StrEnum):
     JOB_NOT_FOUND = "JOB_NOT_FOUND"
     JOB_NOT_FINISHED = "JOB_NOT_FINISHED"  # its result was asked for before it succeeded
     JOB_STORE_UNAVAILABLE = "JOB_STORE_UNAVAILABLE"  # Redis (SHOAL_REDIS_URL) not reachable
+    # API keys (gateway.auth): no key or a wrong one; a key not allowed this model;
+    # a key over its requests or tokens per minute.
+    UNAUTHORIZED = "UNAUTHORIZED"
+    FORBIDDEN = "FORBIDDEN"
+    RATE_LIMITED = "RATE_LIMITED"
+    HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"  # request headers over the gateway's limit
+    # The gateway is draining (SIGTERM): it answers what is in flight, takes nothing new.
+    SHUTTING_DOWN = "SHUTTING_DOWN"
 
 
 STATUS_OF_CODE: dict[str, int] = {
@@ -78,6 +86,11 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.JOB_NOT_FOUND: 404,
     ErrorCode.JOB_NOT_FINISHED: 409,
     ErrorCode.JOB_STORE_UNAVAILABLE: 503,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.SHUTTING_DOWN: 503,
 }
 
 

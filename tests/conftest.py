@@ -45,6 +45,9 @@ FAMILIES_DIR = WORK_DIR / "families"
 STREAM_LLAMA_DIR = WORK_DIR / "stream-llama"  # built by the test that serves it
 SGLANG_LLAMA_DIR = WORK_DIR / "sglang-llama"  # likewise
 HEARTBEAT_S = 2
+# The session worker's Celery hostname names its pidbox queue (exclusive on the broker):
+# unique per session, so two test sessions on one broker never lock each other out.
+MAIN_WORKER = f"main-{PREFIX[-8:]}"
 os.environ.update(
     SHOAL_QUEUE_PREFIX=PREFIX,
     SHOAL_CATALOG_DIR=str(CATALOG_DIR),
@@ -154,7 +157,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("logs")
     stack = Stack(dict(os.environ), logs)
     port = free_port()
-    worker = stack.worker("main", [MINILM, TINY_CLS])
+    worker = stack.worker(MAIN_WORKER, [MINILM, TINY_CLS])
     stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
                                      STREAM_LLAMA, SGLANG_LLAMA, *FAMILY_ADAPTERS])
     url = f"http://127.0.0.1:{port}"

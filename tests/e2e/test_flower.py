@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tasks.envelope import task_part
-from tests.conftest import MINILM, queue_name
+from tests.conftest import MAIN_WORKER, MINILM, queue_name
 from tests.stack import free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +24,7 @@ def test_flower_lists_worker_tasks_and_queues(stack):
     def workers() -> dict:
         return httpx.get(f"{url}/api/workers", params={"refresh": "true"}, timeout=10).json()
 
-    names = wait_for(lambda: [w for w in workers() if w.startswith("main@")], 60,
+    names = wait_for(lambda: [w for w in workers() if w.startswith(f"{MAIN_WORKER}@")], 60,
                      "Flower to list the worker")
 
     def task_seen() -> dict | None:
@@ -66,7 +66,7 @@ def test_flower_shows_each_request_of_a_coalesced_message(stack):
     stack.stack.flower("flower-coalesced", port)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: [w for w in httpx.get(f"{url}/api/workers", params={"refresh": "true"},
-                                           timeout=10).json() if w.startswith("main@")],
+                                           timeout=10).json() if w.startswith(f"{MAIN_WORKER}@")],
              60, "Flower to list the worker")
     entry = _entry(MINILM)
     reply_to = _reply_queue()
