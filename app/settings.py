@@ -171,6 +171,8 @@ class Settings(BaseSettings):
     )
     # --- shutdown and recovery (worker) ---
 
+    # --- runtime recovery (spare runtime) ---
+
     # --- broker failover ---
 
     # --- HTTP edge (gateway) ---
