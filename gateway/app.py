@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +27,8 @@ from gateway.job_driver import JobDriver
 from gateway.job_replies import JobReplies
 from gateway.job_store import JobStore
 from gateway.jobs import cancel_job, create_job, get_job, get_result
-from gateway.metrics import LATENCY, REQUESTS, metrics
+from gateway.metrics import metrics
+from gateway.middleware import RequestIdMiddleware
 from gateway.native import classify, encode, extract, score
 from tasks.errors import ErrorCode, ShoalError
 
@@ -56,76 +55,6 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     error = ShoalError(code, f"{request.method} {request.url.path}: {exc.detail}")
     error.status = exc.status_code
     return _error_response(request, error)
-
-
-async def _on_unexpected(request: Request, exc: Exception) -> Response:
-    if _redis_unreachable(exc):  # the jobs' state: the caller may retry, nothing is lost
-        log.warning("%s %s: Redis is not reachable: %s", request.method, request.url.path, exc)
-        return _error_response(request, ShoalError(
-            ErrorCode.JOB_STORE_UNAVAILABLE, "the job store (Redis, SHOAL_REDIS_URL) is not "
-            "reachable; retry later", retry_after=1))
-    log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return _error_response(request, ShoalError(ErrorCode.INTERNAL, "internal error; see the "
-                                             "gateway's log"))
-
-
-def _redis_unreachable(exc: Exception) -> bool:
-    # By module and name, not class: redis is imported only once a job route needs it.
-    return type(exc).__module__.startswith("redis") and type(exc).__name__ in (
-        "ConnectionError", "TimeoutError", "BusyLoadingError")
-
-
-_FIXED_ROUTES = {"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                 "/v1/jobs", "/healthz", "/readyz", "/metrics"}
-_MODEL_ROUTES = ("encode", "score", "extract", "classify")
-
-
-def _route_label(path: str) -> str:
-    """A bounded metrics label: the route template, never a caller's path."""
-    if path in _FIXED_ROUTES:
-        return path
-    for op in _MODEL_ROUTES:
-        if path.startswith(f"/v1/{op}/"):
-            return f"/v1/{op}/{{model}}"
-    return "other"
-
-
-class RequestIdMiddleware:
-    """Echo or assign X-Request-Id and count every response by route and status."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        # (route, status) -> its counter and latency histogram (labels() takes a lock)
-        self._series: dict[tuple[str, int], tuple[Any, Any]] = {}
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = None
-        for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                request_id = value.decode("latin-1")
-        request_id = request_id or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        started = time.perf_counter()
-        route = _route_label(scope["path"])
-
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
-                headers.append((b"x-request-id", request_id.encode("latin-1")))
-                message["headers"] = headers
-                key = (route, message["status"])
-                series = self._series.get(key)
-                if series is None:
-                    series = self._series[key] = (REQUESTS.labels(route, str(key[1])),
-                                                  LATENCY.labels(route))
-                series[0].inc()
-                series[1].observe(time.perf_counter() - started)
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -180,7 +109,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
         exception_handlers={
             ShoalError: _on_shoal_error,
             HTTPException: _on_http_error,
-            Exception: _on_unexpected,
         },
         lifespan=lifespan,
     )

@@ -26,6 +26,7 @@ from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
 from gateway.streaming import ChunkFormat, stream_generation
 from gateway.submit import Reply, call_model, check_items
 from tasks.adapters import GENERATE
+from tasks.render import names
 from tasks.served import time_to_first_token_ms
 
 # OpenAI name -> shoal option name.
@@ -47,7 +48,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier"}
 def _options(body: dict[str, Any], allowed: set[str]) -> dict[str, Any]:
     unknown = set(body) - allowed - set(_OPTIONS) - set(_NEUTRAL) - _IGNORED - _STREAMING
     if unknown:
-        raise invalid(f"unknown fields {sorted(unknown)}")
+        raise invalid(f"unknown fields {names(unknown)}")
     for name, neutral in _NEUTRAL.items():
         if name in body and body[name] not in neutral:
             raise invalid(f"'{name}' is not supported here (leave it out)")

@@ -31,6 +31,7 @@ from gateway.job_store import CANCELLED, Job, JobStore, view
 from gateway.native import body_limit, checked_kwargs, read_native
 from gateway.submit import ROUTE_OF_OPERATION, served_model
 from tasks.errors import ErrorCode
+from tasks.render import names, shown
 
 JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonl",
                          "application/ndjson"})
@@ -65,7 +66,7 @@ async def create_job(request: Request) -> Response:
     fields = _REQUEST_FIELDS - ({"query"} if op != "score" else set())
     unknown = set(body) - fields
     if unknown:
-        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
+        raise invalid(f"unknown fields {names(unknown)}; allowed: {sorted(fields)}")
     request_body = {k: v for k, v in body.items() if k not in ("operation", "model")}
     return await _accept(request, op, body.get("model"), request_body)
 
@@ -82,8 +83,9 @@ def prefers_async(request: Request) -> bool:
 
 
 def _check_operation(op: Any) -> None:
-    if op not in ROUTE_OF_OPERATION:
-        raise invalid(f"'operation' must be one of {sorted(ROUTE_OF_OPERATION)}, got {op!r}")
+    if not isinstance(op, str) or op not in ROUTE_OF_OPERATION:  # a list is unhashable
+        raise invalid(f"'operation' must be one of {sorted(ROUTE_OF_OPERATION)}, "
+                      f"got {shown(op)}")
 
 
 async def _accept(request: Request, op: str, model: Any, body: dict[str, Any]) -> Response:
@@ -202,7 +204,7 @@ async def _from_input(request: Request, body: dict[str, Any]) -> Response:
     accepted (the caller's file: it stays when the job ends)."""
     unknown = set(body) - _INPUT_FIELDS
     if unknown:
-        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(_INPUT_FIELDS)}")
+        raise invalid(f"unknown fields {names(unknown)}; allowed: {sorted(_INPUT_FIELDS)}")
     key = body.get("input")
     if not isinstance(key, str) or not key or ".." in key.split("/"):
         raise invalid("'input' must be a key in the blob store")

@@ -24,6 +24,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 REQUESTS = Counter("shoal_gateway_requests_total", "HTTP requests", ["route", "status"])
+UNEXPECTED_ERRORS = Counter(
+    "shoal_gateway_unexpected_errors_total", "exceptions no handler expected (answered 500 "
+    "INTERNAL, or a stream cut short); each is logged with its traceback", ["route"],
+)
+CLIENT_DISCONNECTS = Counter(
+    "shoal_gateway_client_disconnects_total", "clients that left before their request body "
+    "was read (nothing answered)", ["route"],
+)
+EDGE_REFUSALS = Counter(
+    "shoal_gateway_edge_refusals_total", "connections the HTTP edge ended before the app saw "
+    "a request: headers_too_large (431), header_timeout, body_timeout (408), "
+    "connection_cap (503 at accept)", ["reason"],
+)
 DUPLICATE_REPLIES = Counter(
     "shoal_gateway_duplicate_replies_total",
     "replies for requests already answered or given up (redeliveries, late results)",

@@ -19,6 +19,7 @@ from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
 from gateway.submit import Reply, call_model, check_items, served_model, wire_items
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, IMAGE, MULTIVECTOR, SCORE
+from tasks.render import names
 from tasks.results import embedding_rows, multivector_rows, ranked
 from tasks.schema import ParsedRequest
 
@@ -32,7 +33,7 @@ async def read_native(request: Request, op: str) -> tuple[ModelEntry, dict[str, 
         raise invalid(f"the body must be an object with {sorted(fields)}")
     unknown = set(body) - fields
     if unknown:
-        raise invalid(f"unknown fields {sorted(unknown)}; allowed: {sorted(fields)}")
+        raise invalid(f"unknown fields {names(unknown)}; allowed: {sorted(fields)}")
     return entry, body
 
 

@@ -9,10 +9,12 @@ from typing import Any
 from starlette.requests import Request
 
 from app.catalog import ModelEntry
+from gateway.auth import check_model_allowed
 from gateway.claims import check_out, submit_claimed
 from gateway.errors import ApiError, invalid
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
+from tasks.render import shown
 from tasks.schema import ParsedRequest
 from tasks.served import reply_headers
 
@@ -52,23 +54,19 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
     """The entry of a served model that performs `op`; 404 or 422 otherwise."""
     if not isinstance(model, str) or not model:
         raise invalid("'model' must be a non-empty string")
+    check_model_allowed(request, model)  # 403 before anything says whether it exists
     entry = request.app.state.served.get(model)
     if entry is None:
         served = sorted(request.app.state.served)
         why = ("is in the catalog but not among this gateway's SHOAL_GATEWAY_MODELS"
                if request.app.state.catalog.get(model) is not None else "is not served here")
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,
-                       f"model {_shown(model)} {why}; served models: {served}")
+                       f"model {shown(model)} {why}; served models: {served}")
     if entry.operation != op:
         raise ApiError(ErrorCode.UNSUPPORTED_OPERATION,
                        f"{model} does not {op}: it serves '{entry.operation}' "
                        f"({ROUTE_OF_OPERATION[entry.operation]})")
     return entry
-
-
-def _shown(name: str, limit: int = 200) -> str:
-    """A caller's model name in an error message, cut short if it is long."""
-    return repr(name if len(name) <= limit else name[:limit] + "...")
 
 
 def check_items(request: Request, parsed: ParsedRequest) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, IMAGE, SCORE, TEXT
 from tasks.errors import ErrorCode, ShoalError, invalid
+from tasks.render import names, shown
 
 DTYPES = ("float32", "float16", "int8", "binary")
 AGGREGATIONS = ("simple", "first", "average", "max", "none")
@@ -116,7 +117,7 @@ def _bool(name: str) -> Callable[[Any], bool]:
 def _choice(name: str, allowed: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in allowed:
-            raise invalid(f"options.{name} must be one of {list(allowed)}, got {value!r}")
+            raise invalid(f"options.{name} must be one of {list(allowed)}, got {shown(value)}")
         return value
     return check
 
@@ -238,7 +239,7 @@ def parse_options(op: str, options: Any, defaults: Mapping[str, Any] | None = No
     merged = {**(defaults or {}), **options}
     unknown = set(merged) - set(checks)
     if unknown:
-        raise invalid(f"unknown options {sorted(unknown)} for {op}; allowed: {sorted(checks)}")
+        raise invalid(f"unknown options {names(unknown)} for {op}; allowed: {sorted(checks)}")
     return cls(**{name: checks[name](value) for name, value in merged.items()})
 
 
@@ -302,7 +303,7 @@ def parse_items(items: Any, inputs: frozenset[str], model: str = "this model",
         elif key == "messages" and messages:
             parsed.append(Item(messages=_messages(value, where)))
         else:
-            raise invalid(f"{where} has an unknown field {key!r}")
+            raise invalid(f"{where} has an unknown field {shown(key)}")
     return parsed
 
 
@@ -313,7 +314,7 @@ def parse_request(op: str, kwargs: Any, inputs: frozenset[str] = frozenset({TEXT
     if not isinstance(kwargs, dict):
         raise invalid("task kwargs must be an object")
     if op not in _OPTIONS:
-        raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION, f"unknown operation {op!r}")
+        raise ShoalError(ErrorCode.UNSUPPORTED_OPERATION, f"unknown operation {shown(op)}")
     stream = kwargs.get("stream", False)
     if not isinstance(stream, bool) or (stream and op != GENERATE):
         raise invalid(f"'stream' must be true or false, and true only for generate, not {op}")
