@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 from celery.signals import before_task_publish, worker_init
 
+from app.broker_urls import celery_broker_url, split_urls
 from app.queues import model_kombu_queue
 from app.settings import get_settings
 from tasks.envelope import annotate, now_ms
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 settings = get_settings()
 
-app = Celery("shoal", broker=settings.broker_url, backend="rpc://")
+_several_brokers = len(split_urls(settings.broker_url)) > 1
+# Several `;`-separated URLs (a cluster's nodes) fail over in turn (app.broker_urls).
+app = Celery("shoal", broker=celery_broker_url(settings.broker_url), backend="rpc://")
 app.conf.update(
     task_serializer="msgpack",
     result_serializer="msgpack",
@@ -35,6 +38,25 @@ app.conf.update(
     event_serializer="msgpack",
     broker_heartbeat=settings.broker_heartbeat,
     broker_connection_retry_on_startup=True,
+    # Failover: a worker never gives up on its broker (kombu's default is 100 attempts,
+    # then the worker exits); it tries each URL in turn, at most
+    # SHOAL_BROKER_RECONNECT_MAX_S apart (app.worker_reconnect, its consumer class).
+    broker_failover_strategy="round-robin",
+    broker_connection_max_retries=None,
+    broker_connection_timeout=settings.broker_connect_timeout_s,
+    # A Celery client's publish retries on the next URL: enough retries to go round.
+    task_publish_retry_policy={"max_retries": 3 + len(split_urls(settings.broker_url)),
+                               "interval_start": 0, "interval_step": 0.2, "interval_max": 1},
+    worker_consumer="app.worker_reconnect:ReconnectingConsumer",
+    # On a cluster (several URLs), Celery's default queue must be replicated too: a durable
+    # classic queue is unavailable while its node is down, and a worker that cannot
+    # declare it stops. One URL keeps it classic, as before (a queue cannot change type:
+    # an existing classic `{prefix}.default` must be deleted before moving to a cluster).
+    task_default_queue_type="quorum" if _several_brokers and settings.queue_type == "quorum"
+    else "classic",
+    # shoal's model queues are consumed by its own step; this only concerns plain Celery
+    # tasks (acks_late ones are redelivered after a connection loss, not run twice at once).
+    worker_cancel_long_running_tasks_on_connection_loss=True,
     broker_transport_options={"confirm_publish": True},
     worker_send_task_events=True,
     task_send_sent_event=False,

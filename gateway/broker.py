@@ -45,6 +45,20 @@ Streams: a streamed request's PROGRESS states (its output so far, see
 go, with the result last, to the queue its caller reads (`stream`). A caller
 that leaves revokes the request (`cancel`: Celery's broadcast control message,
 `shoal_cancel`), so the worker stops generating for it.
+
+Failover: SHOAL_BROKER_URL may list several nodes of one cluster (`;`-separated); the
+connection (`gateway.failover`) moves to the next one when its node goes, at most
+SHOAL_BROKER_RECONNECT_MAX_S apart, and restores its channels, queues and consumers
+there. While it is down, requests are refused with 503 BROKER_UNAVAILABLE (retryable),
+and so is every publish that was not confirmed when the connection dropped: it may or
+may not have reached the queue, and the caller may safely send it again. A request whose
+publish was confirmed waits for its result; but this gateway's reply queue is exclusive
+to its connection and went with the node it lived on, taking any reply in it, or sent to
+it while it was gone. So once reconnected, the gateway publishes every such request
+again (same task id): whichever answer comes first settles it, a second is dropped as a
+duplicate. The cost is a recomputation of what was in flight; nothing is lost. Jobs'
+parts are not published again: their replies go to the jobs' durable quorum queue,
+which outlives any one node.
 """
 
 from __future__ import annotations
@@ -65,9 +79,12 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import DeliveryError, PublishError
 from pamqp.commands import Basic
 
+from app.broker_metrics import gateway_link
+from app.broker_urls import split_urls
 from app.settings import Settings
 from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
+from gateway.failover import FailoverConnection, connect_failover
 from gateway.metrics import DUPLICATE_REPLIES, POOL_STATES, REQUESTS_PER_MESSAGE
 from gateway.pool import PoolView
 from tasks.envelope import (
@@ -110,6 +127,16 @@ class _Outgoing:
     confirmed: asyncio.Future[None]
 
 
+@dataclass(slots=True)
+class _Awaited:
+    """A request whose publish the broker confirmed and whose result is awaited: what it
+    takes to publish it again after a reconnect."""
+
+    model: str
+    part: Part
+    deadline: float  # loop time
+
+
 class Broker:
     def __init__(self, settings: Settings, models: list[str]) -> None:
         self.settings = settings
@@ -129,7 +156,14 @@ class Broker:
         self._outbox: dict[str, list[_Outgoing]] = {}
         self._in_flight: defaultdict[str, int] = defaultdict(int)
         self._flush_due: set[str] = set()
-        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._connection: FailoverConnection | None = None
+        self.urls = split_urls(settings.broker_url)
+        self.link = gateway_link()
+        # Confirmed requests awaiting their result, and those of them that were awaited when
+        # the connection dropped (published again once it is back; see the module's doc).
+        self._awaited: dict[str, _Awaited] = {}
+        self._orphaned: set[str] = set()
+        self._link_up = False
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self._dead_exchange: aio_pika.abc.AbstractExchange | None = None
         # Queues are declared on their own channel, so that a refused declaration (a queue
@@ -148,7 +182,8 @@ class Broker:
     @property
     def ready(self) -> bool:
         conn = self._connection
-        return self._ready and conn is not None and not conn.is_closed and conn.connected.is_set()
+        return (self._ready and self._link_up and conn is not None and not conn.is_closed
+                and conn.connected.is_set())
 
     def start(self) -> None:
         """Connect in the background, retrying until the broker answers."""
@@ -163,12 +198,14 @@ class Broker:
             except Exception as exc:
                 log.warning("broker not reachable (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, self.settings.broker_reconnect_max_s)
 
     async def _connect(self) -> None:
-        connection = await aio_pika.connect_robust(
-            self.settings.broker_url,
+        connection = await connect_failover(
+            self.urls,
+            timeout=self.settings.broker_connect_timeout_s,
             heartbeat=int(self.settings.broker_heartbeat),
+            reconnect_interval=self.settings.broker_reconnect_max_s,
             client_properties={"connection_name": self.origin},
         )
         try:
@@ -192,8 +229,52 @@ class Broker:
         for hook in self.on_connect:
             await hook(connection)
         self._connection = connection
-        self._ready = True
-        log.info("gateway connected; replies on %s", self.reply_to)
+        connection.close_callbacks.add(self._on_link_lost)
+        connection.reconnect_callbacks.add(self._on_link_back)
+        self._ready = self._link_up = True
+        self.link.connected(connection.endpoint)
+        log.info("gateway connected to %s; replies on %s", connection.endpoint, self.reply_to)
+
+    def _on_link_lost(self, _connection: object, exc: BaseException | None = None) -> None:
+        if not self._link_up:
+            return
+        self._link_up = False
+        self._orphaned.update(self._awaited)
+        self.link.lost(repr(exc))
+
+    def _on_link_back(self, connection: FailoverConnection) -> None:
+        # Called once the robust connection has restored every channel, queue and consumer
+        # (the reply queue among them) on the node it reached.
+        self._link_up = True
+        self.link.connected(connection.endpoint)
+        orphaned, self._orphaned = self._orphaned, set()
+        again = [(task_id, a) for task_id in orphaned if (a := self._awaited.get(task_id))]
+        if again:
+            log.warning("publishing %d requests again: their replies may have gone with the "
+                        "broker node this gateway was connected to", len(again))
+        loop = asyncio.get_running_loop()
+        for task_id, awaited in again:
+            remaining = awaited.deadline - loop.time()
+            if remaining <= 0:
+                continue
+            outgoing = _Outgoing(awaited.part, remaining, loop.create_future())
+            outgoing.confirmed.add_done_callback(
+                lambda done, task_id=task_id: self._republished(task_id, done))
+            self._outbox.setdefault(awaited.model, []).append(outgoing)
+            self._schedule_flush(awaited.model)
+
+    def _republished(self, task_id: str, confirmed: asyncio.Future[None]) -> None:
+        if confirmed.cancelled() or confirmed.exception() is None:
+            return
+        # Refused (queue full) or the connection dropped again before the confirm: answer
+        # the caller with that retryable error rather than let it wait for its deadline.
+        waiting = self.pending.get(task_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_exception(confirmed.exception())
+            return
+        stream = self.streams.get(task_id)
+        if stream is not None:
+            self._orphaned.add(task_id)  # a stream cannot take an exception: try once more
 
     async def _subscribe_pool(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
         """Receive the workers' pool states. Without them the gateway still works (the
@@ -225,6 +306,7 @@ class Broker:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self._link_up = False  # closing is no outage
         if self._connection is not None:
             await self._connection.close()
         for future in self.pending.values():
@@ -259,17 +341,20 @@ class Broker:
         for a model no worker serves, unless SHOAL_GATEWAY_UNSERVED=wait."""
         if not self.ready or self._exchange is None:
             raise _unavailable("the message broker is not connected")
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         task_id = part.task_id
         self.pending[task_id] = future
         try:
             async with asyncio.timeout(timeout_s):
                 await self._send(model, part, timeout_s)
+                self._awaited[task_id] = _Awaited(model, part, loop.time() + timeout_s)
                 return await future
         except TimeoutError:
             raise _late(timeout_s) from None
         finally:
             self.pending.pop(task_id, None)
+            self._awaited.pop(task_id, None)
 
     async def stream(self, model: str, part: Part, timeout_s: float) -> AsyncIterator[dict]:
         """Publish a streamed request; yield its PROGRESS states and then its result (the
@@ -293,6 +378,7 @@ class Broker:
                     await self._send(model, part, timeout_s)
             except TimeoutError:
                 raise _late(timeout_s) from None
+            self._awaited[task_id] = _Awaited(model, part, deadline)
             worker: str | None = None
             tokens: dict[int, int] = {}
             while True:
@@ -314,6 +400,7 @@ class Broker:
                     return
         finally:
             self.streams.pop(task_id, None)
+            self._awaited.pop(task_id, None)
             if not finished:
                 # Not awaited: a cancelled generator must not block; best effort.
                 task = loop.create_task(self.cancel([task_id]))
@@ -536,6 +623,14 @@ class Broker:
             raise _unavailable(f"the broker did not take the message: {exc}") from None
         except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
             raise _unavailable(f"the message broker is not reachable: {exc}") from None
+        except asyncio.CancelledError:
+            # The connection dropped with the confirm outstanding (aiormq cancels what
+            # awaits it): the message may or may not be queued; the caller may retry.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise _unavailable("the broker connection dropped before the broker confirmed "
+                               "the request") from None
 
 
 def _coalescible(waiting: list[_Outgoing]) -> list[list[_Outgoing]]:

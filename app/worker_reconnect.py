@@ -1,0 +1,64 @@
+"""The worker's consumer: Celery's, reconnecting within a bounded back-off, its link in metrics.
+
+Celery's consumer reconnects with kombu's `ensure_connection` defaults: it sleeps 2, 4,
+6, ... up to 30 s between rounds of attempts, so a worker whose broker was away for a
+minute comes back up to 30 s after it. Here a round (every URL of SHOAL_BROKER_URL
+once, kombu's failover cycle; no sleep between the URLs of a round) is followed by at
+most SHOAL_BROKER_RECONNECT_MAX_S of sleep. The connection's state goes to
+`app.broker_metrics.worker_link()`.
+
+`app.celery` names this class in `worker_consumer`; only a worker loads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.consumer import Consumer
+
+from app.broker_metrics import worker_link
+from app.broker_urls import endpoint
+from app.settings import get_settings
+
+# The first sleep of a back-off, if the bound allows it: a node that restarts takes
+# seconds, so hammering it every few ms gains nothing.
+FIRST_INTERVAL_S = 0.25
+
+
+def reconnect_intervals(bound_s: float) -> dict[str, float]:
+    """kombu's `ensure_connection` interval arguments for a back-off that grows from
+    FIRST_INTERVAL_S (or the bound, if smaller) to at most `bound_s`."""
+    start = min(FIRST_INTERVAL_S, bound_s)
+    return {"interval_start": start, "interval_step": start, "interval_max": bound_s}
+
+
+class ReconnectingConsumer(Consumer):
+    class Blueprint(Consumer.Blueprint):
+        # Without Celery's native delayed delivery (ETA tasks on quorum queues; shoal sends
+        # none): it turns on as soon as Celery's default queue is a quorum queue (on a
+        # cluster), then sets up every broker URL in turn, sleeping 1-5 s on the event loop
+        # between tries of a node that is down: heartbeats go unanswered, the broker drops
+        # the connection, and the worker reconnects into the same wait again.
+        default_steps = [step for step in Consumer.Blueprint.default_steps
+                         if not step.endswith(":DelayedDelivery")]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.link = worker_link()
+        self._intervals = reconnect_intervals(get_settings().broker_reconnect_max_s)
+
+    def ensure_connected(self, conn: Any) -> Any:
+        # Celery passes no intervals to ensure_connection, so its defaults would apply.
+        ensure = conn.ensure_connection
+        conn.ensure_connection = lambda *a, **kw: ensure(*a, **{**kw, **self._intervals})
+        return super().ensure_connected(conn)
+
+    def connection_for_read(self, heartbeat: Any = None) -> Any:
+        # The consuming connection (events and control replies use others).
+        conn = super().connection_for_read(heartbeat)
+        self.link.connected(endpoint(conn.as_uri()))
+        return conn
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        self.link.lost(repr(exc))
+        super().on_connection_error_after_connected(exc)
