@@ -176,6 +176,15 @@ class Settings(BaseSettings):
     # --- runtime recovery (spare runtime) ---
 
     # --- broker failover ---
+    # SHOAL_BROKER_URL takes several `;`-separated URLs (nodes of one cluster), Celery's own
+    # failover convention: every process tries them in turn (app.broker_urls).
+    broker_reconnect_max_s: float = Field(
+        1.0, gt=0, le=60, allow_inf_nan=False, description="worker and gateway: the most "
+        "seconds between attempts to reconnect to the broker (Celery's own back-off grows "
+        "2, 4, 6... to 30 s); each attempt tries every URL of SHOAL_BROKER_URL in turn")
+    broker_connect_timeout_s: float = Field(
+        4.0, gt=0, allow_inf_nan=False, description="worker and gateway: how long one "
+        "connection attempt to one broker URL may take before the next URL is tried")
 
     # --- HTTP edge (gateway) ---
 
