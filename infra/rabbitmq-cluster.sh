@@ -115,7 +115,9 @@ launch() {  # node: start its VM in the background (no wait)
   port_open "$((AMQP_BASE + n))" && {
     echo "port $((AMQP_BASE + n)) is taken by something else than node $n" >&2; exit 1; }
   # setsid: the node outlives this script and the shell that ran it.
-  eval "env $(node_env "$n") setsid $RMQ_BIN/rabbitmq-server" >"$d/log/startup.log" 2>&1 &
+  # In its own folder: a VM that dies writes erl_crash.dump there, not in the caller's cwd.
+  (cd "$d" && eval "env $(node_env "$n") ERL_CRASH_DUMP=$d/erl_crash.dump \
+    setsid $RMQ_BIN/rabbitmq-server" >"$d/log/startup.log" 2>&1 &)
 }
 
 await_node() {  # node: until it has booted (or its VM died)
