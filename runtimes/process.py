@@ -35,6 +35,25 @@ deadline is all that ends the wait. After a death the next child is
 spawned at once (without waiting for it), so it loads while the batch's
 replies go out.
 
+Spare runtime (`spare=True`, the worker's SHOAL_RUNTIME_SPARE). Most of a fresh
+child's start is importing torch and transformers (~7 s of ~7.5 s for MiniLM on a
+2-core host), so one more child is kept started with everything imported and no
+model (`runtimes.server --spare`; no CUDA context either). A death promotes it: it
+loads what its predecessor had resident (models, then their LoRA adapters, over
+its control connection) and serves, and the next spare starts importing at once
+(at lower CPU priority). Every restart uses the spare when there is one, the
+steps of a bisection included; a spare that is still importing is waited for (it
+is ahead of a fresh child); without one (it died, or is off) a fresh child starts
+with the models to load, as before. `spare_promotions` counts the promotions.
+
+Restart failures. A replacement that dies or fails while starting (killed while
+it loads, say) is replaced again, up to RESTART_ATTEMPTS starts in a row, before
+the batch's or load's wait for it raises `RuntimeStartError`: an external kill
+during a restart is retried like any other, and a runtime that cannot start at
+all (its weights gone bad) fails clearly instead of looping. The very first start
+is not retried (a wrong catalog entry fails at once). `start_failures` counts
+them.
+
 Streams: a batch with streamed requests sends their deltas as it goes (see
 `runtimes.server`). A request whose output has begun to go out is never run
 again after a failure (its caller would read the beginning twice): it is
@@ -70,6 +89,9 @@ from tasks.errors import ErrorCode
 log = logging.getLogger(__name__)
 
 _MAX_SOCKET_PATH = 96  # sun_path holds 107 bytes on Linux; the server adds ".staging"
+# Starts in a row (the first after a death, then retries) before a restart gives up:
+# two kills landing in one restart are rare; a third failure means it cannot start.
+RESTART_ATTEMPTS = 3
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -99,8 +121,13 @@ class _Failure:
 class _Child:
     """One incarnation of the runtime process: the process, its output, its connection."""
 
-    def __init__(self, argv: list[str], env: Mapping[str, str], socket_path: Path) -> None:
+    def __init__(self, argv: list[str], env: Mapping[str, str], socket_path: Path,
+                 spare: bool = False) -> None:
         self.socket_path = socket_path
+        # A spare (`runtimes.server --spare`) holds no model until it is promoted and
+        # told to load; True until then.
+        self.spare = spare
+        self.replacing_since: float | None = None  # when it was chosen to replace a dead one
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -119,6 +146,34 @@ class _Child:
 
     def output_tail(self) -> str:
         return self.output.text()
+
+    def listening(self) -> bool:
+        """Its start-up (a spare's imports) is done and it waits for its worker."""
+        return self.sock is not None or self.socket_path.exists()
+
+    def load(self, frame: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One load on the control connection of a promoted spare (raises
+        RuntimeStartError if it fails or the process dies meanwhile)."""
+        assert self.control is not None
+        doing = f"loading {frame['model']}" + (f" (LoRA {frame['lora']})" if frame["lora"]
+                                                 else "")
+        try:
+            self.control.settimeout(max(timeout, 1.0))
+            self.control.sendall(encode_frame(frame))
+            reply = recv_frame(self.control)
+            self.control.settimeout(None)
+        except (OSError, EOFError, ProtocolError) as exc:
+            self.proc.poll()
+            raise RuntimeStartError(
+                f"the model runtime (pid {self.pid}) failed while {doing} "
+                f"({describe_exit(self.proc.returncode)}: {exc!r}); its last output:\n"
+                f"{self.output_tail()}") from exc
+        if not isinstance(reply, dict) or "loaded" not in reply:
+            why = reply.get("failed") or reply.get("error") if isinstance(reply, dict) \
+                else None
+            raise RuntimeStartError(f"the model runtime (pid {self.pid}) failed {doing}: "
+                                    f"{why or repr(reply)[:200]}")
+        return reply
 
     def connect(self, timeout: float, closed: Callable[[], bool]) -> None:
         """Wait for the socket (it appears once the start-up models are loaded), open the
@@ -161,7 +216,9 @@ class _Child:
             control.close()
             raise RuntimeStartError(f"unexpected first frame from the runtime: {ready!r:.200}")
         self.sock, self.control, self.ready = sock, control, ready
-        log.info("model runtime pid %d ready in %.1fs", self.pid, time.monotonic() - self.started)
+        if not self.spare:  # a spare's readiness is told once it has loaded
+            log.info("model runtime pid %d ready in %.1fs", self.pid,
+                     time.monotonic() - self.started)
 
     def stop(self, grace: float) -> str:
         """End the process (politely first), reap it; how it ended. Safe to call twice."""
@@ -170,6 +227,10 @@ class _Child:
                 # Wakes a thread blocked in recv, and tells an idle server to exit.
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+        if self.sock is None and self.proc.poll() is None:
+            # Never connected (a spare, or a start given up): nothing to be polite to;
+            # it would wait for its worker until its parent dies.
+            self.proc.terminate()
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -191,11 +252,14 @@ class ProcessRuntime:
 
     `run_batch` is called from one thread at a time, `load` and `unload` from one other
     thread (they run beside batches); `close` may come from any thread. Counters for
-    metrics: `restarts`, `poison_isolated`; `pid` is the current child's.
+    metrics: `restarts` (replacement children, spawned or promoted, failed starts
+    included), `poison_isolated`, `spare_promotions`, `start_failures`; `pid` is the
+    current child's, `spare_pid` the spare's.
 
     `models` load at start. A child that replaces a dead one loads every model resident
     in its predecessor (`resident`) before it is ready, so that what the worker believes
-    loaded stays loaded.
+    loaded stays loaded. With `spare`, a spare child is kept imported ahead to be that
+    replacement (see the module doc).
     """
 
     def __init__(
@@ -208,6 +272,7 @@ class ProcessRuntime:
         start_timeout: float = 300.0,
         env: Mapping[str, str] | None = None,
         batch_timeout: float | None = None,
+        spare: bool = False,
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.device_bytes: int | None = None  # the device's memory, from the child
@@ -218,6 +283,9 @@ class ProcessRuntime:
         self.batch_timeout = batch_timeout
         self.restarts = 0
         self.poison_isolated = 0
+        self.spare_promotions = 0  # restarts that promoted the spare
+        self.start_failures = 0  # replacements that failed to start (and were retried)
+        self._use_spare = spare
         self._argv = [
             sys.executable, "-m", "runtimes.server",
             "--catalog-dir", str(catalog_dir), "--device", device,
@@ -239,7 +307,9 @@ class ProcessRuntime:
         self._controlling = threading.Lock()  # one load or unload at a time
         self._closed = False
         self._child: _Child | None = None
-        self._spawned = 0
+        self._spare: _Child | None = None
+        self._spawned = 0  # children and spares started (names their sockets)
+        self._started_once = False  # a child was ready once: later starts are restarts
         self._works_after_failure = False  # in the current run_batch; see _blame
         self._on_deltas: OnDeltas | None = None  # of the current run_batch
         self._streamed: set[str] = set()  # its requests whose deltas went out
@@ -247,6 +317,8 @@ class ProcessRuntime:
         self._running: set[str] = set()  # the running batch's request ids
         try:
             self._ready_child()
+            # Only now: on a small host its imports would slow the first start.
+            self._start_spare()
         except BaseException:
             self.close()
             raise
@@ -255,6 +327,17 @@ class ProcessRuntime:
     def pid(self) -> int | None:
         child = self._child
         return child.pid if child is not None else None
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare's process (None: no spare now, or spares are off)."""
+        spare = self._spare
+        return spare.pid if spare is not None else None
+
+    def spare_ready(self) -> bool:
+        """A spare is alive and done importing: a death now costs only the model loads."""
+        spare = self._spare
+        return spare is not None and spare.proc.poll() is None and spare.listening()
 
     def __enter__(self) -> ProcessRuntime:
         return self
@@ -340,14 +423,18 @@ class ProcessRuntime:
         return reply
 
     def close(self) -> None:
+        """Stop the child and the spare (mid-batch too: the batch raises RuntimeClosed)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             child, self._child = self._child, None
-        if child is not None:
-            how = child.stop(grace=1.0)
-            log.info("model runtime pid %d stopped (%s)", child.pid, how)
+            spare, self._spare = self._spare, None
+        for process in (child, spare):
+            if process is not None:
+                how = process.stop(grace=1.0)
+                log.info("model runtime pid %d%s stopped (%s)", process.pid,
+                         " (the spare)" if process is spare else "", how)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # --- bisection --------------------------------------------------------------------
@@ -500,40 +587,128 @@ class ProcessRuntime:
     # --- the child's life -------------------------------------------------------------
 
     def _ready_child(self) -> _Child:
+        """The current child, started (or restarted) and ready for batches. A restart that
+        fails is tried again, RESTART_ATTEMPTS starts in all (see the module doc)."""
         with self._starting:
-            child = self._child
-            if child is not None and child.proc.poll() is not None:
-                # Died between batches: nothing about to run is to blame.
-                self._replace_dead(child, "died while idle", respawn=False)
-                child = None
-            if child is None:
-                child = self._spawn()
-            if child.sock is None:
+            attempt = 1
+            while True:
+                child = self._child
+                if child is not None and child.proc.poll() is not None:
+                    # Died between batches: nothing about to run is to blame.
+                    self._replace_dead(child, "died while idle", respawn=False)
+                    child = None
+                if child is None:
+                    child = self._replace()
+                if child.sock is not None and not child.spare:
+                    return child
                 try:
-                    child.connect(self.start_timeout, lambda: self._closed)
+                    self._bring_up(child)
+                    return child
+                except RuntimeStartError as exc:
+                    child.stop(grace=1.0)
+                    self._forget(child)
+                    if self._closed:
+                        raise RuntimeClosed("the runtime was closed while starting") from exc
+                    if not self._started_once:
+                        raise
+                    self.start_failures += 1
+                    if attempt >= RESTART_ATTEMPTS:
+                        log.error("the model runtime failed to start %d times in a row; "
+                                  "giving up this restart", attempt)
+                        raise
+                    attempt += 1
+                    log.warning("restarting the model runtime failed (%s); trying again "
+                                "(start %d of %d)", exc, attempt, RESTART_ATTEMPTS)
                 except BaseException:
                     child.stop(grace=1.0)
                     self._forget(child)
                     raise
-                with self._lock:
-                    self.resident.update(child.ready.get("models") or {})
-                    self.device_bytes = child.ready.get("device_bytes") or self.device_bytes
-            return child
 
-    def _spawn(self) -> _Child:
+    def _bring_up(self, child: _Child) -> None:
+        """Connect to a starting child; a promoted spare then loads what is resident."""
+        child.connect(self.start_timeout, lambda: self._closed)
+        if child.spare:
+            self._load_resident(child)
+            child.spare = False
+        with self._lock:
+            self.resident.update(child.ready.get("models") or {})
+            self.device_bytes = child.ready.get("device_bytes") or self.device_bytes
+        self._started_once = True
+        if child.replacing_since is not None:
+            log.info("model runtime pid %d took over in %.2fs", child.pid,
+                     time.monotonic() - child.replacing_since)
+
+    def _load_resident(self, child: _Child) -> None:
+        """Load into a promoted spare what its predecessor had: the models, then their LoRA
+        adapters (the bytes each takes are measured again)."""
+        with self._lock:
+            keys = list(self.resident)
+        ordered = [k for k in keys if LORA_SEPARATOR not in k] + \
+                  [k for k in keys if LORA_SEPARATOR in k]
+        deadline = time.monotonic() + self.start_timeout
+        for key in ordered:
+            model, _, lora = key.partition(LORA_SEPARATOR)
+            reply = child.load({"op": "load", "model": model, "lora": lora or None},
+                               deadline - time.monotonic())
+            with self._lock:
+                if key in self.resident:  # not unloaded meanwhile
+                    self.resident[key] = int(reply["bytes"])
+
+    def _replace(self) -> _Child:
+        """The next child: the spare, promoted, if there is one alive; else a fresh one
+        that loads the resident models itself. Either way the next spare starts."""
         with self._lock:
             if self._closed:
                 raise RuntimeClosed("the runtime is closed")
-            self._spawned += 1
-            if self._spawned > 1:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.proc.poll() is not None:
+            log.warning("the spare runtime pid %d had died (%s); starting a fresh one; its "
+                        "last output:\n%s", spare.pid, describe_exit(spare.proc.returncode),
+                        spare.output_tail())
+            spare.stop(grace=1.0)
+            spare = None
+        with self._lock:
+            if self._closed:
+                if spare is not None:
+                    spare.stop(grace=1.0)
+                raise RuntimeClosed("the runtime is closed")
+            if self._started_once:
                 self.restarts += 1
-            path = self._dir / f"rt-{self._spawned}.sock"
-            if len(str(path)) > _MAX_SOCKET_PATH:
-                raise RuntimeStartError(f"socket path {path} is too long; set TMPDIR shorter")
-            models = [arg for key in self.resident
-                      for arg in ("--lora" if LORA_SEPARATOR in key else "--model", key)]
-            self._child = _Child([*self._argv, *models, "--socket", str(path)], self._env, path)
-            return self._child
+            if spare is not None:
+                self.spare_promotions += 1
+                self._child = spare
+                log.info("promoting the spare runtime pid %d", spare.pid)
+            child = spare or self._spawn()
+            if self._started_once:
+                child.replacing_since = time.monotonic()
+        if self._started_once:  # the first child's spare starts once it is ready
+            self._start_spare()
+        return child
+
+    def _start_spare(self) -> None:
+        """Start a spare, unless spares are off or one exists."""
+        with self._lock:
+            if not self._use_spare or self._closed or self._spare is not None:
+                return
+            path = self._socket_path()
+            self._spare = _Child([*self._argv, "--spare", "--socket", str(path)],
+                                 self._env, path, spare=True)
+            log.info("spare model runtime pid %d starting", self._spare.pid)
+
+    def _socket_path(self) -> Path:
+        self._spawned += 1
+        path = self._dir / f"rt-{self._spawned}.sock"
+        if len(str(path)) > _MAX_SOCKET_PATH:
+            raise RuntimeStartError(f"socket path {path} is too long; set TMPDIR shorter")
+        return path
+
+    def _spawn(self) -> _Child:
+        """A fresh child that loads the resident models before it is ready (under _lock)."""
+        path = self._socket_path()
+        models = [arg for key in self.resident
+                  for arg in ("--lora" if LORA_SEPARATOR in key else "--model", key)]
+        self._child = _Child([*self._argv, *models, "--socket", str(path)], self._env, path)
+        return self._child
 
     def _forget(self, child: _Child) -> None:
         with self._lock:
@@ -541,7 +716,8 @@ class ProcessRuntime:
                 self._child = None
 
     def _replace_dead(self, child: _Child, why: str, respawn: bool = True) -> str:
-        """Reap a child that died or broke its connection; start the next one loading."""
+        """Reap a child that died or broke its connection; start the next one loading (a
+        fresh child starts at once; a promoted spare loads when the next batch waits)."""
         if self._closed:
             raise RuntimeClosed("the runtime was closed while a batch was running")
         how = child.stop(grace=5.0)
@@ -551,5 +727,5 @@ class ProcessRuntime:
             self._child = None
         log.warning("model runtime pid %d is gone: %s (%s)", child.pid, how, why)
         if respawn:
-            self._spawn()
+            self._replace()
         return how

@@ -1,7 +1,7 @@
 """The model runtime process: loads models, then serves batches over a Unix socket.
 
     python -m runtimes.server --socket PATH --catalog-dir DIR [--model ID ...]
-        [--device cpu] [--threads N] [--chunk-tokens N] [--parent-pid PID]
+        [--device cpu] [--threads N] [--chunk-tokens N] [--parent-pid PID] [--spare]
 
 Started by `runtimes.process.ProcessRuntime`, never forked from the worker
 (CUDA cannot be initialised again in a forked child). The socket appears only
@@ -39,7 +39,15 @@ Frames on the control connection:
     {"op": "ping"}                         -> {"pong": pid}
 
 Once both are accepted it sends {"ready": pid, "models": {id: bytes},
-"device_bytes": int} on the batch connection. `failed` means the
+"device_bytes": int | None} on the batch connection.
+
+`--spare` (no `--model`): a process kept ready to replace a runtime that dies. It
+makes every import a model load needs (torch, transformers, the catalog's adapter
+modules) before its socket appears, on a thread of lowered CPU priority so that it
+yields to the runtime that serves meanwhile; then it waits for its worker, touching
+no device (on CUDA a context is made only by the first load, once promoted), and
+its ready frame has no `device_bytes`. Promoted, it is told what to load on the
+control connection. `failed` means the
 batch raised; the client decides which request is to blame. `fatal` means the
 exception left the device unusable (a CUDA error): the process exits right
 after replying so that the client starts a fresh one.
@@ -91,6 +99,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=16_384)
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent")
+    parser.add_argument("--spare", action="store_true",
+                        help="import ahead, touch no device, and wait to be told what to load")
     return parser.parse_args(argv)
 
 
@@ -310,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     # a fraction of a second instead of after seconds of imports.
     catalog = load_catalog(args.catalog_dir)
     entries = catalog.require(args.models)
+    if args.spare:
+        _import_ahead(catalog)
     from runtimes.host import ModelHost
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens)
@@ -321,11 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     imported = threading.Event()
     threading.Thread(target=serve_control, args=(control_conn, host, catalog, imported),
                      name="runtime-control", daemon=True).start()
+    # A spare leaves the device alone until it loads (on CUDA, asking for its memory
+    # makes a context); its worker knows the device's memory from the child before.
+    device_bytes = None if args.spare else host.device_total_bytes()
     conn.sendall(encode_frame({"ready": os.getpid(), "models": dict(host.footprints),
-                               "device_bytes": host.device_total_bytes()}))
-    log.info("serving %s", ", ".join(args.models) or "no model yet")
-    if args.models:
-        imported.set()  # loading them imported everything
+                               "device_bytes": device_bytes}))
+    log.info("serving %s", ", ".join(args.models) or
+             ("no model yet (a spare: promoted)" if args.spare else "no model yet"))
+    if args.models or args.spare:
+        imported.set()  # loading them (or the spare's start) imported everything
     else:
         # Nothing pinned: the first load would also pay transformers' imports (~3 s of
         # the ~6 s measured by bench.coldstart, against 0.2 s for the load itself).
@@ -333,6 +349,36 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_import_then_set, args=("runtimes.pytorch.loading", imported),
                          name="warm-imports", daemon=True).start()
     return serve(conn, host)
+
+
+SPARE_IMPORT_NICENESS = 10  # added to the importing thread's: the serving runtime goes first
+
+
+def _import_ahead(catalog: Catalog) -> None:
+    """A spare's imports: what loading any pytorch model of the catalog imports, made on a
+    thread of lower CPU priority (Linux sets it per thread, so the threads that later
+    compute, made by the main thread, keep the normal priority)."""
+    modules = ["runtimes.host", "runtimes.pytorch.loading", *sorted({
+        entry.contract.implementation.partition(":")[0]
+        for entry in catalog if entry.runtime == "pytorch"})]
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SPARE_IMPORT_NICENESS)
+        except OSError:
+            log.warning("could not lower the priority of the spare's imports")
+        started = time.perf_counter()
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except Exception:  # the load that needs it will say what is wrong
+                log.exception("importing %s ahead failed", module)
+        log.info("spare: imported %d modules in %.1fs", len(modules),
+                 time.perf_counter() - started)
+
+    thread = threading.Thread(target=run, name="spare-imports", daemon=True)
+    thread.start()
+    thread.join()
 
 
 def _import_then_set(module: str, done: threading.Event) -> None:
