@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from app import jobs_cli, models_cli
+from app import flower_cli, jobs_cli, keys_cli, models_cli
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -71,9 +71,11 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _settings(_: argparse.Namespace) -> int:
+    from app.redact import masked_settings
     from app.settings import get_settings
 
-    print(json.dumps(get_settings().model_dump(mode="json"), indent=2))
+    # Passwords in URLs and key material as ***: this output ends up in tickets and logs.
+    print(json.dumps(masked_settings(get_settings().model_dump(mode="json")), indent=2))
     return 0
 
 
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
     models_cli.add_parser(sub)
+    keys_cli.add_parser(sub)
+    flower_cli.add_parser(sub)
     jobs_cli.add_parsers(sub)
     blobs = sub.add_parser("blobs", help="the blob store (claim checks)")
     blobs_sub = blobs.add_subparsers(dest="blobs_command", required=True)

@@ -141,15 +141,20 @@ class Stack:
             overrides = {"SHOAL_GATEWAY_MODELS": ",".join(models), **overrides}
         return self.start(name, argv, **overrides)
 
-    def flower(self, name: str, port: int, management_url: str | None = None) -> Process:
-        """Flower on 127.0.0.1:`port`, reading queues from RabbitMQ's management API."""
-        if management_url is None:
-            from app.settings import get_settings
+    def flower(self, name: str, port: int, management_url: str | None = None,
+               password: str | None = None) -> Process:
+        """`shoal flower` on 127.0.0.1:`port` behind basic auth, user SHOAL_FLOWER_USER
+        (default shoal) and `password` (default: a fresh one nobody is told; pass one to
+        use Flower), reading queues from RabbitMQ's management API (default: the settings').
+        Both reach Flower through its environment, never its command line."""
+        import secrets
 
-            management_url = get_settings().management_url
-        argv = [sys.executable, "-m", "celery", "-A", "app", "flower", f"--port={port}",
-                "--address=127.0.0.1", f"--broker_api={management_url}"]
-        return self.start(name, argv, FLOWER_UNAUTHENTICATED_API="true")
+        overrides = {"SHOAL_FLOWER_PASSWORD": password or secrets.token_urlsafe(24)}
+        if management_url is not None:
+            overrides["SHOAL_MANAGEMENT_URL"] = management_url
+        argv = [sys.executable, "-m", "app.cli", "flower", "--port", str(port),
+                "--address", "127.0.0.1"]
+        return self.start(name, argv, **overrides)
 
     def exited(self) -> str | None:
         """Which processes have exited, with where their logs are; None while all run."""
