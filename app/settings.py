@@ -181,10 +181,6 @@ class Settings(BaseSettings):
     broker_reconnect_max_s: float = Field(
         1.0, gt=0, le=60, allow_inf_nan=False, description="worker and gateway: the most "
         "seconds between attempts to reconnect to the broker (Celery's own back-off grows "
-    runtime_spare: bool = Field(
-        True, description="keep a spare PyTorch runtime process imported ahead (torch, "
-        "transformers; no model, no CUDA context) so that a crashed runtime is replaced at "
-        "the cost of its model loads only; costs the spare's memory (~390 MB RSS on CPU)")
         "2, 4, 6... to 30 s); each attempt tries every URL of SHOAL_BROKER_URL in turn")
     broker_connect_timeout_s: float = Field(
         4.0, gt=0, allow_inf_nan=False, description="worker and gateway: how long one "

@@ -189,7 +189,6 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         return RuntimeRouter(runtimes, on)
 
     def _warm_peers(self, model: str) -> Any:
-                spare=settings.runtime_spare,
         return lambda: self.pool_states.warm_peers(model)
 
     def _profile_load_s(self) -> dict[str, float]:
