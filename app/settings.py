@@ -174,6 +174,10 @@ class Settings(BaseSettings):
     # --- shutdown and recovery (worker) ---
 
     # --- runtime recovery (spare runtime) ---
+    runtime_spare: bool = Field(
+        True, description="keep a spare PyTorch runtime process imported ahead (torch, "
+        "transformers; no model, no CUDA context) so that a crashed runtime is replaced at "
+        "the cost of its model loads only; costs the spare's memory (~390 MB RSS on CPU)")
 
     # --- broker failover ---
     # SHOAL_BROKER_URL takes several `;`-separated URLs (nodes of one cluster), Celery's own

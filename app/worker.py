@@ -172,6 +172,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                 chunk_tokens=max(lane.limits.max_tokens for lane in self.lanes.values()),
                 start_timeout=settings.runtime_start_timeout_s,
                 batch_timeout=settings.runtime_batch_timeout_s,
+                spare=settings.runtime_spare,
             )
         if "sglang" in on.values():
             from runtimes.sglang import SGLangRuntime
