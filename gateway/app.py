@@ -21,6 +21,7 @@ from gateway.broker import Broker
 from gateway.claims import sweep_forever
 from gateway.codecs import encode_response
 from gateway.completions import create_chat_completion, create_completion
+from gateway.drain import Drain
 from gateway.embeddings import create_embeddings
 from gateway.health import healthz, list_models, readyz
 from gateway.job_driver import JobDriver
@@ -74,15 +75,19 @@ def create_app(settings: Settings | None = None) -> Starlette:
     job_driver = JobDriver(settings, job_store, broker, served, blobs)
     job_replies = JobReplies(job_store, settings.queue_prefix, blobs, job_driver.notify)
     broker.on_connect.append(job_replies.attach)
+    drain = Drain(settings.gateway_drain_delay_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        drain.install()  # SIGTERM: /readyz says 503 while uvicorn drains (gateway.drain)
         broker.start()
         job_driver.start()
         # Orphaned claim blobs (requests dead-lettered or lost) go after SHOAL_BLOB_TTL_S.
         sweeper = asyncio.get_running_loop().create_task(sweep_forever(
             settings.blob_url, settings.blob_ttl_s, settings.blob_sweep_interval_s))
         yield
+        # uvicorn runs this only once the requests in flight were answered (or the grace
+        # ran out): the broker, which brings their replies, closes after them.
         sweeper.cancel()
         await job_driver.close()
         await broker.close()
@@ -118,6 +123,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     app.state.served = served
     app.state.catalog = catalog
     app.state.broker = broker
+    app.state.drain = drain
     app.state.job_store = job_store
     app.state.job_driver = job_driver
     return app

@@ -20,6 +20,10 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
+    drain = getattr(request.app.state, "drain", None)
+    if drain is not None and drain.draining:
+        raise ApiError(ErrorCode.SHUTTING_DOWN, "this gateway is draining (SIGTERM): it "
+                       "answers what is in flight and takes nothing new")
     if not request.app.state.broker.ready:
         raise ApiError(ErrorCode.BROKER_UNAVAILABLE, "not connected to the message broker yet",
                        retry_after=1)

@@ -120,8 +120,8 @@ class RequestIdMiddleware:
                 return
             # The client left mid-body: nobody to answer, nothing the gateway did wrong.
             CLIENT_DISCONNECTS.labels(route).inc()
-            log.info("%s %s: the client disconnected before its body was read (request %s)",
-                     scope["method"], route, request_id)
+            log.warning("%s %s: the client disconnected before its body was read "
+                        "(request %s)", scope["method"], route, request_id)
         except Exception as exc:
             await self._unexpected(scope, exc, route, request_id, response_started,
                                    send_with_id)

@@ -56,6 +56,10 @@ class ErrorCode(StrEnum):
     HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"  # request headers over the gateway's limit
     # The gateway is draining (SIGTERM): it answers what is in flight, takes nothing new.
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    # The HTTP edge (gateway.edge): headers or body not received within their read timeout;
+    # the gateway holds SHOAL_GATEWAY_MAX_CONNECTIONS connections and refuses more.
+    REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
+    TOO_MANY_CONNECTIONS = "TOO_MANY_CONNECTIONS"
 
 
 STATUS_OF_CODE: dict[str, int] = {
@@ -91,6 +95,8 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.TOO_MANY_CONNECTIONS: 503,
 }
 
 

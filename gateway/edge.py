@@ -1,0 +1,227 @@
+"""The gateway's HTTP edge: uvicorn's httptools protocol with the limits it lacks.
+
+httptools (llhttp) buffers a header of any size, and uvicorn gives a connection
+unlimited time to send its headers and body and admits any number of
+connections: a slow or hostile client could hold memory and sockets without
+bound. `EdgeProtocol` adds, per gateway process (SHOAL_GATEWAY_* settings):
+
+- header bytes: the request line and headers are counted as they arrive; over
+  SHOAL_GATEWAY_MAX_HEADER_BYTES the parser is fed no more, the client gets 431
+  HEADERS_TOO_LARGE and the connection closes (memory: at most the limit plus
+  one read, per connection);
+- header time: from a connection's opening, or a request's first byte, to the
+  end of its headers, SHOAL_GATEWAY_HEADER_TIMEOUT_S; then 408 REQUEST_TIMEOUT
+  (a bare close if nothing came at all) and a close;
+- body time: from the end of the headers to the end of the body,
+  SHOAL_GATEWAY_BODY_TIMEOUT_S; then 408 and a close (the app, still waiting for
+  the body, sees the client gone and answers nothing);
+- connections: over SHOAL_GATEWAY_MAX_CONNECTIONS open ones, a new one is answered
+  503 TOO_MANY_CONNECTIONS at once and closed, before anything is parsed.
+
+Timers cost little: one per connection from its opening to its first headers,
+then only for a request whose headers or body span several reads. Every refusal
+is counted in shoal_gateway_edge_refusals_total{reason}, never logged (a hostile
+client must not flood the log).
+
+`shoal gateway` passes `http="gateway.edge:EdgeProtocol"` to uvicorn (a string: the
+supervisor of several gateway processes pickles its config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.metrics import EDGE_REFUSALS
+from gateway.middleware import EDGE_ANSWERED
+from tasks.errors import STATUS_OF_CODE, ErrorCode
+
+_PHRASES = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
+
+
+def canned_response(code: ErrorCode, message: str) -> bytes:
+    """A whole HTTP/1.1 response with the usual error body, closing the connection."""
+    status = STATUS_OF_CODE[code]
+    body = orjson.dumps({"error": {"code": str(code), "message": message}})
+    return b"".join([
+        b"HTTP/1.1 %d %s\r\n" % (status, _PHRASES[status]),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n\r\n",
+        body,
+    ])
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> EdgeLimits:
+        return cls(settings.gateway_max_header_bytes, settings.gateway_header_timeout_s,
+                   settings.gateway_body_timeout_s, settings.gateway_max_connections)
+
+    def responses(self) -> dict[str, bytes]:
+        return {
+            "headers_too_large": canned_response(
+                ErrorCode.HEADERS_TOO_LARGE, f"the request line and headers are over the "
+                f"gateway's limit of {self.max_header_bytes} bytes"),
+            "header_timeout": canned_response(
+                ErrorCode.REQUEST_TIMEOUT, f"the request's headers did not arrive within "
+                f"{self.header_timeout_s:g} s"),
+            "body_timeout": canned_response(
+                ErrorCode.REQUEST_TIMEOUT, f"the request's body did not arrive within "
+                f"{self.body_timeout_s:g} s of its headers"),
+            "connection_cap": canned_response(
+                ErrorCode.TOO_MANY_CONNECTIONS, f"this gateway holds its limit of "
+                f"{self.max_connections} connections; retry later"),
+        }
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header size, read time and connection limits."""
+
+    # Read from the settings by the first connection of a process (or set by `configure`).
+    limits: EdgeLimits | None = None
+    _responses: dict[str, bytes] = {}
+
+    @classmethod
+    def configure(cls, limits: EdgeLimits) -> None:
+        cls.limits = limits
+        cls._responses = limits.responses()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if EdgeProtocol.limits is None:
+            from app.settings import get_settings
+
+            EdgeProtocol.configure(EdgeLimits.from_settings(get_settings()))
+        self._limits: EdgeLimits = EdgeProtocol.limits  # type: ignore[assignment]
+        self._reading_headers = True  # between requests, or inside a request's headers
+        self._header_bytes = 0  # of the request being read, while _reading_headers
+        self._started_message = False  # a request's first byte came, its headers have not
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # --- connections ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self._limits.max_connections:
+            # Refused before it joins `connections`: uvicorn never waits for it.
+            self.transport = transport
+            self._refuse("connection_cap")
+            return
+        super().connection_made(transport)
+        self._header_timer = self.loop.call_later(self._limits.header_timeout_s,
+                                                  self._on_header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        self._cancel_body_timer()
+        super().connection_lost(exc)
+
+    def _refuse(self, reason: str, answer: bool = True) -> None:
+        EDGE_REFUSALS.labels(reason).inc()
+        self._reading_headers = False  # nothing more is counted or fed
+        if answer:
+            self.transport.write(self._responses[reason])
+        self.transport.close()
+
+    # --- header bytes ---------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_headers:
+            room = self._limits.max_header_bytes - self._header_bytes
+            if len(data) > room:
+                # Feed what the limit allows; if the headers end within it, the rest
+                # (body, a pipelined request) is counted afresh.
+                super().data_received(data[:room])
+                if self.transport.is_closing():
+                    return
+                if self._reading_headers and self._started_message:
+                    self._refuse("headers_too_large", answer=self._idle())
+                    return
+                self.data_received(data[room:])
+                return
+            self._header_bytes += len(data)
+        super().data_received(data)
+        self._arm_timers()
+
+    def _idle(self) -> bool:
+        """No response is being written on this connection (a 431 or 408 may go out)."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._started_message = True
+
+    def on_headers_complete(self) -> None:
+        self._reading_headers = False
+        self._started_message = False
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._cancel_body_timer()
+        self._reading_headers = True
+        self._header_bytes = 0
+
+    # --- read timers ------------------------------------------------------------------------
+
+    def _arm_timers(self) -> None:
+        """After a read: time the headers or the body that it left unfinished."""
+        if self.transport.is_closing():
+            return
+        if self._reading_headers:
+            if self._started_message and self._header_timer is None:
+                self._header_timer = self.loop.call_later(self._limits.header_timeout_s,
+                                                          self._on_header_timeout)
+        elif self._body_timer is None and self.cycle is not None and self.cycle.more_body:
+            self._body_timer = self.loop.call_later(self._limits.body_timeout_s,
+                                                    self._on_body_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if not self._idle():
+            # A pipelined request's headers trickle in while the one before is answered:
+            # that answer is not cut short; the next one's time starts over.
+            self._header_timer = self.loop.call_later(self._limits.header_timeout_s,
+                                                      self._on_header_timeout)
+            return
+        # Nothing came (a connection opened and left idle): close without an answer.
+        self._refuse("header_timeout", answer=self._started_message)
+
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or not cycle.more_body:
+            return
+        answer = not cycle.response_started
+        if answer:
+            # The app waits for the rest of the body: it now sees the client gone
+            # (ClientDisconnect), answers nothing, and logs nothing (gateway.middleware).
+            cycle.scope["state"][EDGE_ANSWERED] = True
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._refuse("body_timeout", answer=answer)
