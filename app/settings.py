@@ -191,6 +191,28 @@ class Settings(BaseSettings):
         "connection attempt to one broker URL may take before the next URL is tried")
 
     # --- HTTP edge (gateway) ---
+    # gateway.edge enforces these in uvicorn's httptools protocol; on SIGTERM the gateway
+    # drains within SHOAL_SHUTDOWN_GRACE_S (the worker's setting, shared).
+    gateway_max_header_bytes: int = Field(
+        16 * 1024, ge=1024, description="gateway: bytes of a request's line and headers; "
+        "over it: 431 HEADERS_TOO_LARGE and the connection closed")
+    gateway_header_timeout_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="gateway: seconds a connection may take "
+        "to send a request's headers (from its first byte, or from the connection's "
+        "opening); then 408 REQUEST_TIMEOUT (or, if nothing came, a bare close)")
+    gateway_body_timeout_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="gateway: seconds a request may take to "
+        "send its whole body after its headers; then 408 REQUEST_TIMEOUT and a close")
+    gateway_max_connections: int = Field(
+        2048, ge=1, description="gateway: open connections per gateway process; one over it "
+        "is answered 503 TOO_MANY_CONNECTIONS and closed at once")
+    gateway_keep_alive_s: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="gateway: an idle keep-alive connection "
+        "is closed after this many seconds")
+    gateway_drain_delay_s: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="gateway: on SIGTERM, keep serving this "
+        "many seconds with /readyz answering 503 (a load balancer takes the gateway out) "
+        "before it stops accepting; part of SHOAL_SHUTDOWN_GRACE_S")
 
     # --- API keys, Flower and secrets ---
     api_keys_file: Path | None = Field(
