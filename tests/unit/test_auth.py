@@ -29,7 +29,7 @@ from gateway.api_keys import (
     new_key,
     parse_key_file,
 )
-from gateway.auth import KeySource, bearer_key
+from gateway.auth_middleware import KeySource, bearer_key
 from gateway.rate_limit import REQUESTS, TOKENS, RateLimiter
 from tests.stack import free_port
 
@@ -150,7 +150,7 @@ def test_a_changed_key_file_is_read_again_and_a_broken_one_keeps_the_keys_before
     tmp.write_text("keys: [{name: broken}]")
     os.replace(tmp, path)
     source._checked = 0.0
-    with caplog.at_level(logging.ERROR, logger="gateway.auth"):
+    with caplog.at_level(logging.ERROR, logger="gateway.auth_middleware"):
         assert source.current().find(new) is not None
     assert "keeping the 1 keys read before" in caplog.text and "keys.0.hash" in caplog.text
 
