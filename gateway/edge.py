@@ -108,6 +108,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._reading_headers = True  # between requests, or inside a request's headers
         self._header_bytes = 0  # of the request being read, while _reading_headers
         self._started_message = False  # a request's first byte came, its headers have not
+        self._tail = b""  # the last bytes of headers read so far: "\r\n\r\n" may span reads
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
 
@@ -138,21 +139,33 @@ class EdgeProtocol(HttpToolsProtocol):
     # --- header bytes ---------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self._reading_headers:
+        # While in headers, feed the parser no further than their end ("\r\n\r\n"): a body
+        # or a pipelined request after it in the same read is counted afresh (a loop, not
+        # recursion: one read may hold thousands of small pipelined requests).
+        while self._reading_headers and data:
             room = self._limits.max_header_bytes - self._header_bytes
-            if len(data) > room:
-                # Feed what the limit allows; if the headers end within it, the rest
-                # (body, a pipelined request) is counted afresh.
-                super().data_received(data[:room])
-                if self.transport.is_closing():
-                    return
-                if self._reading_headers and self._started_message:
+            seen = self._tail + data
+            end = seen.find(b"\r\n\r\n")
+            if end < 0:
+                if len(data) > room:
                     self._refuse("headers_too_large", answer=self._idle())
                     return
-                self.data_received(data[room:])
+                self._header_bytes += len(data)
+                self._tail = seen[-3:]
+                super().data_received(data)
+                self._arm_timers()
                 return
-            self._header_bytes += len(data)
-        super().data_received(data)
+            end += 4 - len(self._tail)  # where the headers end in `data`
+            if end > room:
+                self._refuse("headers_too_large", answer=self._idle())
+                return
+            head, data = data[:end], data[end:]
+            self._header_bytes += end
+            super().data_received(head)
+            if self.transport.is_closing():
+                return
+        if data:
+            super().data_received(data)
         self._arm_timers()
 
     def _idle(self) -> bool:
@@ -166,6 +179,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_headers = False
         self._started_message = False
+        self._tail = b""
         self._cancel_header_timer()
         super().on_headers_complete()
 
@@ -174,6 +188,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._cancel_body_timer()
         self._reading_headers = True
         self._header_bytes = 0
+        self._tail = b""
 
     # --- read timers ------------------------------------------------------------------------
 
