@@ -54,6 +54,15 @@ in place when the batch's bodies are decoded. A blob that never comes fails
 that request alone (BLOB_MISSING, BLOB_CORRUPT). Its blobs are deleted once its
 message is acked.
 
+Draining for a shutdown (`begin_drain`, see `app.shutdown`): the model queues'
+consumers are cancelled, every request that has not started is handed back at
+once (requeued whole, or republished when its message is partly settled or a
+requeue would bring it near the delivery limit), and what runs goes on: the
+running batch, the later parts of a split request whose first part ran, the
+requests a continuous runtime is generating. Their results are published, and
+`on_drained` is called once the broker has confirmed every publish (their
+messages are then acked). A message delivered meanwhile goes straight back.
+
 A request too big for one batch of its model is split into budget-sized
 parts (`tasks.split`) that run one after another: the next part joins the
 backlog when the previous one ends, so requests that arrived meanwhile go
@@ -180,14 +189,16 @@ COLD_PREFETCH = 1
 ReturnKey = tuple[str, str | None, bool]  # operation, reply_to, reply_batch
 
 
-def plan_returns(returned: list[Held]) -> tuple[list[Delivery], dict[ReturnKey, list[Held]]]:
+def plan_returns(returned: list[Held], renew: Callable[[Delivery], bool] | None = None
+                 ) -> tuple[list[Delivery], dict[ReturnKey, list[Held]]]:
     """How to give requests back: (messages to requeue whole, requests to republish).
 
     A message goes back whole (reject + requeue, which keeps its delivery count)
-    when every request it carries is returned and none is settled. A message
-    cannot be requeued in part, so the returned requests of any other message
-    are republished, grouped into one message per operation and caller (their
-    replies go where the original's would have); each counts one more return.
+    when every request it carries is returned and none is settled, unless `renew`
+    says its delivery count must not grow. A message cannot be requeued in part,
+    so the returned requests of any other message are republished, grouped into
+    one message per operation and caller (their replies go where the original's
+    would have); each counts one more return.
     """
     by_delivery: dict[int, list[Held]] = {}
     for held in returned:
@@ -196,7 +207,8 @@ def plan_returns(returned: list[Held]) -> tuple[list[Delivery], dict[ReturnKey, 
     handed_on: dict[ReturnKey, list[Held]] = {}
     for helds in by_delivery.values():
         delivery = helds[0].delivery
-        if delivery.untouched and len(helds) == delivery.requests:
+        if delivery.untouched and len(helds) == delivery.requests and not (
+                renew is not None and renew(delivery)):
             whole.append(delivery)
             continue
         for held in helds:
@@ -247,6 +259,17 @@ class Dispatcher:
         self._tick_queued = False
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
         self.on_placement: Callable[[], None] = lambda: None  # told when a model's state changes
+        # Draining for a shutdown: nothing new is held, what runs finishes.
+        self.draining = False
+        self._drain_begun = False  # its hand-back is done: `on_drained` may be called
+        self._drain_reported = False  # `on_drained` was called (or the drain was abandoned)
+        self.on_drained: Callable[[], None] = lambda: None
+        self.drain_answered = 0  # requests answered while draining
+        self.drain_handed_back = 0  # requests handed back when the drain began, or after
+        self.delivery_limit = hold.delivery_limit
+        # Requests whose claimed inputs are being fetched (not yet in the scheduler).
+        self.fetching: dict[int, tuple[str, Held]] = {}
+        self.replier.on_confirmed = self.check_drained
         self.placement = Placement(
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
             lambda fn, *args: self.c.hub.call_soon(fn, *args), self._in_use,
@@ -266,6 +289,10 @@ class Dispatcher:
     # --- delivery (loop thread) ---------------------------------------------------------
 
     def on_message(self, message: Any) -> None:
+        if self.draining:
+            # Delivered before the broker saw the consumer cancelled: straight back.
+            self._refuse_delivery(message)
+            return
         try:
             self._hold(message)
         except Exception:
@@ -338,10 +365,13 @@ class Dispatcher:
         it enters the scheduler only when its inputs are here."""
         generation = self.generation
         a = held.annotations
+        self.fetching[id(held)] = (model, held)
 
         def fetched(outcome: Fetched) -> None:  # on the loop
             if generation != self.generation:
                 return  # the connection was lost: the message is redelivered
+            if self.fetching.pop(id(held), None) is None:
+                return  # handed back when the drain began
             if outcome.error_code is not None:
                 self._refuse(model, held, outcome.error_message or "",
                              ErrorCode(outcome.error_code))
@@ -540,6 +570,7 @@ class Dispatcher:
         if generation == self.generation:
             self._answer(model, held, outcome)
         self._queue_tick()  # a slot is free: hand over the next
+        self.check_drained()
 
     def _apply(self, actions: Actions) -> None:
         for model, pending in actions.expired:
@@ -569,6 +600,7 @@ class Dispatcher:
                 return
             held.split.answered = True
             why = f"{held.split.describe(held.part)}: {why}"
+        self._count_drain_answer(model)
         if code == ErrorCode.DEADLINE_EXCEEDED:
             metrics.EXPIRED.labels(model).inc()
         metrics.RESULTS.labels(model, code).inc()
@@ -634,9 +666,10 @@ class Dispatcher:
         used.update(self.feeder.counts())
         return used
 
-    def _give_back(self, model: str, returned: list[Held]) -> None:
+    def _give_back(self, model: str, returned: list[Held],
+                   renew: Callable[[Delivery], bool] | None = None) -> None:
         """Return requests to their queue (see `plan_returns`)."""
-        whole, handed_on = plan_returns(returned)
+        whole, handed_on = plan_returns(returned, renew)
         for delivery in whole:
             delivery.requeue()
         consuming = self.consuming.get(model)
@@ -692,6 +725,8 @@ class Dispatcher:
     def _reconsume(self, model: str, prefetch: int, priority: int, first: bool = False) -> None:
         """Consume again with a new per-consumer prefetch and priority (both apply to new
         consumers only)."""
+        if self.draining:
+            return  # consumers stay cancelled
         consuming = self.consuming[model]
         consumer = consuming.consumer
         if not first:
@@ -866,6 +901,7 @@ class Dispatcher:
                 self._answer(model, h, outcome)
             self.replier.end_batch()
         # else: the connection was lost meanwhile; the messages are redelivered.
+        self.check_drained()
 
     def _continue_splits(self, model: str, helds: list[Held], outcomes: list[Outcome]) -> None:
         """Keep each split request's part result and put its next part in the backlog
@@ -894,6 +930,7 @@ class Dispatcher:
                 outcome = Outcome(held.task_id, error_code=outcome.error_code,
                                   error_message=f"{split.describe(held.part)}: "
                                                 f"{outcome.error_message}")
+        self._count_drain_answer(model)
         if not outcome.ok:
             metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
             if outcome.error_code == ErrorCode.CANCELLED:
@@ -915,6 +952,104 @@ class Dispatcher:
                 metrics.INTER_TOKEN.labels(model).observe(latency["itl_ms"] / 1000)
         self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)
 
+    # --- draining for a shutdown (loop thread) ------------------------------------------
+
+    def begin_drain(self) -> dict[str, int]:
+        """Stop consuming, hand back every request that has not started; what runs goes
+        on. The requests handed back, by model. `on_drained` is called once nothing runs
+        and every publish is confirmed (`check_drained`: call it after this)."""
+        self.draining = True
+        for consuming in self.consuming.values():
+            try:
+                consuming.consumer.cancel()
+            except Exception:  # a lost connection redelivers everything anyway
+                log.warning("could not cancel the consumer of %s", consuming.queue,
+                            exc_info=True)
+        handed: dict[str, int] = {}
+        for model in self.scheduler.lanes:
+            back = self._not_started(model)
+            if back:
+                self._give_back(model, back, self._near_delivery_limit)
+                metrics.HANDED_BACK.labels(model).inc(len(back))
+                handed[model] = len(back)
+            metrics.HELD.labels(model).set(len(self.scheduler.lanes[model].backlog))
+        self.drain_handed_back += sum(handed.values())
+        self._drain_begun = True
+        return handed
+
+    def _not_started(self, model: str) -> list[Held]:
+        """Take out every request of `model` held here that has not started: in the
+        backlog (but the later parts of a split request whose first part ran: it is
+        answered once all have), waiting for a LoRA adapter or a continuous runtime's
+        room, or for its claimed inputs."""
+        back: list[Held] = []
+        for pending in self.scheduler.drop(model):
+            if pending.handle.part > 0:
+                self.scheduler.append(model, pending)
+            else:
+                back.append(pending.handle)
+        for key in [k for k in self.parked if k[0] == model]:
+            back += [held for held, _ in self.parked.pop(key)]
+        back += [waiting.handle for waiting in self.feeder.drop(model)]
+        for key, (fetch_model, held) in list(self.fetching.items()):
+            if fetch_model == model:
+                del self.fetching[key]
+                back.append(held)
+        return back
+
+    def _near_delivery_limit(self, delivery: Delivery) -> bool:
+        """A requeue would bring it near the queue's delivery limit (quorum queues count
+        every requeue): it is republished instead, as a new message."""
+        deliveries = 1 + int((delivery.message.headers or {}).get("x-delivery-count") or 0)
+        return self.delivery_limit >= 0 and deliveries > self.delivery_limit // 2
+
+    def _refuse_delivery(self, message: Any) -> None:
+        try:
+            message.reject(requeue=True)
+        except Exception:  # the channel is gone: the broker requeues it anyway
+            log.warning("could not hand back a message delivered while draining",
+                        exc_info=True)
+        self.drain_handed_back += 1
+        model = (message.headers or {}).get("shoal_model")
+        if isinstance(model, str) and model in self.scheduler.lanes:
+            metrics.HANDED_BACK.labels(model).inc()
+
+    def _count_drain_answer(self, model: str) -> None:
+        if self.draining:
+            self.drain_answered += 1
+            metrics.DRAIN_ANSWERED.labels(model).inc()
+
+    @property
+    def unfinished(self) -> int:
+        """Requests running or bound to run here: the running batch, the parts of split
+        requests left to run, the requests a continuous runtime is generating."""
+        running = self.scheduler.running
+        return ((len(running.members) if running is not None else 0)
+                + sum(len(lane.backlog) for lane in self.scheduler.lanes.values())
+                + sum(len(in_flight) for in_flight in self.feeder.in_flight.values()))
+
+    @property
+    def drained(self) -> bool:
+        """Draining, nothing runs, nothing is held, every publish is confirmed."""
+        return (self._drain_begun and self.future is None and self.unfinished == 0
+                and not self.parked and not self.fetching
+                and not any(self.feeder.waiting.values())
+                and self.replier.unconfirmed == 0)
+
+    def check_drained(self) -> None:
+        """Call `on_drained` (once) if the drain is over."""
+        if self.draining and not self._drain_reported and self.drained:
+            self._drain_reported = True
+            self.on_drained()
+
+    def abandon(self) -> int:
+        """A forced end: publish and ack nothing more (the broker redelivers it); the
+        number of requests that were running."""
+        unfinished = self.unfinished
+        self._drain_reported = True
+        self.drop_held()
+        return unfinished
+
     # --- lifecycle -----------------------------------------------------------------------
 
     def drop_held(self) -> None:
@@ -923,6 +1058,7 @@ class Dispatcher:
         self.scheduler.clear()
         self.parked.clear()
         self.feeder.clear()
+        self.fetching.clear()
         for model in self.scheduler.lanes:
             metrics.HELD.labels(model).set(0)
         self.consuming.clear()
@@ -933,5 +1069,8 @@ class Dispatcher:
     def close(self) -> None:
         self.claims.close()
         self.placement.close()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        # The runtime first: a batch still running (a forced or cold shutdown; a drained
+        # worker runs none) fails at once instead of holding the exit up.
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self.runtime.close()
+        self.executor.shutdown(wait=True)

@@ -58,6 +58,15 @@ CANCELLED = Counter("shoal_generations_cancelled_total", "generations stopped be
 IN_FLIGHT = Gauge("shoal_runtime_in_flight", "requests handed to a continuously batching "
                   "runtime (SGLang) and not yet answered", ["model"])
 
+DRAINING = Gauge("shoal_worker_draining", "1 while the worker drains for a shutdown (it "
+                 "consumes nothing and finishes what runs), else 0")
+HANDED_BACK = Counter("shoal_shutdown_handed_back_total", "requests that had not started, "
+                      "handed back to their queue when the worker began to drain", ["model"])
+DRAIN_ANSWERED = Counter("shoal_shutdown_answered_total", "requests answered while the "
+                         "worker drained (what ran when the signal came)", ["model"])
+SHUTDOWNS_FORCED = Counter("shoal_shutdown_forced_total", "drains cut short (a second "
+                           "signal, or SHOAL_SHUTDOWN_GRACE_S ran out): what ran is redelivered")
+
 CLAIMS_FETCHED = Counter("shoal_claims_fetched_total", "claim-checked inputs fetched from the "
                          "blob store: ok, or the error that failed their request", ["outcome"])
 CLAIM_BYTES = Counter("shoal_claim_bytes_total", "bytes of claim-checked inputs fetched")

@@ -112,6 +112,14 @@ class Replier:
         self._batching = False
         self._utcoffset_value = 0
         self._utcoffset_until = float("-inf")
+        # Told after the broker confirmed (or refused) publishes: a draining worker waits
+        # for the last confirm before it exits.
+        self.on_confirmed: Callable[[], None] = lambda: None
+
+    @property
+    def unconfirmed(self) -> int:
+        """Publishes the broker has not confirmed yet (their messages are not acked)."""
+        return len(self._unconfirmed)
 
     def open(self, connection: Any) -> None:
         """(Re)open the confirm-mode channel on the consumer's connection."""
@@ -242,6 +250,7 @@ class Replier:
         for deliveries in self._confirmed(tag, multiple):
             for delivery in deliveries:
                 delivery.settle()
+        self.on_confirmed()
 
     def _on_nack(self, tag: int, multiple: bool) -> None:
         # The broker lost what was published: run those requests again.
@@ -250,3 +259,4 @@ class Replier:
                         len(deliveries))
             for delivery in deliveries:
                 delivery.requeue()
+        self.on_confirmed()

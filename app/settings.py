@@ -172,6 +172,13 @@ class Settings(BaseSettings):
         600.0, gt=0, description="a batch running longer is killed and bisected like a crash"
     )
     # --- shutdown and recovery (worker) ---
+    shutdown_grace_s: float = Field(
+        25.0, gt=0,
+        description="on SIGTERM/SIGINT a worker stops consuming, hands back what has not "
+                    "started and finishes what runs within this many seconds, else exits "
+                    "as a crash would (what ran is redelivered); 25 leaves Kubernetes' "
+                    "default 30 s terminationGracePeriodSeconds room to close the runtime",
+    )
 
     # --- runtime recovery (spare runtime) ---
     runtime_spare: bool = Field(

@@ -14,12 +14,17 @@ Operators see and steer the pool with Celery's remote control:
 `celery -A app inspect shoal_models`, `celery -A app control shoal_load MODEL`,
 `celery -A app control shoal_unload MODEL`. Gateways learn it from the state
 message each worker publishes (`tasks.pool_state`).
+
+SIGTERM (or SIGINT) drains the worker before Celery's warm shutdown
+(`app.shutdown`): it stops consuming, hands back what has not started, and
+finishes, publishes and acks what runs, within SHOAL_SHUTDOWN_GRACE_S.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -30,10 +35,17 @@ from kombu import Consumer
 from app.catalog import BatchProfile, ModelEntry, load_catalog
 from app.deadletters import DeadLetterAnswerer
 from app.dispatcher import Dispatcher
-from app.metrics import POISON_ISOLATED, RUNTIME_RESTARTS, start_metrics_server
+from app.metrics import (
+    DRAINING,
+    POISON_ISOLATED,
+    RUNTIME_RESTARTS,
+    SHUTDOWNS_FORCED,
+    start_metrics_server,
+)
 from app.pool_states import PoolStates
 from app.queues import kombu_queues
 from app.settings import Settings, get_settings
+from app.shutdown import GracefulShutdown
 from app.topology import queue_for
 from batching.cost import CostModel
 from batching.former import BatchLimits
@@ -157,6 +169,11 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.dispatcher: Dispatcher | None = None
         self.pool_states = PoolStates(settings.queue_prefix, settings.pool_state_interval_s)
         self.state_timer: Any = None
+        self.consumers: list[Any] = []
+        self.c: Any = None
+        self.graceful = GracefulShutdown(settings.shutdown_grace_s, self._begin_drain,
+                                         self._force_exit)
+        self.drain_started = 0.0  # monotonic
 
     def _real_runtime(self, settings: Settings) -> Any:
         """The PyTorch runtime, SGLang servers, or both behind a router (by model)."""
@@ -210,6 +227,11 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                                          self.settings.feed_return_after_ms / 1000,
                                          self.settings.blob_url,
                                          self.settings.claim_upload_timeout_s)
+        self.c = c
+        if self.graceful.requested_at is not None:
+            # Reconnected while draining: what was held is redelivered to others anyway.
+            self.graceful.finish()
+            return
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
@@ -233,8 +255,68 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.dispatcher.on_placement = self.pool_states.soon
         self.state_timer = c.hub.call_repeatedly(self.settings.pool_state_interval_s,
                                                  self.pool_states.publish)
+        self.graceful.attach(c.hub)
+
+    # --- draining for a shutdown (on the loop; see app.shutdown) --------------------------
+
+    def _begin_drain(self) -> None:
+        c, dispatcher = self.c, self.dispatcher
+        if dispatcher is None or c is None:
+            self.graceful.finish()
+            return
+        self.drain_started = time.monotonic()
+        DRAINING.set(1)
+        if self.state_timer is not None:
+            self.state_timer.cancel()
+            self.state_timer = None
+        # Gateways stop counting this worker as serving its models now.
+        self.pool_states.farewell()
+        dispatcher.on_drained = self._drained
+        handed = dispatcher.begin_drain()
+        # Nothing more from the dead-letter queues, nor Celery's own task queue (its remote
+        # control and events go on until Celery's shutdown).
+        for consumer in [*self.consumers, c.task_consumer]:
+            if consumer is not None:
+                try:
+                    consumer.cancel()
+                except Exception:
+                    log.warning("could not cancel a consumer while draining", exc_info=True)
+        log.warning("draining for shutdown: stopped consuming; handed back %d requests that "
+                    "had not started (%s); finishing %d running, %d results to confirm; "
+                    "grace %gs", sum(handed.values()),
+                    ", ".join(f"{m}: {n}" for m, n in handed.items()) or "none",
+                    dispatcher.unfinished, dispatcher.replier.unconfirmed,
+                    self.settings.shutdown_grace_s)
+        dispatcher.check_drained()
+
+    def _drained(self) -> None:
+        dispatcher = self.dispatcher
+        assert dispatcher is not None
+        DRAINING.set(0)
+        log.warning("drained in %.2fs: %d requests answered after the signal (results "
+                    "confirmed, messages acked), %d handed back; exiting",
+                    time.monotonic() - self.drain_started, dispatcher.drain_answered,
+                    dispatcher.drain_handed_back)
+        self.graceful.finish()
+
+    def _force_exit(self, why: str) -> None:
+        SHUTDOWNS_FORCED.inc()
+        DRAINING.set(0)
+        dispatcher = self.dispatcher
+        unfinished = dispatcher.abandon() if dispatcher is not None else 0
+        log.error("shutdown forced (%s) %.2fs after the signal: %d requests left unfinished "
+                  "and unacked (the broker redelivers them), %d answered, %d handed back",
+                  why, self.graceful.elapsed(), unfinished,
+                  dispatcher.drain_answered if dispatcher else 0,
+                  dispatcher.drain_handed_back if dispatcher else 0)
+        if self.c is not None:
+            self.c.controller.exitcode = 1  # as a crash would say
 
     def stop(self, c: Any) -> None:
+        self.graceful.detach()
+        if self.graceful.draining:
+            # The connection was lost while draining: every held message is redelivered.
+            self.graceful.finish()
         if self.state_timer is not None:
             self.state_timer.cancel()
             self.state_timer = None
