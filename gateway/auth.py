@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Counter
 from starlette.requests import Request
 
 from gateway.errors import ApiError
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_KEY = "api_key"  # in the request's scope state: the ApiKey of the caller
+# missing_key, invalid_key (401), forbidden_model (403), requests_per_minute,
+# tokens_per_minute (429). Every refusal is in shoal_gateway_requests_total too.
+AUTH_REFUSALS = Counter("shoal_gateway_auth_refusals_total", "requests refused by the API-key "
+                        "checks, by reason", ["reason"])
 
 
 def install_auth(app: Any, settings: Any) -> None:
@@ -54,6 +59,7 @@ def check_model_allowed(request: Request, model: str) -> None:
     """403 if the caller's key may not use `model`; nothing when keys are off."""
     key: ApiKey | None = request.scope.get("state", {}).get(STATE_KEY)
     if key is not None and not key.allows(model):
+        AUTH_REFUSALS.labels("forbidden_model").inc()
         shown = model if len(model) <= 200 else model[:200] + "..."
         raise ApiError(ErrorCode.FORBIDDEN, f"the API key {key.name!r} may not use the model "
                        f"{shown!r}; it may use {list(key.models)}")

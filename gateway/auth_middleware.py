@@ -14,7 +14,7 @@ import orjson
 from starlette.requests import Request
 
 from gateway.api_keys import ApiKey, KeyFileError, KeyRing, load_key_ring
-from gateway.auth import STATE_KEY
+from gateway.auth import AUTH_REFUSALS, STATE_KEY
 from gateway.codecs import encode_response, is_msgpack
 from gateway.errors import ApiError
 from gateway.rate_limit import TOKENS, RateLimiter, retry_after_header
@@ -106,12 +106,14 @@ class ApiKeyMiddleware:
                  'Bearer realm="shoal", error="invalid_token"') if presented is not None else
                 (ApiError(ErrorCode.UNAUTHORIZED, "an API key is required: send "
                           "'Authorization: Bearer <key>'"), 'Bearer realm="shoal"'))
+            AUTH_REFUSALS.labels("invalid_key" if presented is not None else "missing_key").inc()
             await self._refuse(scope, send, error, {"WWW-Authenticate": challenge})
             return
         scope.setdefault("state", {})[STATE_KEY] = key
         declared = _content_length(headers)
         verdict = await self.limiter.admit(key, -(-(declared or 0) // CHARS_PER_TOKEN))
         if not verdict.admitted:
+            AUTH_REFUSALS.labels(f"{verdict.limit}_per_minute").inc()
             per = (f"{key.tokens_per_minute} tokens" if verdict.limit == TOKENS
                    else f"{key.requests_per_minute} requests")
             await self._refuse(scope, send, ApiError(

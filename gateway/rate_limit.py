@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
+
 from gateway.api_keys import ApiKey
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 RETRY_REDIS_S = 5.0
 REDIS_TIMEOUT_S = 0.5
 REQUESTS, TOKENS = "requests", "tokens"
+LOCAL_DECISIONS = Counter(
+    "shoal_gateway_rate_limit_local_total", "rate-limit decisions this gateway process made "
+    "alone because Redis (SHOAL_REDIS_URL) was not reachable (limits then hold per process)")
 
 # KEYS[1]: the key's bucket hash. ARGV: requests/min (0: none), tokens/min (0: none),
 # this request's tokens, 1 to charge without admission (tokens counted after the fact).
@@ -152,6 +157,7 @@ class RateLimiter:
                 if admitted:
                     return ADMITTED
                 return Verdict(False, wait_ms / 1000, REQUESTS if which == 1 else TOKENS)
+        LOCAL_DECISIONS.inc()
         return self.local.admit(key, tokens, charge_only)
 
     def _redis_down(self, exc: Exception) -> None:

@@ -49,6 +49,11 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def _refusals(keys: Keys, reason: str) -> float:
+    return metric_sum(f"{keys.url}/metrics",
+                      f'shoal_gateway_auth_refusals_total{{reason="{reason}"}}')
+
+
 def _error(r: httpx.Response, status: int, code: str) -> str:
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
@@ -130,11 +135,13 @@ def test_a_key_serves_the_models_it_may_use(keys):
 ])
 def test_a_model_the_key_may_not_use_is_403_on_every_route(keys, path, body, params, headers):
     kwargs = ({"content": b'{"text": "x"}\n'} if body is None else {"json": body})
+    before = _refusals(keys, "forbidden_model")
     r = httpx.post(f"{keys.url}{path}", params=params, headers={**_auth(keys.tiny), **headers},
                    timeout=10, **kwargs)
     message = _error(r, 403, "FORBIDDEN")
     assert "'tiny-only'" in message and TINY_CLS in message
     assert keys.tiny not in message
+    assert _refusals(keys, "forbidden_model") == before + 1
 
 
 def test_an_allowed_job_is_accepted(keys):
@@ -160,6 +167,7 @@ def test_v1_models_lists_only_what_the_key_may_use_in_json_and_msgpack(keys):
 
 
 def test_over_its_requests_per_minute_a_key_gets_429_with_retry_after(keys):
+    before = _refusals(keys, "requests_per_minute")
     statuses = []
     for _ in range(5):
         r = httpx.get(f"{keys.url}/v1/models", headers=_auth(keys.limited), timeout=10)
@@ -169,6 +177,7 @@ def test_over_its_requests_per_minute_a_key_gets_429_with_retry_after(keys):
             assert "3 requests per minute" in message and "'limited'" in message
             assert 1 <= int(r.headers["retry-after"]) <= 20  # one request back in 60/3 s
     assert statuses[:3] == [200, 200, 200] and statuses[3:] == [429, 429]
+    assert _refusals(keys, "requests_per_minute") == before + 2
     # Other keys are not held up by this one's limit.
     assert httpx.get(f"{keys.url}/v1/models", headers=_auth(keys.all),
                      timeout=10).status_code == 200

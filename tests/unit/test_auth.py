@@ -30,7 +30,7 @@ from gateway.api_keys import (
     parse_key_file,
 )
 from gateway.auth_middleware import KeySource, bearer_key
-from gateway.rate_limit import REQUESTS, TOKENS, RateLimiter
+from gateway.rate_limit import LOCAL_DECISIONS, REQUESTS, TOKENS, RateLimiter
 from tests.stack import free_port
 
 REDIS_URL = os.environ.get("SHOAL_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -283,9 +283,11 @@ def test_without_redis_each_process_counts_alone_and_says_so_once(caplog):
         await limiter.close()
         return out
 
+    before = LOCAL_DECISIONS._value.get()
     with caplog.at_level(logging.WARNING, logger="gateway.rate_limit"):
         assert asyncio.run(run()) == [True, True, False, False]
     assert caplog.text.count("is not reachable") == 1
+    assert LOCAL_DECISIONS._value.get() == before + 4  # counted, for an alert
 
 
 def test_a_key_without_limits_never_touches_redis():
