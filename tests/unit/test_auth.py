@@ -387,3 +387,17 @@ def test_flower_gets_its_credentials_in_its_environment(tmp_path, monkeypatch):
     assert env["FLOWER_PORT"] == "5599" and "FLOWER_UNAUTHENTICATED_API" not in env
     given = Settings(flower_password="given", flower_user="ops")
     assert flower_env(given, "127.0.0.1", 1)["FLOWER_BASIC_AUTH"] == "ops:given"
+
+
+def test_flower_says_where_its_password_is_never_what_it_is(tmp_path, capsys):
+    settings = Settings(flower_password_file=tmp_path / "pw")
+    flower_env(settings, "127.0.0.1", 5555)
+    said = capsys.readouterr().err
+    assert str(tmp_path / "pw") in said and "generated" in said
+    assert (tmp_path / "pw").read_text().strip() not in said
+
+
+def test_the_worker_s_metrics_stay_on_loopback_unless_set(monkeypatch):
+    assert Settings().worker_metrics_host == "127.0.0.1"
+    monkeypatch.setenv("SHOAL_WORKER_METRICS_HOST", "0.0.0.0")
+    assert Settings().worker_metrics_host == "0.0.0.0"
