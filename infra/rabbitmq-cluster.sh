@@ -21,7 +21,9 @@
 # nodeN/{mnesia,log,rabbitmq.conf}, the shared Erlang cookie ($DIR/.erlang.cookie, the
 # nodes' and the CLI's HOME) and the enabled plugins (management). Environment overrides:
 # SHOAL_CLUSTER_DIR, SHOAL_CLUSTER_AMQP_BASE (5680), SHOAL_CLUSTER_DIST_BASE (25680),
-# SHOAL_CLUSTER_MGMT_BASE (15680), SHOAL_CLUSTER_TIMEOUT_S (120, per wait).
+# SHOAL_CLUSTER_MGMT_BASE (15680), SHOAL_CLUSTER_NAME (shoal: nodes shoal1..3@localhost),
+# SHOAL_CLUSTER_TIMEOUT_S (120, per wait). Two clusters at once need a different dir,
+# name and port bases each (tests/e2e/test_broker_failover.py runs one of its own).
 #
 # The system RabbitMQ (rabbit@localhost on 5672/15672/25672) is never touched: the nodes
 # get their own names, ports, data, config and env file (RABBITMQ_CONF_ENV_FILE, so
@@ -38,10 +40,11 @@ AMQP_BASE="${SHOAL_CLUSTER_AMQP_BASE:-5680}"
 DIST_BASE="${SHOAL_CLUSTER_DIST_BASE:-25680}"
 MGMT_BASE="${SHOAL_CLUSTER_MGMT_BASE:-15680}"
 TIMEOUT_S="${SHOAL_CLUSTER_TIMEOUT_S:-120}"
+NAME="${SHOAL_CLUSTER_NAME:-shoal}"
 NODES=(1 2 3)
 RMQ_BIN=/usr/lib/rabbitmq/bin
 
-node_name() { echo "shoal$1@localhost"; }
+node_name() { echo "$NAME$1@localhost"; }
 node_dir() { echo "$DIR/node$1"; }
 
 check_node() {
@@ -116,8 +119,10 @@ launch() {  # node: start its VM in the background (no wait)
     echo "port $((AMQP_BASE + n)) is taken by something else than node $n" >&2; exit 1; }
   # setsid: the node outlives this script and the shell that ran it.
   # In its own folder: a VM that dies writes erl_crash.dump there, not in the caller's cwd.
-  (cd "$d" && eval "env $(node_env "$n") ERL_CRASH_DUMP=$d/erl_crash.dump \
-    setsid $RMQ_BIN/rabbitmq-server" >"$d/log/startup.log" 2>&1 &)
+  # Every descriptor redirected: a caller reading this script's output (a test's
+  # subprocess pipe) must not wait for the node to exit.
+  (cd "$d" && eval "exec env $(node_env "$n") ERL_CRASH_DUMP=$d/erl_crash.dump \
+    setsid $RMQ_BIN/rabbitmq-server") </dev/null >"$d/log/startup.log" 2>&1 &
 }
 
 await_node() {  # node: until it has booted (or its VM died)
