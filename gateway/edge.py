@@ -159,9 +159,13 @@ class EdgeProtocol(HttpToolsProtocol):
             if end > room:
                 self._refuse("headers_too_large", answer=self._idle())
                 return
-            head, data = data[:end], data[end:]
             self._header_bytes += end
-            super().data_received(head)
+            if end == len(data):  # the usual read: headers and nothing after them
+                super().data_received(data)
+                data = b""
+            else:
+                head, data = data[:end], data[end:]
+                super().data_received(head)
             if self.transport.is_closing():
                 return
         if data:
