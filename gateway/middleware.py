@@ -9,6 +9,7 @@ A client that leaves while its body is being read is one log line and a metric.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -125,6 +126,15 @@ class RequestIdMiddleware:
         except Exception as exc:
             await self._unexpected(scope, exc, route, request_id, response_started,
                                    send_with_id)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still in flight when SHOAL_SHUTDOWN_GRACE_S ran out:
+            # an answer that says so, instead of uvicorn's plain-text 500 and a traceback.
+            if response_started:
+                raise
+            error = ShoalError(ErrorCode.SHUTTING_DOWN, "the gateway shut down before this "
+                               "request was answered (its grace ran out); retry it",
+                               retry_after=1)
+            await _answer(scope, error, send_with_id)
 
     async def _unexpected(self, scope, exc: Exception, route: str, request_id: str,
                           response_started: bool, send) -> None:
@@ -140,11 +150,15 @@ class RequestIdMiddleware:
             # Returning with it incomplete makes uvicorn close the connection, so the
             # client sees it cut short rather than a response that looks whole.
             return
-        headers = {}
-        if error.retry_after is not None:
-            headers["Retry-After"] = str(error.retry_after)
-        response = encode_response(Request(scope), error.body(), error.status, headers)
-        await response(scope, _no_receive, send)
+        await _answer(scope, error, send)
+
+
+async def _answer(scope, error: ShoalError, send) -> None:
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    response = encode_response(Request(scope), error.body(), error.status, headers)
+    await response(scope, _no_receive, send)
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -183,3 +183,29 @@ def _refused(port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
+
+
+def test_a_request_still_in_flight_when_the_grace_runs_out_gets_503(tmp_path: Path) -> None:
+    with private_stack(tmp_path, "grace", MINILM) as private:
+        url, stack = private.url, private.stack
+        gateway = stack.gateway("grace-gateway", private.port, [MINILM],
+                                SHOAL_QUEUE_PREFIX=private.prefix,
+                                SHOAL_GATEWAY_UNSERVED="wait", SHOAL_SHUTDOWN_GRACE_S="2")
+        _ready(url, stack)
+
+        async def cut_short() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60) as client:
+                call = asyncio.create_task(client.post(
+                    f"{url}/v1/encode/{MINILM}", json=ENCODE,
+                    headers={"x-timeout-ms": "60000"}))
+                await asyncio.to_thread(wait_for, lambda: queue_counts(private.queue)[0] >= 1,
+                                        30, "the request to be queued")
+                gateway.kill(signal.SIGTERM)  # no worker will ever answer it
+                return await call
+
+        response = asyncio.run(cut_short())
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "SHUTTING_DOWN"
+        assert response.headers["retry-after"] == "1"
+        gateway.proc.wait(30)
+        assert "Traceback" not in gateway.log()
