@@ -31,6 +31,7 @@ import base64
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import socket
@@ -299,7 +300,8 @@ def summarize(requests: list[Request], fault_at: float, window_s: float) -> dict
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
-    k = max(0, min(len(values) - 1, round(q / 100 * len(values) + 0.5) - 1))
+    # Nearest rank: the smallest value with at least q% of the values at or below it.
+    k = max(0, min(len(values) - 1, math.ceil(q / 100 * len(values)) - 1))
     return values[k]
 
 
