@@ -83,7 +83,7 @@ def fleet_is_up() -> bool:
 class Fleet:
     stack: Stack
     url: str
-    broker_url: str  # the one the driver reads queue counts with (the first of several)
+    broker_urls: list[str]  # SHOAL_BROKER_URL's, in order
     prefix: str
     queue: str
     gateway: Process
@@ -100,11 +100,12 @@ class Fleet:
         return next((h for h in self.workers if self.worker_name(h) == name), None)
 
     def consumers(self) -> int | None:
-        """Consumers of the model's queue; None when the broker does not answer."""
-        try:
-            return queue_counts(self.queue, self.broker_url)[1]
-        except Exception:
-            return None
+        """Consumers of the model's queue (asked of the first broker node that answers);
+        None when none does."""
+        for url in self.broker_urls:
+            with contextlib.suppress(Exception):
+                return queue_counts(self.queue, url)[1]
+        return None
 
     def cut(self, host: str) -> None:
         fleet("cut", host)
@@ -178,7 +179,7 @@ def fleet_stack(log_dir: Path, *, netns: bool, broker_url: str | None = None,
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if netns:
         env["SHOAL_REDIS_URL"] = FLEET_REDIS_URL
-    first_url = broker_url.split(";")[0].strip()
+    urls = [u.strip() for u in broker_url.split(";") if u.strip()]
     stack = Stack(env, log_dir, cwd=REPO_ROOT)
     fleet_obj: Fleet | None = None
     try:
@@ -193,7 +194,7 @@ def fleet_stack(log_dir: Path, *, netns: bool, broker_url: str | None = None,
                 SHOAL_BLOB_URL=str(log_dir / f"blobs-{host}"))
         url = f"http://{gateway_ip}:{port}"
         queue = queue_for(MODEL, Settings(queue_prefix=prefix)).name
-        fleet_obj = Fleet(stack, url, first_url, prefix, queue, gateway, workers, netns)
+        fleet_obj = Fleet(stack, url, urls, prefix, queue, gateway, workers, netns)
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 120, "the gateway",
                  interval=0.2, give_up=stack.exited)
         # The gateway declares the queue on the first request; the workers on start.
@@ -210,8 +211,9 @@ def fleet_stack(log_dir: Path, *, netns: bool, broker_url: str | None = None,
                 with contextlib.suppress(Exception):
                     fleet_obj.heal(host)
         stack.stop_all(timeout=20)
-        with contextlib.suppress(Exception):
-            delete_queues(prefix_queues(prefix, [MODEL]), first_url)
+        for broker in urls:  # on a cluster, any node that is up deletes them (each
+            with contextlib.suppress(Exception):  # failure is skipped)
+                delete_queues(prefix_queues(prefix, [MODEL]), broker)
         if brought_up and not keep_fleet:
             fleet("down")
 
