@@ -11,6 +11,12 @@ alone, where a protocol's cost is largest relative to the rest) and
 POST /v1/encode/MiniLM with one short text (a small request end to end). It
 prints the medians over rounds of requests/s and the gateway's CPU per request,
 and the edge/plain ratios.
+
+    .venv/bin/python -m bench.edge --protocol-only --rounds 15
+
+times the two protocols alone in this process (a small POST fed to each through a
+transport that discards what is written, the app a no-op answering 200): the
+protocol's own cost, without the noise of the network, the app and the broker.
 """
 
 from __future__ import annotations
@@ -69,6 +75,89 @@ async def _closed_loop(url: str, request: bytes, clients: int, duration: float,
     return done[0] / elapsed, cpu / max(done[0], 1) * 1e6
 
 
+class _NullTransport:
+    """Just enough of an asyncio transport for uvicorn's protocol."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self._closing = False
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+
+    def close(self) -> None:
+        self._closing = True
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 40000)}.get(
+            name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _ok(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _protocol_us(protocol_class: type, request: bytes, count: int) -> float:
+    """CPU µs per request of `count` requests fed one read each on one connection."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    config = Config(_ok, lifespan="off", log_level="warning")
+    config.load()
+    state = ServerState()
+    protocol = protocol_class(config=config, server_state=state, app_state={},
+                              _loop=asyncio.get_running_loop())
+    transport = _NullTransport()
+    protocol.connection_made(transport)
+    # CPU time, not wall time: on a shared machine other processes' turns would count.
+    started = time.process_time()
+    for _ in range(count):
+        protocol.data_received(request)
+        while state.tasks:
+            await asyncio.sleep(0)
+    elapsed = time.process_time() - started
+    if transport.writes < count:
+        raise RuntimeError(f"{transport.writes} responses for {count} requests")
+    protocol.connection_lost(None)
+    return elapsed / count * 1e6
+
+
+def protocol_only(rounds: int, count: int = 5000) -> None:
+    import uvloop
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from app.settings import get_settings
+    from gateway.edge import EdgeLimits, EdgeProtocol
+
+    EdgeProtocol.configure(EdgeLimits.from_settings(get_settings()))
+    request = _requests(DEFAULT_MODEL)["POST /v1/encode"]
+
+    async def alternate() -> dict[str, list[float]]:
+        runs: dict[str, list[float]] = {"plain": [], "edge": []}
+        for _ in range(rounds):
+            runs["plain"].append(await _protocol_us(HttpToolsProtocol, request, count))
+            runs["edge"].append(await _protocol_us(EdgeProtocol, request, count))
+        return runs
+
+    runs = uvloop.run(alternate())
+    print(f"{rounds} rounds x {count} requests (a {len(request)}-byte POST), CPU µs per request")
+    for name, stat in (("median", statistics.median), ("min", min)):
+        plain, edge = stat(runs["plain"]), stat(runs["edge"])
+        print(f"{name:6}: plain {plain:6.2f}  edge {edge:6.2f}  ratio {edge / plain:.3f}  "
+              f"(+{edge - plain:.2f} µs)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.edge", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per level")
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--protocol-only", action="store_true",
+                        help="time the two protocols alone, in this process")
     args = parser.parse_args(argv)
+    if args.protocol_only:
+        protocol_only(args.rounds)
+        return 0
 
     with bench_stack(args.model) as stack:
         port = free_port()

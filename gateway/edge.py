@@ -139,9 +139,22 @@ class EdgeProtocol(HttpToolsProtocol):
     # --- header bytes ---------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        # While in headers, feed the parser no further than their end ("\r\n\r\n"): a body
-        # or a pipelined request after it in the same read is counted afresh (a loop, not
-        # recursion: one read may hold thousands of small pipelined requests).
+        # A read over the header budget is fed no further than the end of the headers
+        # ("\r\n\r\n"): a body or pipelined requests after it are counted afresh (a loop,
+        # not recursion: one read may hold thousands of small pipelined requests).
+        if self._reading_headers and len(data) <= \
+                self._limits.max_header_bytes - self._header_bytes:
+            # The usual read: within the budget whatever it holds (a body or the start of
+            # a pipelined request after the headers counts against this request's budget,
+            # so a pipelined request may reach twice the limit: memory stays bounded).
+            self._header_bytes += len(data)
+            super().data_received(data)
+            if not self._reading_headers:  # a body still to come: time it
+                self._arm_timers()
+            elif self._started_message:  # headers still unfinished: time them
+                self._tail = (self._tail + data)[-3:]
+                self._arm_timers()
+            return
         while self._reading_headers and data:
             room = self._limits.max_header_bytes - self._header_bytes
             seen = self._tail + data
@@ -160,14 +173,12 @@ class EdgeProtocol(HttpToolsProtocol):
                 self._refuse("headers_too_large", answer=self._idle())
                 return
             self._header_bytes += end
-            if end == len(data):  # the usual read: headers and nothing after them
-                super().data_received(data)
-                data = b""
-            else:
-                head, data = data[:end], data[end:]
-                super().data_received(head)
+            head, data = data[:end], data[end:]
+            super().data_received(head)
             if self.transport.is_closing():
                 return
+            # Headers over (a message may have ended too), or a false end: start over.
+            self._tail = b""
         if data:
             super().data_received(data)
         self._arm_timers()
