@@ -181,6 +181,21 @@ def test_the_end_of_the_headers_split_across_reads_is_found(port: int) -> None:
         assert _read_response(sock)[0] == 200
 
 
+def test_a_large_body_after_headers_that_ended_across_reads_is_served(port: int) -> None:
+    body = b"x" * 100_000
+    head = b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\nX-Pad: %s\r\n\r\n" % (
+        len(body), b"a" * 1500)
+    with _connect(port) as sock:
+        sock.sendall(head[:-1])  # "...\r\n\r": the headers' end comes with the body
+        sock.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+        sock.settimeout(READ_TIMEOUT_S)
+        sock.sendall(head[-1:] + body)  # one write over the header budget
+        status, _, answer = _read_response(sock)
+        assert (status, answer) == (200, str(len(body)).encode())
+
+
 # --- read timeouts ---------------------------------------------------------------------------
 
 
