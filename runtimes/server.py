@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtimes.host import ModelHost
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens)
+    if args.spare:
+        _warm_cpu_ops()
     host.load(entries)
     for key in args.loras:
         model, _, lora = key.rpartition(":")
@@ -379,6 +381,21 @@ def _import_ahead(catalog: Catalog) -> None:
     thread = threading.Thread(target=run, name="spare-imports", daemon=True)
     thread.start()
     thread.join()
+
+
+def _warm_cpu_ops() -> None:
+    """A spare runs a few tiny CPU ops of the kinds encoders run: the first of each sets up
+    torch's thread pool and kernels (part of the ~0.2 s a fresh process's first batch
+    takes more than its second). On this, the main, thread: the pool's threads inherit
+    its normal priority. No device op: no CUDA context."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.randn(2, 8, 32)
+        y = torch.nn.functional.gelu(torch.nn.functional.linear(x, torch.randn(32, 32)))
+        y = torch.nn.functional.layer_norm(y, (32,))
+        torch.nn.functional.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None])
+        torch.softmax(y @ y.transpose(1, 2), dim=-1).sum()
 
 
 def _import_then_set(module: str, done: threading.Event) -> None:
