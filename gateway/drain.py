@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,10 @@ class Drain:
         """Put this in front of the SIGTERM handler uvicorn installed (it installs its own
         before the lifespan starts, and restores the one before it when it exits). False
         where there is none to put in front of (the app served by a test client)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False  # only the main thread may set a handler (a test's app thread)
         handler = signal.getsignal(signal.SIGTERM)
-        if not callable(handler) or handler in (signal.default_int_handler,):
+        if not callable(handler) or handler is signal.default_int_handler:
             return False
         self._uvicorn_handler = handler
         self._loop = asyncio.get_running_loop()
