@@ -47,12 +47,13 @@ class Replies:
         self.channel.queue_declare(queue=self.name)
         self.received: list[dict] = []
 
-    def publish(self, queue: str, text: str) -> str:
+    def publish(self, queue: str, *texts: str) -> str:
         task_id = str(uuid.uuid4())
         headers = {"task": "shoal.encode", "id": task_id, "shoal_model": FAULTY,
-                   "shoal_op": "encode", "shoal_items": 1, "shoal_cost": 8,
-                   "shoal_longest": 8}
-        body = msgpack.packb([[], {"model": FAULTY, "items": [{"text": text}]}, {}])
+                   "shoal_op": "encode", "shoal_items": len(texts),
+                   "shoal_cost": 8 * len(texts), "shoal_longest": 8}
+        body = msgpack.packb([[], {"model": FAULTY, "items": [{"text": t} for t in texts]},
+                              {}])
         Producer(self.channel).publish(
             body, routing_key=queue, exchange="", headers=headers, reply_to=self.name,
             correlation_id=task_id, content_type="application/x-msgpack",
@@ -203,3 +204,29 @@ def test_a_forced_end_loses_nothing(private, replies, end):
     assert all(n == 1 for n in counts.values()), counts
     assert all(r["status"] == "SUCCESS" for r in replies.received), replies.received
     assert b.metric("shoal_batch_requests_sum") == held + 1  # each run once more, no more
+
+
+def test_a_split_request_that_started_is_finished(private, replies):
+    """A request run in parts whose first part runs when SIGTERM comes gets all its parts
+    run and is answered; the requests held behind it go back."""
+    queue = private.queue
+    # A batch of at most 12 tokens: a request of 4 texts of 8 runs as 4 parts.
+    a = _worker(private, "split-a", SHOAL_FAULTY_SLOW_S="5", SHOAL_BATCH_MAX_TOKENS="12")
+    split = replies.publish(queue, f"{SLOW} first", "second", "third", "fourth")
+    wait_for(lambda: a.metric("shoal_split_requests_total") == 1
+             and a.metric("shoal_batch_requests_count") >= 1, 60, "its first part to run")
+    held = [replies.publish(queue, f"request {i}") for i in range(6)]
+    wait_for(lambda: a.metric("shoal_held_messages") == len(held)
+             and queue_counts(queue)[0] == 0, 60, "the worker to hold the others")
+
+    a.process.kill(signal.SIGTERM)
+    wait_for(lambda: queue_counts(queue)[0] == len(held), 10, "the others requeued",
+             give_up=lambda: None if a.process.alive() else "the worker exited first")
+    reply = wait_for(lambda: replies.of(split), 30, "the split request's reply")
+    assert reply["status"] == "SUCCESS", reply
+    assert reply["result"]["count"] == 4
+    assert reply["result"]["worker"].startswith("split-a-")
+    a.process.reap(30)
+    assert a.process.proc.returncode == 0, a.process.log()[-3000:]
+    assert replies.by_task() == Counter({split: 1})
+    assert queue_counts(queue) == (len(held), 0)
