@@ -263,6 +263,7 @@ class Dispatcher:
         self.draining = False
         self._drain_begun = False  # its hand-back is done: `on_drained` may be called
         self._drain_reported = False  # `on_drained` was called (or the drain was abandoned)
+        self._answering = False  # answering (a batch's results, refusals): not drained yet
         self.on_drained: Callable[[], None] = lambda: None
         self.drain_answered = 0  # requests answered while draining
         self.drain_handed_back = 0  # requests handed back when the drain began, or after
@@ -486,7 +487,17 @@ class Dispatcher:
                      self._feed() if self.continuous else None):
             if wake is not None:
                 actions.wake_in = wake if actions.wake_in is None else min(actions.wake_in, wake)
-        self._apply(actions)
+        if not self.draining:
+            self._apply(actions)
+            return
+        # Its refusals (deadlines passed) are answers too: the drain ends after them all.
+        answering, self._answering = self._answering, True
+        try:
+            self._apply(actions)
+        finally:
+            self._answering = answering
+        if not answering:
+            self.check_drained()
 
     def _expire_parked(self) -> float | None:
         """Answer the parked requests whose deadline passed (they wait for a LoRA outside
@@ -568,7 +579,11 @@ class Dispatcher:
             outcome = Outcome(held.task_id, error_code=ErrorCode.INTERNAL,
                               error_message=f"runtime failed: {exc!r}")
         if generation == self.generation:
-            self._answer(model, held, outcome)
+            answering, self._answering = self._answering, True
+            try:
+                self._answer(model, held, outcome)
+            finally:
+                self._answering = answering
         self._queue_tick()  # a slot is free: hand over the next
         self.check_drained()
 
@@ -872,6 +887,16 @@ class Dispatcher:
     def _on_batch_done(self, generation: int, future: Future) -> None:
         if future is not self.future:
             return
+        # Until its answers are all published, the drain is not over, whatever is seen
+        # meanwhile (confirms of the first answers read while the rest go out, a tick).
+        self._answering = True
+        try:
+            self._batch_done(generation, future)
+        finally:
+            self._answering = False
+        self.check_drained()
+
+    def _batch_done(self, generation: int, future: Future) -> None:
         self.future = None
         outcomes: list[Outcome] | None = None
         seconds: float | None = None
@@ -901,7 +926,6 @@ class Dispatcher:
                 self._answer(model, h, outcome)
             self.replier.end_batch()
         # else: the connection was lost meanwhile; the messages are redelivered.
-        self.check_drained()
 
     def _continue_splits(self, model: str, helds: list[Held], outcomes: list[Outcome]) -> None:
         """Keep each split request's part result and put its next part in the backlog
@@ -1031,7 +1055,8 @@ class Dispatcher:
     @property
     def drained(self) -> bool:
         """Draining, nothing runs, nothing is held, every publish is confirmed."""
-        return (self._drain_begun and self.future is None and self.unfinished == 0
+        return (self._drain_begun and not self._answering and self.future is None
+                and self.unfinished == 0
                 and not self.parked and not self.fetching
                 and not any(self.feeder.waiting.values())
                 and self.replier.unconfirmed == 0)

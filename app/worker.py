@@ -281,12 +281,13 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                     consumer.cancel()
                 except Exception:
                     log.warning("could not cancel a consumer while draining", exc_info=True)
+        running = dispatcher.scheduler.running
         log.warning("draining for shutdown: stopped consuming; handed back %d requests that "
-                    "had not started (%s); finishing %d running, %d results to confirm; "
-                    "grace %gs", sum(handed.values()),
+                    "had not started (%s); finishing %d running (a batch of %d), %d results "
+                    "to confirm; grace %gs", sum(handed.values()),
                     ", ".join(f"{m}: {n}" for m, n in handed.items()) or "none",
-                    dispatcher.unfinished, dispatcher.replier.unconfirmed,
-                    self.settings.shutdown_grace_s)
+                    dispatcher.unfinished, len(running.members) if running else 0,
+                    dispatcher.replier.unconfirmed, self.settings.shutdown_grace_s)
         dispatcher.check_drained()
 
     def _drained(self) -> None:

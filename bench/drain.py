@@ -154,13 +154,15 @@ def one_run(stack: Stack, run: int, queue: str, broker_url: str, b_port: int | N
             wait_for(lambda: metric(a_port, "shoal_worker_draining") == 1, 30, "A to drain")
             a_texts = metric(a_port, TEXTS_RUN)
             handed = metric(a_port, "shoal_shutdown_handed_back_total")
-            # Its answers count until its drain ends (then its metrics go with it).
+            # Its answers count until its drain ends (then its metrics go with it): read
+            # after the gauge says the drain ended, the count is final.
             while a.alive():
                 try:
+                    draining = metric(a_port, "shoal_worker_draining")
                     answered = metric(a_port, "shoal_shutdown_answered_total")
-                    if metric(a_port, "shoal_worker_draining") == 0:
-                        break
                 except Exception:
+                    break
+                if draining == 0:
                     break
                 time.sleep(0.01)
         a.reap(60)
