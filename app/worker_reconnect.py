@@ -12,17 +12,42 @@ most SHOAL_BROKER_RECONNECT_MAX_S of sleep. The connection's state goes to
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from celery.worker.consumer import Consumer
 
 from app.broker_metrics import worker_link
-from app.broker_urls import endpoint
+from app.broker_urls import endpoint, split_urls
 from app.settings import get_settings
 
 # The first sleep of a back-off, if the bound allows it: a node that restarts takes
 # seconds, so hammering it every few ms gains nothing.
 FIRST_INTERVAL_S = 0.25
+# At most one "Cannot connect" error this often during an outage.
+QUIET_LOG_S = 10.0
+
+log = logging.getLogger(__name__)
+
+
+def _quieted(errback: Any) -> Any:
+    """`errback` (Celery's logging of a failed connection attempt) called at most once
+    every QUIET_LOG_S; the attempts in between are logged at debug level."""
+    if errback is None:
+        return None
+    last = float("-inf")
+
+    def quiet(exc: Exception, interval: float) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= QUIET_LOG_S:
+            last = now
+            errback(exc, interval)
+        else:
+            log.debug("broker connection attempt failed: %r", exc)
+
+    return quiet
 
 
 def reconnect_intervals(bound_s: float) -> dict[str, float]:
@@ -48,16 +73,34 @@ class ReconnectingConsumer(Consumer):
         self._intervals = reconnect_intervals(get_settings().broker_reconnect_max_s)
 
     def ensure_connected(self, conn: Any) -> Any:
-        # Celery passes no intervals to ensure_connection, so its defaults would apply.
+        # Celery passes no intervals to ensure_connection, so its defaults would apply; and
+        # it logs an ERROR per failed attempt, every URL every round: quieted to one per
+        # QUIET_LOG_S (the outage shows in the metrics all along).
         ensure = conn.ensure_connection
-        conn.ensure_connection = lambda *a, **kw: ensure(*a, **{**kw, **self._intervals})
+
+        def bounded(errback: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return ensure(_quieted(errback), *args, **{**kwargs, **self._intervals})
+
+        conn.ensure_connection = bounded
         return super().ensure_connected(conn)
 
     def connection_for_read(self, heartbeat: Any = None) -> Any:
         # The consuming connection (events and control replies use others).
         conn = super().connection_for_read(heartbeat)
         self.link.connected(endpoint(conn.as_uri()))
+        self._prefer(endpoint(conn.as_uri()))
         return conn
+
+    def _prefer(self, live: str) -> None:
+        """Put the node just reached first in the app's URL list: the worker's other
+        connections (events, remote control, its publishers), opened next, go straight to
+        it instead of trying a node that is down first (a whole connect timeout for a
+        host that does not answer; on this machine a failed first try of the events
+        connection also left a dead reader in the event loop, and a second restart)."""
+        urls = split_urls(str(self.app.conf.broker_url))
+        first = next((i for i, url in enumerate(urls) if endpoint(url) == live), 0)
+        if first:
+            self.app.conf.broker_url = ";".join(urls[first:] + urls[:first])
 
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         self.link.lost(repr(exc))

@@ -128,3 +128,14 @@ def test_the_gateway_connection_goes_round_the_urls():
 
     assert asyncio.run(main()) == ["127.0.0.1:5681", "127.0.0.1:5682",
                                    "broker-3.example:5672", "127.0.0.1:5681"]
+
+
+def test_failed_attempts_are_logged_once_in_a_while_not_each_time():
+    from app.worker_reconnect import _quieted
+
+    logged: list[float] = []
+    quiet = _quieted(lambda exc, interval: logged.append(interval))
+    for i in range(30):
+        quiet(ConnectionRefusedError(), float(i))
+    assert logged == [0.0]  # the first, then nothing within QUIET_LOG_S
+    assert _quieted(None) is None
