@@ -196,5 +196,5 @@ case "$cmd" in
         host_ip "$host" >/dev/null; exec ip netns exec "$(ns "$host")" "$@" ;;
   broker-start) broker_start ;;
   broker-stop) broker_stop ;;
-  *) sed -n '2,22p' "$0" >&2; exit 2 ;;
+  *) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0" >&2; exit 2 ;;
 esac
