@@ -298,6 +298,14 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                     "confirmed, messages acked), %d handed back; exiting",
                     time.monotonic() - self.drain_started, dispatcher.drain_answered,
                     dispatcher.drain_handed_back)
+        # Flower's last task events of the drain: Celery flushes its buffer on the loop's
+        # next turn, which the shutdown does not take.
+        events = getattr(self.c, "event_dispatcher", None)
+        if events is not None:
+            try:
+                events.flush()
+            except Exception:
+                log.warning("could not flush the last task events", exc_info=True)
         self.graceful.finish()
 
     def _force_exit(self, why: str) -> None:
