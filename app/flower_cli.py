@@ -50,7 +50,8 @@ def flower_env(settings: Any, address: str, port: int) -> dict[str, str]:
         raise SystemExit("shoal flower: SHOAL_FLOWER_USER may not contain ':' nor "
                          "SHOAL_FLOWER_PASSWORD ','")
     env.update(FLOWER_BASIC_AUTH=f"{settings.flower_user}:{password}",
-               FLOWER_BROKER_API=settings.management_url,
+               # Flower takes one management API; SHOAL_MANAGEMENT_URL may list a cluster's.
+               FLOWER_BROKER_API=settings.management_url.split(";")[0].strip(),
                FLOWER_ADDRESS=address, FLOWER_PORT=str(port))
     # Basic auth covers the HTTP API as well; an unauthenticated API would be a way around.
     env.pop("FLOWER_UNAUTHENTICATED_API", None)
