@@ -660,6 +660,8 @@ class ProcessRuntime:
         with self._lock:
             if self._closed:
                 raise RuntimeClosed("the runtime is closed")
+            if self._child is not None:  # the other thread (batch or control) replaced it
+                return self._child
             spare, self._spare = self._spare, None
         if spare is not None and spare.proc.poll() is not None:
             log.warning("the spare runtime pid %d had died (%s); starting a fresh one; its "
@@ -672,6 +674,12 @@ class ProcessRuntime:
                 if spare is not None:
                     spare.stop(grace=1.0)
                 raise RuntimeClosed("the runtime is closed")
+            if self._child is not None:  # replaced meanwhile: the spare stays a spare
+                if spare is not None and self._spare is None:
+                    self._spare, spare = spare, None
+                if spare is not None:
+                    spare.stop(grace=1.0)
+                return self._child
             if self._started_once:
                 self.restarts += 1
             if spare is not None:
