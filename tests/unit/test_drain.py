@@ -1,0 +1,123 @@
+"""A worker's drain on SIGTERM: which signal does what, and how requests near the delivery
+limit are handed back (the whole drain runs end to end in tests/e2e/test_worker_shutdown.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery.worker import state as worker_state
+
+from app.dispatcher import Held, plan_returns
+from app.replies import Delivery
+from app.shutdown import GracefulShutdown
+from tasks.envelope import Annotations
+from tests.stack import wait_for
+
+
+class Message:
+    def __init__(self) -> None:
+        self.properties = {"reply_to": "gw-1"}
+        self.headers: dict[str, Any] = {}
+
+
+def test_a_message_that_must_keep_its_delivery_count_is_republished_whole():
+    fresh, worn = Delivery(Message()), Delivery(Message())
+    helds = [Held(d, t, Annotations("m", "encode", 1, 1, 1, None, None), b"body")
+             for d, t in ((fresh, "a"), (worn, "b"))]
+    whole, handed_on = plan_returns(helds, renew=lambda d: d is worn)
+    assert whole == [fresh]
+    assert handed_on == {("encode", "gw-1", False): [helds[1]]}
+
+
+class Hub:
+    """What GracefulShutdown uses of kombu's hub: callbacks are run by the test."""
+
+    def __init__(self) -> None:
+        self.soon: list[Callable[[], None]] = []
+        self.later: list[tuple[float, Callable[..., None], tuple]] = []
+        self.lock = threading.Lock()
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        with self.lock:
+            self.soon.append(callback)
+
+    def call_later(self, delay: float, callback: Callable[..., None], *args: Any) -> Any:
+        self.later.append((delay, callback, args))
+        return type("Timer", (), {"cancel": lambda self: None})()
+
+    def run_soon(self) -> None:
+        wait_for(lambda: self.soon, 5, "a callback on the loop")
+        with self.lock:
+            callbacks, self.soon = self.soon, []
+        for callback in callbacks:
+            callback()
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[int]]:
+    """Celery's handlers stand-in (records the signals it got); restored afterwards."""
+    got: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in saved:
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    yield got
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    worker_state.should_stop = worker_state.should_terminate = None
+
+
+@pytest.fixture
+def no_watchdog(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    armed: list[float] = []
+    monkeypatch.setattr(GracefulShutdown, "_watchdog", lambda self, s: armed.append(s))
+    return armed
+
+
+def _shutdown() -> tuple[GracefulShutdown, list[str]]:
+    calls: list[str] = []
+    graceful = GracefulShutdown(25.0, lambda: calls.append("drain"),
+                                lambda why: calls.append(f"force: {why}"))
+    return graceful, calls
+
+
+def test_the_first_sigterm_drains_the_second_forces(handlers, no_watchdog):
+    graceful, calls = _shutdown()
+    hub = Hub()
+    graceful.attach(hub)
+    os.kill(os.getpid(), signal.SIGTERM)
+    hub.run_soon()
+    assert calls == ["drain"] and graceful.draining
+    assert hub.later[0][0] == pytest.approx(25.0, abs=1.0)  # the grace
+    assert no_watchdog == [25.0 + 4.0]
+    assert handlers == []  # Celery's warm shutdown waits for the drain
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    hub.run_soon()
+    assert calls == ["drain", "force: a second signal (SIGTERM)"]
+    assert worker_state.should_terminate == 1  # Celery's cold shutdown
+    assert handlers == []
+
+
+def test_a_finished_drain_hands_over_to_celerys_warm_shutdown(handlers, no_watchdog):
+    graceful, calls = _shutdown()
+    hub = Hub()
+    graceful.attach(hub)
+    os.kill(os.getpid(), signal.SIGINT)
+    hub.run_soon()
+    graceful.finish()
+    assert handlers == [signal.SIGTERM]  # Celery's SIGTERM handler: warm, exit code 0
+    graceful.force("too late")
+    assert calls == ["drain"]
+
+
+def test_a_signal_while_nothing_is_consumed_goes_to_celery(handlers, no_watchdog):
+    graceful, calls = _shutdown()
+    graceful.attach(Hub())
+    graceful.detach()  # the connection was lost: nothing is held
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handlers == [signal.SIGTERM] and calls == [] and no_watchdog == []
