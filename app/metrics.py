@@ -33,6 +33,10 @@ DEAD_LETTERED = Counter("shoal_dead_lettered_total", "dead-lettered messages ans
 RESULTS = Counter("shoal_results_total", "requests answered", ["model", "outcome"])
 RUNTIME_RESTARTS = Gauge("shoal_runtime_restarts", "restarts of the model runtime process")
 POISON_ISOLATED = Gauge("shoal_poison_isolated", "requests isolated as poison by bisection")
+SPARE_PROMOTIONS = Gauge("shoal_runtime_spare_promotions",
+                         "runtime restarts that promoted the spare runtime (SHOAL_RUNTIME_SPARE)")
+START_FAILURES = Gauge("shoal_runtime_start_failures",
+                       "runtime restarts that failed to start and were retried")
 HELD = Gauge("shoal_held_messages", "unacked messages held by this worker", ["model"])
 PREFETCH = Gauge("shoal_prefetch", "current per-consumer prefetch", ["model"])
 

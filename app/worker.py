@@ -40,6 +40,8 @@ from app.metrics import (
     POISON_ISOLATED,
     RUNTIME_RESTARTS,
     SHUTDOWNS_FORCED,
+    SPARE_PROMOTIONS,
+    START_FAILURES,
     start_metrics_server,
 )
 from app.pool_states import PoolStates
@@ -165,6 +167,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             self.runtime = self._real_runtime(settings)
         RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
+        # Only the PyTorch runtime has a spare; SGLang's and the simulated one count none.
+        SPARE_PROMOTIONS.set_function(lambda: getattr(self.runtime, "spare_promotions", 0))
+        START_FAILURES.set_function(lambda: getattr(self.runtime, "start_failures", 0))
         self.pool = Pool(device_budget(settings, self.runtime.device_bytes))
         self.dispatcher: Dispatcher | None = None
         self.pool_states = PoolStates(settings.queue_prefix, settings.pool_state_interval_s)

@@ -34,6 +34,14 @@ class RuntimeRouter:
         return sum(r.poison_isolated for r in self.runtimes.values())
 
     @property
+    def spare_promotions(self) -> int:
+        return sum(getattr(r, "spare_promotions", 0) for r in self.runtimes.values())
+
+    @property
+    def start_failures(self) -> int:
+        return sum(getattr(r, "start_failures", 0) for r in self.runtimes.values())
+
+    @property
     def pid(self) -> int | None:
         return next((r.pid for r in self.runtimes.values() if r.pid is not None), None)
 

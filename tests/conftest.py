@@ -60,6 +60,10 @@ os.environ.update(
     PYTHONUNBUFFERED="1",
     SHOAL_ALLOW_TEST_ADAPTERS="1",
     SHOAL_WORKER_METRICS_PORT="0",
+    # A spare runtime costs each worker ~400 MB and ~7 s of CPU to import (again after every
+    # crash); the suite starts dozens of workers on 2 cores. tests/runtime/test_spare.py
+    # runs the spare itself; bench/crash_gap.py measures it end to end.
+    SHOAL_RUNTIME_SPARE="0",
     # Tests queue requests for models whose workers they start later (restarts, dead
     # letters, the full queue): a request for a model no worker consumes waits, as with
     # scale-to-zero. tests/e2e/test_gateway_models.py checks the default, refuse (503).
