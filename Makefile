@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services run test lint bench bench-peers clean sglang
+.PHONY: install services run test lint bench bench-peers clean sglang faults
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,16 @@ lint: install
 
 bench: install services
 	$(BIN)/python -m bench.e2e --start-stack
+
+# Fault drills under load (as root: network namespaces, a private RabbitMQ node, a private
+# 3-node cluster; ~25 min in all): lost, answered twice, p99 during the fault, recovery.
+# What they showed: docs/operations.md. tests/e2e/test_netns_faults.py runs the first, small.
+FAULTS_ARGS ?= --runs 3
+faults: install services
+	$(BIN)/python -m bench.faults --scenario worker-link-cut $(FAULTS_ARGS) --json bench/out/faults-link-cut.json
+	$(BIN)/python -m bench.faults --scenario worker-kill $(FAULTS_ARGS) --json bench/out/faults-kill.json
+	$(BIN)/python -m bench.faults --scenario broker-restart $(FAULTS_ARGS) --json bench/out/faults-broker-restart.json
+	$(BIN)/python -m bench.faults --scenario broker-node-stop $(FAULTS_ARGS) --json bench/out/faults-node-stop.json
 
 # shoal against a peer server (Infinity), same weights, texts and load: bench/peers.py.
 # Infinity lives in its own venv (its pins clash with shoal's transformers 5), torch first
