@@ -23,7 +23,14 @@ import pytest
 
 from app.settings import Settings
 from app.topology import queue_for
-from bench.broker_failover import Cluster, Load, references, stack_env, summarize
+from bench.broker_failover import (
+    Cluster,
+    Load,
+    references,
+    running_cluster,
+    stack_env,
+    summarize,
+)
 from tests.conftest import TINY_CLS
 from tests.stack import Process, Stack, free_port, http_status, metric_sum, wait_for
 
@@ -41,12 +48,8 @@ OUTAGE_S = 12.0
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if (why := Cluster.available()) is not None:
         pytest.skip(why)
-    cluster = Cluster(tmp_path_factory.mktemp("rmq-cluster"))
-    try:
-        cluster.start()
+    with running_cluster(tmp_path_factory.mktemp("rmq-cluster")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @dataclass
