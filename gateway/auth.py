@@ -55,6 +55,13 @@ def install_auth(app: Any, settings: Any) -> None:
     log.info("API keys: %d from %s", len(source.ring.keys), path)
 
 
+def models_visible(request: Request, models: list[str]) -> list[str]:
+    """`models` the caller's key may use (all of them when keys are off): what an error
+    may name without telling a restricted key about the rest of the fleet."""
+    key: ApiKey | None = request.scope.get("state", {}).get(STATE_KEY)
+    return models if key is None else [m for m in models if key.allows(m)]
+
+
 def check_model_allowed(request: Request, model: str) -> None:
     """403 if the caller's key may not use `model`; nothing when keys are off."""
     key: ApiKey | None = request.scope.get("state", {}).get(STATE_KEY)

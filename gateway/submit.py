@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.catalog import ModelEntry
-from gateway.auth import check_model_allowed
+from gateway.auth import check_model_allowed, models_visible
 from gateway.claims import check_out, submit_claimed
 from gateway.errors import ApiError, invalid
 from tasks.envelope import SUCCESS, task_part
@@ -57,7 +57,7 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
     check_model_allowed(request, model)  # 403 before anything says whether it exists
     entry = request.app.state.served.get(model)
     if entry is None:
-        served = sorted(request.app.state.served)
+        served = models_visible(request, sorted(request.app.state.served))
         why = ("is in the catalog but not among this gateway's SHOAL_GATEWAY_MODELS"
                if request.app.state.catalog.get(model) is not None else "is not served here")
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,

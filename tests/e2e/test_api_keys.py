@@ -31,13 +31,15 @@ class Keys:
     def __init__(self, url: str, path: Path) -> None:
         self.url = url
         self.path = path
-        self.all, self.tiny, self.limited, self.tokens = (new_key() for _ in range(4))
+        self.all, self.tiny, self.limited, self.tokens, self.tests = (new_key()
+                                                                      for _ in range(5))
 
     def entries(self) -> list[dict]:
         return [{"name": "all", "hash": hash_key(self.all)},
                 {"name": "tiny-only", "hash": hash_key(self.tiny), "models": [TINY_CLS]},
                 {"name": "limited", "hash": hash_key(self.limited), "requests_per_minute": 3},
-                {"name": "tokens", "hash": hash_key(self.tokens), "tokens_per_minute": 50}]
+                {"name": "tokens", "hash": hash_key(self.tokens), "tokens_per_minute": 50},
+                {"name": "tests", "hash": hash_key(self.tests), "models": ["test/*"]}]
 
     def write(self, extra: list[dict] = ()) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -116,6 +118,16 @@ def test_a_key_serves_the_models_it_may_use(keys):
                    timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["dims"] == 32
+
+
+def test_an_unknown_model_names_only_the_models_the_key_may_use(keys):
+    """A key allowed a glob asks for a model under it that is not served: the 404 lists the
+    served models the key may use, never the rest of the fleet's."""
+    r = httpx.post(f"{keys.url}/v1/encode/test/not-served", json=ENCODE,
+                   headers=_auth(keys.tests), timeout=30)
+    message = _error(r, 404, "MODEL_NOT_FOUND")
+    assert TINY_CLS in message
+    assert MINILM not in message
 
 
 @pytest.mark.parametrize(("path", "body", "params", "headers"), [
