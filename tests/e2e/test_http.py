@@ -94,6 +94,7 @@ def test_models_and_health(stack):
     models = httpx.get(f"{stack.url}/v1/models").json()["data"]
     by_id = {m["id"]: m for m in models}
     assert by_id[MINILM]["dims"] == 384 and by_id[MINILM]["tasks"] == ["encode"]
+    assert by_id[MINILM]["max_seq_length"] == 256  # its sentence_bert_config.json's
     assert httpx.get(f"{stack.url}/healthz").status_code == 200
     assert httpx.get(f"{stack.url}/readyz").status_code == 200
     metrics = httpx.get(f"{stack.url}/metrics").text
