@@ -6,8 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
+# Offline unless the caller says otherwise (HF_HUB_OFFLINE=0 make run: hub models download).
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install services run test lint bench bench-peers clean sglang faults

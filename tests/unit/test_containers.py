@@ -328,8 +328,14 @@ def test_images_copy_every_package_and_keep_the_makefile_environment(image):
     assert ".venv*" in ignored and not copied & set(ignored)
     # The Makefile's exports (offline Hugging Face, no tokenizer threads) hold in the image.
     env = docker_env(image)
-    for name, value in re.findall(r"^export (\w+) := (.*)$", makefile(), re.M):
-        assert env.get(name) == value.strip(), name
+    exports: dict[str, str] = {}
+    for name, value in re.findall(r"^export (\w+) [:?]= (.*)$", makefile(), re.M):
+        # `TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)`: a reference to an earlier export
+        ref = re.fullmatch(r"\$\((\w+)\)", value.strip())
+        exports[name] = exports[ref.group(1)] if ref else value.strip()
+    assert {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM"} <= set(exports)
+    for name, value in exports.items():
+        assert env.get(name) == value, name
 
 
 # --- processes: PID 1, signals, users, health ---
