@@ -63,6 +63,7 @@ def test_worker_restart_while_requests_are_queued_loses_nothing(stack, how):
             await asyncio.to_thread(wait_for, lambda: not first.alive(), 60,
                                     "the first worker to exit")
             state["done_at_kill"] = len(done)
+            state["exit_code"] = first.proc.returncode
             second = stack.stack.worker(f"restart-b-{how.name}", [RESTART])
             try:
                 return await asyncio.gather(*calls)
@@ -70,7 +71,12 @@ def test_worker_restart_while_requests_are_queued_loses_nothing(stack, how):
                 second.stop()
 
     results = asyncio.run(main())
-    assert state["done_at_kill"] < len(texts), "the worker finished before it was stopped"
+    if how == signal.SIGKILL:
+        assert state["done_at_kill"] < len(texts), "the worker finished before it was killed"
+    else:
+        # SIGTERM drains (app.shutdown): the first worker finishes what runs, which may be
+        # everything it had started, hands the rest back, and exits 0, not forced.
+        assert state["exit_code"] == 0, state
     assert sorted(done) == list(range(len(texts)))  # each answered exactly once
     for i, vectors in enumerate(results):
         assert vectors.shape == (3, 384)
