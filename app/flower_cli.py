@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from app.broker_urls import split_urls
+
 
 def flower_password(path: Path) -> tuple[str, bool]:
     """The password kept at `path`, made (and written 0600) if there is none yet; True
@@ -51,7 +53,7 @@ def flower_env(settings: Any, address: str, port: int) -> dict[str, str]:
                          "SHOAL_FLOWER_PASSWORD ','")
     env.update(FLOWER_BASIC_AUTH=f"{settings.flower_user}:{password}",
                # Flower takes one management API; SHOAL_MANAGEMENT_URL may list a cluster's.
-               FLOWER_BROKER_API=settings.management_url.split(";")[0].strip(),
+               FLOWER_BROKER_API=split_urls(settings.management_url)[0],
                FLOWER_ADDRESS=address, FLOWER_PORT=str(port))
     # Basic auth covers the HTTP API as well; an unauthenticated API would be a way around.
     env.pop("FLOWER_UNAUTHENTICATED_API", None)
