@@ -1,12 +1,8 @@
-"""Prometheus metrics of a worker (served by `start_metrics_server`)."""
+"""Prometheus metrics of a worker (served on its /metrics by `app.worker_health`)."""
 
 from __future__ import annotations
 
-import logging
-
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
-
-log = logging.getLogger(__name__)
+from prometheus_client import Counter, Gauge, Histogram
 
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -79,13 +75,3 @@ CLAIM_FETCH_SECONDS = Histogram("shoal_claim_fetch_seconds", "from a claim-check
 CLAIMS_DELETED = Counter("shoal_claims_deleted_total", "claimed blobs deleted once their "
                          "message was acked")
 
-
-def start_metrics_server(host: str, port: int) -> None:
-    """Serve /metrics on `port` (0 disables); a taken port only costs a warning."""
-    if port <= 0:
-        return
-    try:
-        start_http_server(port, addr=host)
-        log.info("worker metrics on http://%s:%d/metrics", host, port)
-    except OSError as exc:
-        log.warning("worker metrics not served: port %d: %s", port, exc)

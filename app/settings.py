@@ -239,7 +239,11 @@ class Settings(BaseSettings):
         description="where `shoal flower` keeps its generated password (mode 0600)")
     worker_metrics_host: str = Field(
         "127.0.0.1", description="worker: the address of its /metrics (loopback unless set)")
-    worker_metrics_port: int = Field(9540, ge=0, description="0 disables the worker's /metrics")
+    worker_metrics_port: int = Field(9540, ge=0, description="0 disables the worker's /metrics "
+                                     "and its probes (/healthz, /readyz)")
+    worker_stall_s: float = Field(
+        120.0, gt=0, description="worker: /healthz answers 503 (stalled) when its event loop, "
+        "consuming with the broker up, has not turned for longer than this")
 
     @field_validator("models", "pin", "gateway_models", mode="before")
     @classmethod

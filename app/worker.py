@@ -42,13 +42,13 @@ from app.metrics import (
     SHUTDOWNS_FORCED,
     SPARE_PROMOTIONS,
     START_FAILURES,
-    start_metrics_server,
 )
 from app.pool_states import PoolStates
 from app.queues import kombu_queues
 from app.settings import Settings, get_settings
 from app.shutdown import GracefulShutdown
 from app.topology import queue_for
+from app.worker_health import WorkerHealth, serve
 from batching.cost import CostModel
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
@@ -148,7 +148,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             delivery_limit=settings.queue_delivery_limit,
             max_prefetch=max(settings.prefetch, 1),
         )
-        start_metrics_server(settings.worker_metrics_host, settings.worker_metrics_port)
+        # /healthz, /readyz and /metrics, served from now on: while the models load too.
+        self.health = WorkerHealth(settings.worker_stall_s)
+        serve(settings.worker_metrics_host, settings.worker_metrics_port, self.health.app)
         # The event loop and the runtime thread hand every batch to each other; a thread
         # woken while the other holds the GIL waits up to the switch interval (5 ms by
         # default) for it. 0.5 ms took ~1 ms off a lone request, throughput unchanged
@@ -261,10 +263,12 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.state_timer = c.hub.call_repeatedly(self.settings.pool_state_interval_s,
                                                  self.pool_states.publish)
         self.graceful.attach(c.hub)
+        self.health.consuming(c.hub)
 
     # --- draining for a shutdown (on the loop; see app.shutdown) --------------------------
 
     def _begin_drain(self) -> None:
+        self.health.draining()
         c, dispatcher = self.c, self.dispatcher
         if dispatcher is None or c is None:
             self.graceful.finish()
@@ -327,6 +331,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             self.c.controller.exitcode = 1  # as a crash would say
 
     def stop(self, c: Any) -> None:
+        self.health.stopped()
         self.graceful.detach()
         if self.graceful.draining:
             # The connection was lost while draining: every held message is redelivered.

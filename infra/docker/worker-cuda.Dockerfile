@@ -58,7 +58,7 @@ ENV SHOAL_DEVICE=cuda \
 EXPOSE 9540
 
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/metrics' % os.environ.get('SHOAL_WORKER_METRICS_PORT', '9540'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('SHOAL_WORKER_METRICS_PORT', '9540'), timeout=4)"]
 
 # exec form: shoal is PID 1 and gets SIGTERM itself; it drains within SHOAL_SHUTDOWN_GRACE_S
 # (25 s): give it a stop timeout of at least that + 5 s.
