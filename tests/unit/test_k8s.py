@@ -248,8 +248,22 @@ def probe_target(deployment: dict[str, Any], probe: str) -> tuple[str, int]:
     return get["path"], ports.get(get["port"], get["port"])
 
 
+def worker_serves(path: str) -> bool:
+    from wsgiref.util import setup_testing_defaults
+
+    from app.worker_health import WorkerHealth
+
+    environ: dict[str, Any] = {"PATH_INFO": path}
+    setup_testing_defaults(environ)
+    status: list[str] = []
+    b"".join(WorkerHealth(120.0).app(environ, lambda s, headers: status.append(s)))
+    return not status[0].startswith("404")
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_workers_probe_their_own_health_and_have_time_to_drain(overlay: str) -> None:
+    assert worker_serves("/healthz") and worker_serves("/readyz") and worker_serves("/metrics")
+    assert not worker_serves("/nothing")
     for worker in workers(rendered(overlay)):
         env = env_values(worker)
         port = int(env["SHOAL_WORKER_METRICS_PORT"])
