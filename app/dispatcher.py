@@ -419,7 +419,7 @@ class Dispatcher:
         now = time.monotonic()
         self.feeder.add(model, Waiting(
             held, now, None if deadline is None else now + (deadline - now_ms()) / 1000,
-            deliveries))
+            deliveries, key=held.task_id))
         if self.placement.state(model) != RESIDENT:
             why = self.placement.ensure(model)
             if why is not None:
@@ -442,6 +442,7 @@ class Dispatcher:
             deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
             deliveries=deliveries,
             returnable=held.split is None,
+            key=held.task_id,
         ))
 
     def _split(self, held: Held) -> Split | None:

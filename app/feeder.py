@@ -29,6 +29,7 @@ class Waiting:
     received: float  # monotonic
     deadline: float | None  # monotonic
     deliveries: int  # times the broker delivered it (returns count too)
+    key: str | None = None  # its id: the in-flight requests are told apart by it
 
 
 def room(load: Load, in_flight: int) -> int:
@@ -50,12 +51,27 @@ class Feeder:
         self.waiting.setdefault(model, deque()).append(waiting)
 
     def take(self, model: str, load: Load) -> list[Waiting]:
-        """The requests to hand over now, oldest first."""
+        """The requests to hand over now, oldest first. One whose id is in flight, or
+        taken before it, waits: the runtime tells requests apart by id, and two may share
+        one (republished by a gateway after a reconnect)."""
         queue = self.waiting.get(model)
         if not queue:
             return []
-        n = min(len(queue), room(load, len(self.in_flight.get(model, ()))))
-        return [queue.popleft() for _ in range(n)]
+        n = room(load, len(self.in_flight.get(model, ())))
+        running = self.in_flight.get(model, {})
+        taken: list[Waiting] = []
+        ids: set[str] = set()
+        kept: deque[Waiting] = deque()
+        for w in queue:
+            if len(taken) < n and (w.key is None or (w.key not in running
+                                                     and w.key not in ids)):
+                taken.append(w)
+                if w.key is not None:
+                    ids.add(w.key)
+            else:
+                kept.append(w)
+        self.waiting[model] = kept
+        return taken
 
     def started(self, model: str, task_id: str, handle: Any) -> None:
         self.in_flight.setdefault(model, {})[task_id] = handle

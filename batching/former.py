@@ -12,6 +12,8 @@ Rules:
 - a batch never exceeds the token budget or the item cap, nor (given a cost
   model and a latency target) the predicted-latency target;
 - a request bigger than the whole budget still runs, alone;
+- two requests with the same `key` (id) never share a batch: the second waits for the
+  next one (the runtime answers a batch by id);
 - an idle runtime starts at once; waiting up to `max_delay_s` for a fuller
   batch happens only under load (the runtime was busy a moment ago).
 
@@ -50,9 +52,12 @@ class _Forming:
     items: int = 0
     longest: int = 0
     real: int = 0
+    keys: set = field(default_factory=set)
 
     def add(self, p: Pending) -> None:
         self.members.append(p)
+        if p.key is not None:
+            self.keys.add(p.key)
         self.items += p.items
         self.longest = max(self.longest, p.longest)
         self.real += p.cost
@@ -61,7 +66,10 @@ class _Forming:
         return self.items >= self.limits.max_items
 
     def fits(self, p: Pending) -> bool:
-        """Whether `p` can join without breaking the budget or the latency target."""
+        """Whether `p` can join without breaking the budget or the latency target, nor
+        bringing in a second request with one id."""
+        if p.key is not None and p.key in self.keys:
+            return False
         items = self.items + p.items
         longest = max(self.longest, p.longest)
         real = self.real + p.cost

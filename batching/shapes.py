@@ -24,6 +24,10 @@ class Pending:
     deadline: float | None = None  # seconds, same clock; None = none
     deliveries: int = 1  # 1 + RabbitMQ's x-delivery-count header
     returnable: bool = True  # False: the worker must run it (a part of a begun request)
+    # The request's id, if it has one. Two held requests may share one (a gateway that
+    # republished after a reconnect, a job part published again after a takeover); the
+    # runtime answers a batch by id, so two with one id never run in one batch.
+    key: Hashable | None = None
 
 
 @dataclass(frozen=True, slots=True)

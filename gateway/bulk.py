@@ -208,13 +208,16 @@ def item_records(op: str, result: dict[str, Any]) -> list[dict[str, Any]]:
     raise ValueError(f"no bulk output for {op}")
 
 
-def part_key(folder: str, index: int) -> str:
-    return f"{folder}/parts/{index:08d}"
+def part_key(folder: str, index: int, answer: str = "") -> str:
+    """Where a part's result is kept. `answer` tells apart the results of two copies of
+    one part (published again after a takeover): each writes its own file and the part's
+    meta names the one counted, so a late copy never rewrites a file being gathered."""
+    return f"{folder}/parts/{index:08d}{'.' + answer if answer else ''}"
 
 
 def gather(store: Any, folder: str, metas: list[dict[str, Any]]) -> tuple[str, str]:
-    """Join the part files (`metas`: each part's kind, items, dims, in order) into one
-    result file; (its key, its type). The part files are removed afterwards."""
+    """Join the part files (`metas`: each part's kind, items, dims and file, in order)
+    into one result file; (its key, its type). The part files are removed afterwards."""
     kinds = {m["kind"] for m in metas}
     kind = NPY if kinds == {NPY} else JSONL
     key = f"{folder}/result.{kind}"
@@ -226,7 +229,7 @@ def gather(store: Any, folder: str, metas: list[dict[str, Any]]) -> tuple[str, s
             npy.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False,
                                              "shape": (rows, metas[0]["dims"])})
         for index in range(len(metas)):
-            with store.open_read(part_key(folder, index)) as part:
+            with store.open_read(metas[index].get("file") or part_key(folder, index)) as part:
                 shutil.copyfileobj(part, out, COPY_CHUNK)
     store.delete([f"{folder}/parts"], recursive=True)
     return key, kind

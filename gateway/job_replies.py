@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -122,9 +123,13 @@ class JobReplies:
             return
         kind, data, items, dims = encode_part(job.operation, result)
         # Written before it is counted: a counted part always has its file (a crash in
-        # between leaves a file that the redelivered result overwrites).
-        await asyncio.to_thread(self.blobs().put, part_key(job.folder, index), data)
-        meta = msgpack.packb({"kind": kind, "items": items, "dims": dims}, use_bin_type=True)
+        # between leaves a file nobody counts, removed with the parts at the end). A file
+        # of its own: a second copy of the part, answered late, must not rewrite the one
+        # counted while the driver gathers it.
+        key = part_key(job.folder, index, uuid.uuid4().hex[:12])
+        await asyncio.to_thread(self.blobs().put, key, data)
+        meta = msgpack.packb({"kind": kind, "items": items, "dims": dims, "file": key},
+                             use_bin_type=True)
         await self.store.record(job.id, index, meta, items)
 
     async def _failed(self, job: Job, index: int, error: ShoalError) -> None:

@@ -47,8 +47,8 @@ class Replies:
         self.channel.queue_declare(queue=self.name)
         self.received: list[dict] = []
 
-    def publish(self, queue: str, *texts: str) -> str:
-        task_id = str(uuid.uuid4())
+    def publish(self, queue: str, *texts: str, task_id: str | None = None) -> str:
+        task_id = task_id or str(uuid.uuid4())
         headers = {"task": "shoal.encode", "id": task_id, "shoal_model": FAULTY,
                    "shoal_op": "encode", "shoal_items": len(texts),
                    "shoal_cost": 8 * len(texts), "shoal_longest": 8}

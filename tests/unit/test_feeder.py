@@ -61,3 +61,17 @@ def test_drop_and_clear():
     assert [w.handle for w in feeder.drop("m")] == ["a"]
     feeder.clear()
     assert feeder.counts() == {}
+
+
+def test_a_request_with_the_id_of_one_in_flight_waits_for_it():
+    feeder = Feeder(return_after_s=0.2, delivery_limit=20)
+    feeder.add("m", Waiting("first", 0.0, None, 1, key="t1"))
+    feeder.add("m", Waiting("copy", 0.1, None, 1, key="t1"))
+    feeder.add("m", Waiting("other", 0.2, None, 1, key="t2"))
+    load = Load(running=0, waiting=0, max_running=8)
+    assert [w.handle for w in feeder.take("m", load)] == ["first", "other"]
+    feeder.started("m", "t1", "first")
+    feeder.started("m", "t2", "other")
+    assert feeder.take("m", load) == []  # t1 still runs
+    feeder.done("m", "t1")
+    assert [w.handle for w in feeder.take("m", load)] == ["copy"]

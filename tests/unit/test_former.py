@@ -255,3 +255,17 @@ def test_every_batch_is_maximal_and_takes_due_requests_first(backlog, limit, mod
             assert not _fits([*batch, p], limit, model), "a request that fits was left out"
             if due:
                 assert not _fits([first, *due_before, p], limit, model), "a due request lost"
+
+
+def test_two_requests_with_one_id_never_share_a_batch():
+    # A gateway that republished after a reconnect, or a job part published again after a
+    # takeover, leaves two messages with one task id; the runtime answers a batch by id.
+    backlog = [Pending("first", "g", 1, 10, 10, 0.0, key="t1"),
+               Pending("copy", "g", 1, 10, 10, 1.0, key="t1"),
+               Pending("other", "g", 1, 10, 10, 2.0, key="t2"),
+               Pending("no-id", "g", 1, 10, 10, 3.0),
+               Pending("no-id-2", "g", 1, 10, 10, 4.0)]
+    limits = BatchLimits(max_tokens=1_000, max_items=10, max_wait_s=0.0)
+    assert [p.handle for p in take_batch(backlog, limits, now=10.0)] \
+        == ["first", "other", "no-id", "no-id-2"]
+    assert [p.handle for p in take_batch(backlog, limits, now=10.0)] == ["copy"]

@@ -136,6 +136,21 @@ def test_dense_parts_gather_into_one_npy_in_order(tmp_path):
     assert not store.exists("jobs/1-x/parts")
 
 
+def test_gather_reads_the_copy_counted_not_a_late_one(tmp_path):
+    # A part published twice (a takeover) is answered twice; each answer has its own file
+    # and the meta names the one counted, so the late copy cannot rewrite it midway.
+    store = BlobStore(str(tmp_path))
+    counted = np.ones((2, 4), dtype=np.float32)
+    late = np.full((3, 4), 7, dtype=np.float32)  # not even the same size
+    store.put(part_key("jobs/1-z", 0, "a1"), counted.tobytes())
+    store.put(part_key("jobs/1-z", 0, "b2"), late.tobytes())
+    assert part_key("jobs/1-z", 0, "a1") != part_key("jobs/1-z", 0, "b2")
+    metas = [{"kind": NPY, "items": 2, "dims": 4, "file": part_key("jobs/1-z", 0, "a1")}]
+    key, _ = gather(store, "jobs/1-z", metas)
+    np.testing.assert_array_equal(np.load(io.BytesIO(store.get(key))), counted)
+    assert not store.exists("jobs/1-z/parts")
+
+
 def test_other_results_gather_into_jsonl_one_line_per_item(tmp_path):
     store = BlobStore(str(tmp_path))
     results = [{"scores": [0.5, 0.25]}, {"scores": [0.125]}]
