@@ -85,7 +85,12 @@ from app.settings import Settings
 from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
 from gateway.failover import FailoverConnection, connect_failover
-from gateway.metrics import DUPLICATE_REPLIES, POOL_STATES, REQUESTS_PER_MESSAGE
+from gateway.metrics import (
+    DUPLICATE_REPLIES,
+    OLDEST_WAITING,
+    POOL_STATES,
+    REQUESTS_PER_MESSAGE,
+)
 from gateway.pool import PoolView
 from tasks.envelope import (
     CONTENT_ENCODING,
@@ -115,6 +120,8 @@ CONTROL_EXCHANGE = "celery.pidbox"
 CONTROL_EXPIRES_S = 10.0
 # How often a stream that waits for its next chunk checks that its worker is still there.
 STREAM_LIVENESS_S = 1.0
+# How often shoal_gateway_oldest_waiting_seconds is brought up to date.
+AGE_REPORT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -163,6 +170,9 @@ class Broker:
         # the connection dropped (published again once it is back; see the module's doc).
         self._awaited: dict[str, _Awaited] = {}
         self._orphaned: set[str] = set()
+        # Requests with nothing answered yet: task id -> (model, loop time it came in).
+        self._unanswered: dict[str, tuple[str, float]] = {}
+        self._age_reporter: asyncio.Task | None = None
         self._link_up = False
         self._exchange: aio_pika.abc.AbstractExchange | None = None
         self._dead_exchange: aio_pika.abc.AbstractExchange | None = None
@@ -187,7 +197,24 @@ class Broker:
 
     def start(self) -> None:
         """Connect in the background, retrying until the broker answers."""
-        self._task = asyncio.get_running_loop().create_task(self._connect_forever())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._connect_forever())
+        self._age_reporter = loop.create_task(self._report_oldest_waiting())
+
+    def oldest_waiting(self, now: float) -> dict[str, float]:
+        """Per model, seconds since the oldest request with nothing answered came in."""
+        oldest: dict[str, float] = {}
+        for model, since in self._unanswered.values():
+            oldest[model] = max(oldest.get(model, 0.0), now - since)
+        return oldest
+
+    async def _report_oldest_waiting(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            ages = self.oldest_waiting(loop.time())
+            for model in {*self.models, *ages}:
+                OLDEST_WAITING.labels(model).set(round(ages.get(model, 0.0), 3))
+            await asyncio.sleep(AGE_REPORT_S)
 
     async def _connect_forever(self) -> None:
         delay = 0.2
@@ -304,8 +331,9 @@ class Broker:
             POOL_STATES.labels("kept").inc()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._age_reporter):
+            if task is not None:
+                task.cancel()
         self._link_up = False  # closing is no outage
         if self._connection is not None:
             await self._connection.close()
@@ -322,6 +350,7 @@ class Broker:
             task_id = result.get("task_id") or message.correlation_id or ""
             stream = self.streams.get(task_id)
             if result.get("status") == PROGRESS:
+                self._unanswered.pop(task_id, None)  # its stream has begun
                 if stream is not None:
                     stream.put_nowait(result)
                 continue  # a stream nobody reads any more
@@ -345,6 +374,7 @@ class Broker:
         future = loop.create_future()
         task_id = part.task_id
         self.pending[task_id] = future
+        self._unanswered[task_id] = (model, loop.time())
         try:
             async with asyncio.timeout(timeout_s):
                 await self._send(model, part, timeout_s)
@@ -355,6 +385,7 @@ class Broker:
         finally:
             self.pending.pop(task_id, None)
             self._awaited.pop(task_id, None)
+            self._unanswered.pop(task_id, None)
 
     async def stream(self, model: str, part: Part, timeout_s: float) -> AsyncIterator[dict]:
         """Publish a streamed request; yield its PROGRESS states and then its result (the
@@ -370,6 +401,7 @@ class Broker:
         loop = asyncio.get_running_loop()
         task_id = part.task_id
         self.streams[task_id] = queue = asyncio.Queue()
+        self._unanswered[task_id] = (model, loop.time())
         deadline = loop.time() + timeout_s
         finished = False
         try:
@@ -401,6 +433,7 @@ class Broker:
         finally:
             self.streams.pop(task_id, None)
             self._awaited.pop(task_id, None)
+            self._unanswered.pop(task_id, None)
             if not finished:
                 # Not awaited: a cancelled generator must not block; best effort.
                 task = loop.create_task(self.cancel([task_id]))

@@ -17,6 +17,7 @@ from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -36,6 +37,14 @@ EDGE_REFUSALS = Counter(
     "shoal_gateway_edge_refusals_total", "connections the HTTP edge ended before the app saw "
     "a request: headers_too_large (431), header_timeout, body_timeout (408), "
     "connection_cap (503 at accept)", ["reason"],
+)
+# Quorum queues report no head message's age; the gateway knows when each request it awaits
+# came in. The oldest per model is what an operator means by "how long has the oldest
+# message waited", and unlike the queue wait of messages taken it grows while nothing is.
+OLDEST_WAITING = Gauge(
+    "shoal_gateway_oldest_waiting_seconds", "age of the oldest request this gateway awaits "
+    "with nothing answered yet (queued, or held by a worker and not started streaming), by "
+    "model; 0 when none", ["model"], multiprocess_mode="livemax",
 )
 DUPLICATE_REPLIES = Counter(
     "shoal_gateway_duplicate_replies_total",

@@ -147,8 +147,13 @@ def test_unserved_wait_queues_and_refuse_sees_a_consumer_without_pool_states(tmp
         url, prefix, stack = private.url, private.prefix, private.stack
         stack.gateway("wait-gateway", private.port, [MINILM, TINY_CLS],
                       SHOAL_QUEUE_PREFIX=prefix, SHOAL_GATEWAY_UNSERVED="wait")
+        def oldest() -> float:
+            return metric_sum(f"{url}/metrics",
+                              f'shoal_gateway_oldest_waiting_seconds{{model="{MINILM}"}}')
+
         try:
             _ready(url, stack)
+            assert oldest() == 0
 
             async def wait_then_answered() -> httpx.Response:
                 async with httpx.AsyncClient(timeout=120) as client:
@@ -159,12 +164,16 @@ def test_unserved_wait_queues_and_refuse_sees_a_consumer_without_pool_states(tmp
                     await asyncio.to_thread(wait_for, lambda: queue_counts(private.queue)[0]
                                             == 1, 10, "the request to be queued")
                     assert not call.done()
+                    # ...and the gateway says how long the oldest one has waited.
+                    await asyncio.to_thread(wait_for, lambda: oldest() >= 1.5, 10,
+                                            "the oldest waiting age to grow")
                     # ...until a worker starts and answers it.
                     stack.worker("unserved-sim", [MINILM], SHOAL_QUEUE_PREFIX=prefix, **SIM)
                     return await call
 
             r = asyncio.run(wait_then_answered())
             assert r.status_code == 200, r.text
+            wait_for(lambda: oldest() == 0, 10, "the age to fall back to 0 once answered")
 
             # A refusing gateway started now serves MiniLM from its first request, whether
             # or not it has heard the worker's pool state yet (the consumer count covers
