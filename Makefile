@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services run test lint bench bench-peers clean sglang faults
+.PHONY: install services run test lint bench bench-peers clean sglang faults gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ lint: install
 
 bench: install services
 	$(BIN)/python -m bench.e2e --start-stack
+
+# The PyTorch runtime on a CUDA device (bench/gpu_check.py, under 8 minutes): MiniLM and
+# bge-small/-base shapes in fp32 and bf16, in process and through the runtime process;
+# without a GPU it says so and exits 0. A GPU machine needs a CUDA build of torch:
+#   TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130" make gpu-check
+GPU_CHECK_ARGS ?= --json bench/out/gpu-check.json
+gpu-check: install
+	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 # Fault drills under load (as root: network namespaces, a private RabbitMQ node, a private
 # 3-node cluster; ~25 min in all): lost, answered twice, p99 during the fault, recovery.

@@ -30,6 +30,7 @@ from app.settings import PACKAGED_CATALOG_DIR
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.cost import DEFAULT_IMAGE_TOKENS, DEFAULT_MAX_TOKENS, Estimate, estimate_request
 from tasks.errors import ErrorCode, ShoalError
+from tasks.precision import CPU_PRECISIONS, Precision
 from tasks.schema import (
     GenerateOptions,
     ParsedRequest,
@@ -100,6 +101,9 @@ class BatchProfile(BaseModel):
     load_ms: float = Field(1000.0, ge=0, description="how long a load takes")
     footprint_bytes: int | None = Field(
         None, ge=1, description="sim: device bytes the loaded model takes (default: 100 MB)")
+    precision: Precision | None = Field(
+        None, description="the forward pass's number format (default: bf16 on a CUDA device "
+        "that supports it, else fp16 on CUDA, fp32 on CPU); fp16 is refused on cpu")
 
 
 class Prompts(BaseModel):
@@ -180,6 +184,12 @@ class ModelEntry(BaseModel):
             raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on sglang; the "
                              f"adapters that can: {sorted(SGLANG_ADAPTERS)} (or say runtime: "
                              "pytorch)")
+        cpu = self.profiles.get("cpu")
+        if cpu is not None and cpu.precision is not None and \
+                cpu.precision not in CPU_PRECISIONS:
+            raise ValueError(f"profiles.cpu.precision: {cpu.precision} is not served on a CPU "
+                             "(PyTorch's fp16 CPU kernels are slow or missing); use one of "
+                             f"{list(CPU_PRECISIONS)}")
         if self.loras and self.adapter not in LORA_ADAPTERS:
             raise ValueError(f"loras: adapter {self.adapter!r} does not serve LoRA adapters; "
                              f"those that do: {sorted(LORA_ADAPTERS)}")

@@ -112,7 +112,7 @@ from tasks.envelope import (
 from tasks.errors import ErrorCode, ShoalError
 from tasks.names import ENCODE
 from tasks.pool_state import COLD, LOADING, RESIDENT
-from tasks.served import read_served, stamp_delivery, stamp_parts
+from tasks.served import batch_device_ms, read_served, stamp_delivery, stamp_parts
 from tasks.split import SPLITTABLE, merge_results, split_kwargs
 
 log = logging.getLogger(__name__)
@@ -913,8 +913,12 @@ class Dispatcher:
             log.exception("batch of %d failed", len(held), exc_info=failure)
             outcomes = [Outcome(h.task_id, error_code=ErrorCode.INTERNAL,
                                 error_message=f"runtime failed: {failure!r}") for h in held]
-        elif seconds is not None:
-            metrics.BATCH_SECONDS.labels(model).observe(seconds)
+        else:
+            if seconds is not None:
+                metrics.BATCH_SECONDS.labels(model).observe(seconds)
+            busy_ms = batch_device_ms(o.result for o in outcomes)
+            if busy_ms is not None:
+                metrics.DEVICE_BUSY.labels(model).inc(busy_ms / 1000)
         self._continue_splits(model, held, outcomes)
         self.placement.kick()  # a queued load may fit now that this batch is done
         # Start the next batch before answering this one: the runtime computes

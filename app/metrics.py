@@ -17,6 +17,10 @@ BATCH_FILL = Histogram("shoal_batch_fill_ratio", "batch tokens / token budget", 
                        buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
 BATCH_SECONDS = Histogram("shoal_batch_seconds", "wall time of a batch in the runtime",
                           ["model"], buckets=_SECONDS)
+# Busy time of the device in the batches' forward passes (CUDA events on a GPU, the
+# forward's wall time on CPU): rate() of it is the fraction of time the device works.
+DEVICE_BUSY = Counter("shoal_device_busy_seconds_total",
+                      "device time spent in forward passes", ["model"])
 QUEUE_WAIT = Histogram("shoal_queue_wait_seconds", "from publish to batch start", ["model"],
                        buckets=_SECONDS)
 SPLIT = Counter("shoal_split_requests_total",

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tasks.precision import Precision
+
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _APP_DIR = Path(__file__).resolve().parent
 # The source checkout; only tests and benchmarks use it: an installed shoal has none.
@@ -144,6 +146,10 @@ class Settings(BaseSettings):
         "(one forward pass); false: a batch per adapter")
     torch_threads: int = Field(0, ge=0, description="0 = torch's default")
     device: str = "cpu"
+    precision: Precision | None = Field(
+        None, description="worker: every model's forward pass in this format (default: the "
+        "catalog profile's precision, else bf16 on a CUDA device that has it, fp16 on other "
+        "CUDA devices, fp32 on CPU)")
     runtime: Literal["pytorch", "sglang", "sim"] = Field(
         "pytorch", description="sglang: generate (causal-lm) and dense encode models run on "
         "SGLang servers (`make sglang`; a catalog entry's `runtime: sglang` does the same for "

@@ -197,6 +197,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                 start_timeout=settings.runtime_start_timeout_s,
                 batch_timeout=settings.runtime_batch_timeout_s,
                 spare=settings.runtime_spare,
+                precision=settings.precision,
             )
         if "sglang" in on.values():
             from runtimes.sglang import SGLangRuntime

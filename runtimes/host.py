@@ -26,7 +26,9 @@ from app.catalog import ModelEntry
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.pool import keys_of, lora_key
+from runtimes.precision import resolve_precision
 from runtimes.pytorch.adapter import Adapter
+from runtimes.pytorch.device_time import device_clock
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
 from tasks.served import stamp_batch
@@ -47,9 +49,12 @@ class ModelHost:
     loads beside serving); the caller never unloads a model while a batch of it runs.
     """
 
-    def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384) -> None:
+    def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384,
+                 precision: str | None = None) -> None:
         self.device = device
         self.chunk_tokens = chunk_tokens
+        self.precision = precision  # for every model; None: each entry's (runtimes.precision)
+        self.clock = device_clock(device)
         if threads > 0:
             torch.set_num_threads(threads)
         self._models: dict[str, Adapter] = {}
@@ -69,17 +74,18 @@ class ModelHost:
                 return self.footprints[entry.id]
             started = time.perf_counter()
             allocated = self._allocated()
+            precision = resolve_precision(entry, self.device, self.precision)
             adapter = adapter_class(entry)(
                 entry, resolve_source(entry.source), device=self.device,
-                chunk_tokens=self.chunk_tokens,
+                chunk_tokens=self.chunk_tokens, precision=precision,
             )
             # The tensors it holds; on CUDA the allocator also counts what loading left
             # behind (rounding, workspaces), unless a concurrent batch blurs the delta.
             measured = max(tensor_bytes(adapter), self._allocated() - allocated)
             self._models[entry.id] = adapter
             self.footprints[entry.id] = measured
-            log.info("loaded %s (%s, %.1f MiB) in %.1fs", entry.id, entry.adapter,
-                     measured / 2**20, time.perf_counter() - started)
+            log.info("loaded %s (%s, %s, %.1f MiB) in %.1fs", entry.id, entry.adapter,
+                     precision, measured / 2**20, time.perf_counter() - started)
             return measured
 
     def unload(self, model_id: str) -> None:
@@ -164,12 +170,14 @@ class ModelHost:
                                           lambda r: adapter.prepare(r.kwargs))
         if runnable:
             started = time.perf_counter()
+            self.clock.take()  # what ran before this batch (a load, a probe) is not its
             prepared = [p for _, p in runnable]
             stream = self._stream([r for r, _ in runnable], on_deltas) \
                 if getattr(adapter, "streams", False) and on_deltas is not None else None
             results = adapter.run(prepared, stream) if stream is not None \
                 else adapter.run(prepared)
-            stamp_batch(results, model_id, (r.kwargs for r, _ in runnable), started)
+            stamp_batch(results, model_id, (r.kwargs for r, _ in runnable), started,
+                        device_s=self.clock.take())
             for (request, _), result in zip(runnable, results, strict=True):
                 outcomes[request.id] = Outcome(request.id, result=result)
         return [outcomes[r.id] for r in requests]

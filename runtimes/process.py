@@ -273,6 +273,7 @@ class ProcessRuntime:
         env: Mapping[str, str] | None = None,
         batch_timeout: float | None = None,
         spare: bool = False,
+        precision: str | None = None,
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.device_bytes: int | None = None  # the device's memory, from the child
@@ -291,6 +292,7 @@ class ProcessRuntime:
             "--catalog-dir", str(catalog_dir), "--device", device,
             "--threads", str(threads), "--chunk-tokens", str(chunk_tokens),
             "--parent-pid", str(os.getpid()),
+            *(["--precision", precision] if precision else []),
         ]
         # OpenMP threads that spin between ops steal the cores the worker,
         # gateway and broker need on a CPU host: measured on 2 cores, passive

@@ -1,7 +1,8 @@
 """The model runtime process: loads models, then serves batches over a Unix socket.
 
     python -m runtimes.server --socket PATH --catalog-dir DIR [--model ID ...]
-        [--device cpu] [--threads N] [--chunk-tokens N] [--parent-pid PID] [--spare]
+        [--device cpu] [--threads N] [--chunk-tokens N] [--precision fp32|fp16|bf16]
+        [--parent-pid PID] [--spare]
 
 Started by `runtimes.process.ProcessRuntime`, never forked from the worker
 (CUDA cannot be initialised again in a forked child). The socket appears only
@@ -97,6 +98,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--chunk-tokens", type=int, default=16_384)
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
+                        help="every model's forward in this format (default: each entry's "
+                             "profile, else the device's: runtimes.precision)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent")
     parser.add_argument("--spare", action="store_true",
@@ -324,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         _import_ahead(catalog)
     from runtimes.host import ModelHost
 
-    host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens)
+    host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens,
+                     precision=args.precision)
     if args.spare:
         _warm_cpu_ops()
     host.load(entries)

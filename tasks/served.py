@@ -31,6 +31,9 @@ class BatchStats(TypedDict):
     requests: int
     items: int
     inference_ms: float
+    # The device's busy time in the batch's forward passes (CUDA events on a GPU, the
+    # forward's wall time on CPU); absent where the runtime cannot tell (SGLang).
+    device_ms: NotRequired[float]
     parts: NotRequired[int]  # a request run in parts: how many (their summed inference_ms)
 
 
@@ -52,10 +55,12 @@ class Served:
 
 def stamp_batch(results: Iterable[dict[str, Any]], model: str,
                 kwargs: Iterable[Mapping[str, Any]], started: float,
-                simulated: Mapping[str, Any] | None = None) -> None:
+                simulated: Mapping[str, Any] | None = None,
+                device_s: float | None = None) -> None:
     """Mark the results of one batch with the model and the batch they ran in.
 
-    `kwargs` are the batch's requests, `started` its `time.perf_counter()` start.
+    `kwargs` are the batch's requests, `started` its `time.perf_counter()` start,
+    `device_s` the device's busy time in it.
     """
     requests = list(kwargs)
     batch = BatchStats(
@@ -63,11 +68,23 @@ def stamp_batch(results: Iterable[dict[str, Any]], model: str,
         items=sum(len(k.get("items") or ()) for k in requests),
         inference_ms=(time.perf_counter() - started) * 1000,
     )
+    if device_s is not None:
+        batch["device_ms"] = device_s * 1000
     for result in results:
         result[MODEL] = model
         result[BATCH] = batch
         if simulated is not None:
             result[SIMULATED] = dict(simulated)
+
+
+def batch_device_ms(results: Iterable[Mapping[str, Any] | None]) -> float | None:
+    """The device's busy time in one batch, from its results (each carries it; None for a
+    failed request). None when none says: all failed, or the runtime cannot tell."""
+    for result in results:
+        batch = read_served(result).batch if result is not None else None
+        if batch and "device_ms" in batch:
+            return float(batch["device_ms"])
+    return None
 
 
 def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str) -> None:

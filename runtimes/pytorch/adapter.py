@@ -18,6 +18,7 @@ from io import BytesIO
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from app.catalog import ModelEntry
+from runtimes.precision import torch_dtype
 from tasks.adapters import GENERATE, SCORE, TEXT
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest
@@ -33,12 +34,15 @@ class Adapter(ABC):
     loras: LoraSet | None = None
 
     def __init__(self, entry: ModelEntry, ref: str, *, device: str = "cpu",
-                 chunk_tokens: int = 16_384) -> None:
-        """`ref` is the model's local directory (`runtimes.sources.resolve_source`)."""
+                 chunk_tokens: int = 16_384, precision: str = "fp32") -> None:
+        """`ref` is the model's local directory (`runtimes.sources.resolve_source`);
+        `precision` the forward pass's number format (`runtimes.precision`)."""
         self.entry = entry
         self.contract = entry.contract
         self.device = device
         self.chunk_tokens = chunk_tokens
+        self.precision = precision
+        self.dtype = torch_dtype(precision)
 
     @property
     def operation(self) -> str:

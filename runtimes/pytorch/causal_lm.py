@@ -128,7 +128,8 @@ class CausalLMAdapter(Adapter):
 
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
-        self.tokenizer, self.model, _ = load_model(AutoModelForCausalLM, ref, self.device)
+        self.tokenizer, self.model, _ = load_model(AutoModelForCausalLM, ref, self.device,
+                                              self.dtype)
         self.loras = LoraSet(self.model, entry.id)
         self.context = max_length(self.tokenizer, self.model.config, entry.max_seq_length)
         self.eos_ids = _eos_ids(self.model.generation_config.eos_token_id,

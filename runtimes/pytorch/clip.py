@@ -123,7 +123,7 @@ class ClipAdapter(Adapter):
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
         # No pad id kept: texts are padded by the tokenizer itself (SigLIP to full length).
-        self.tokenizer, self.model, _ = load_model(AutoModel, ref, self.device)
+        self.tokenizer, self.model, _ = load_model(AutoModel, ref, self.device, self.dtype)
         self.processor = AutoImageProcessor.from_pretrained(ref, local_files_only=True,
                                                             **_pil_processor_kwargs())
         config = self.model.config

@@ -47,9 +47,10 @@ class DenseEncoder:
         normalize: bool | None = None,
         max_seq_length: int | None = None,
         chunk_tokens: int = 16_384,
+        dtype: torch.dtype | None = None,
     ) -> None:
         st = read_st_config(Path(model_ref))
-        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, device)
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, device, dtype)
         self.device = device
         self.pooling = pooling or st.pooling or "mean"
         self.normalize = st.normalize if normalize is None else normalize
@@ -117,7 +118,7 @@ class DenseAdapter(Adapter):
         self.encoder = self.encoder_class(
             ref, device=self.device, pooling=entry.pooling,
             normalize=entry.normalize, max_seq_length=entry.max_seq_length,
-            chunk_tokens=self.chunk_tokens,
+            chunk_tokens=self.chunk_tokens, dtype=self.dtype,
         )
         self.dims = self.encoder.dims
         self.loras = self.encoder.loras

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from runtimes.pytorch.device_time import watch_forward
 
 
 class LoadedModel(NamedTuple):
@@ -13,16 +16,23 @@ class LoadedModel(NamedTuple):
     pad_id: int  # what sequences are padded with
 
 
-def load_model(model_class: Any, ref: str, device: str) -> LoadedModel:
-    """The tokenizer and the model (`model_class.from_pretrained`, in eval mode on `device`)
-    of the local directory `ref`.
+def load_model(model_class: Any, ref: str, device: str,
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """The tokenizer and the model (`model_class.from_pretrained`, in eval mode on `device`,
+    its weights in `dtype`, float32 when None) of the local directory `ref`, with PyTorch's
+    fused attention (SDPA) where the architecture has it.
 
     Every source is a local directory by now (hub models are snapshots too), so nothing is
     fetched here: `local_files_only` keeps a missing file an error instead of a download.
     """
     tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=True)
-    model = model_class.from_pretrained(ref, local_files_only=True)
+    options: dict[str, Any] = {"local_files_only": True, "dtype": dtype or torch.float32}
+    try:
+        model = model_class.from_pretrained(ref, attn_implementation="sdpa", **options)
+    except (ValueError, ImportError):  # an architecture without an SDPA path
+        model = model_class.from_pretrained(ref, **options)
     model.eval().to(device)
+    watch_forward(model)
     return LoadedModel(tokenizer, model, pad_id(tokenizer))
 
 

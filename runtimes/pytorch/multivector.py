@@ -172,7 +172,8 @@ class MultiVectorAdapter(Adapter):
                 "modules.json (sentence-transformers / PyLate) or a 'linear.weight' tensor in "
                 "model.safetensors (colbert-ir/colbertv2.0)")
         model_ref = encoder_ref(ref, self.colbert.encoder_dir)
-        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, self.device)
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, self.device,
+                                                             self.dtype)
         keep_prompt_markers(self.tokenizer, entry.prompts)
 
         hidden = int(self.model.config.hidden_size)

@@ -54,9 +54,9 @@ class SequenceClassifier:
     """A sequence-classification model and its tokenizer: logits for texts or text pairs."""
 
     def __init__(self, ref: str, *, device: str, max_seq_length: int | None,
-                 chunk_tokens: int) -> None:
+                 chunk_tokens: int, dtype: torch.dtype | None = None) -> None:
         self.tokenizer, self.model, self.pad_id = load_model(
-            AutoModelForSequenceClassification, ref, device)
+            AutoModelForSequenceClassification, ref, device, dtype)
         self.config = self.model.config
         self.device = device
         self.chunk_tokens = chunk_tokens
@@ -108,7 +108,8 @@ class ClassifierAdapter(Adapter):
         super().__init__(entry, ref, **kwargs)
         self.classifier = SequenceClassifier(ref, device=self.device,
                                              max_seq_length=entry.max_seq_length,
-                                             chunk_tokens=self.chunk_tokens)
+                                             chunk_tokens=self.chunk_tokens,
+                                             dtype=self.dtype)
 
 
 class SequenceClassificationAdapter(ClassifierAdapter):

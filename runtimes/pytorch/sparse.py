@@ -79,7 +79,7 @@ class SparseAdapter(Adapter):
         model_ref = encoder_ref(ref, self.splade.encoder_dir)
         st = read_st_config(Path(model_ref))
         self.tokenizer, self.model, self.pad_id = load_model(AutoModelForMaskedLM, model_ref,
-                                                             self.device)
+                                                             self.device, self.dtype)
         self.do_lower_case = st.do_lower_case
         self.max_seq_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
                                          st.max_seq_length)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import chain
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -40,17 +42,27 @@ def check_lengths(lengths: Sequence[int], limit: int, what: str = "items") -> No
             raise too_long(i, length, limit, what)
 
 
+def filled(lengths: np.ndarray, left: bool = False) -> np.ndarray:
+    """The (rows, longest) boolean mask of the places that rows of `lengths` fill when
+    padded on the right (or left): the attention mask."""
+    width = int(lengths.max(initial=0))
+    places = np.arange(width)
+    if left:
+        return places >= (width - lengths)[:, None]
+    return places < lengths[:, None]
+
+
 def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
-    """A (len(rows), longest) long tensor, padded with `value` on the right (or left)."""
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            if left:
-                out[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            else:
-                out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
+    """A (len(rows), longest) long tensor, padded with `value` on the right (or left).
+
+    One numpy pass over all the rows (a masked assignment fills row-major, the rows'
+    own order), not a tensor per row: the per-row loop was a third of the runtime's CPU."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    mask = filled(lengths, left)
+    out = np.full(mask.shape, value, dtype=np.int64)
+    out[mask] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
+                            count=int(lengths.sum()))
+    return torch.from_numpy(out)
 
 
 def length_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -74,13 +86,23 @@ def encoder_inputs(input_ids: Sequence[Sequence[int]],
                    token_type_ids: Sequence[Sequence[int]] | None, pad_id: int,
                    device: str) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask (and token_type_ids) on `device`."""
+    lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64,
+                          count=len(input_ids))
     inputs = {
         "input_ids": pad(input_ids, pad_id),
-        "attention_mask": pad([[1] * len(ids) for ids in input_ids], 0),
+        "attention_mask": torch.from_numpy(filled(lengths).astype(np.int64)),
     }
     if token_type_ids is not None:
         inputs["token_type_ids"] = pad(token_type_ids, 0)
-    return {k: v.to(device) for k, v in inputs.items()}
+    return to_device(inputs, device)
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """Host tensors on `device`; to a GPU through pinned memory without blocking the host
+    (the copy is queued on the stream ahead of the forward that reads it)."""
+    if not device.startswith("cuda"):
+        return {k: v.to(device) for k, v in tensors.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
 
 
 def padded_chunks(input_ids: Sequence[Sequence[int]],

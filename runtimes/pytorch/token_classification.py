@@ -92,7 +92,7 @@ class TokenClassificationAdapter(Adapter):
     def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
         super().__init__(entry, ref, **kwargs)
         self.tokenizer, self.model, self.pad_id = load_model(AutoModelForTokenClassification,
-                                                             ref, self.device)
+                                                             ref, self.device, self.dtype)
         if not self.tokenizer.is_fast:
             raise ValueError(f"{entry.id}: token classification needs a fast tokenizer (a "
                              "tokenizer.json) to map tokens back to character offsets")

@@ -305,12 +305,13 @@ class SimRuntime:
             # Outputs first, then sleep the rest: the batch takes the simulated time,
             # not that plus the noise, as long as making the noise is the shorter.
             results = [model.result(p) for p in runnable]
-            _sleep_until(started + self.latency(model_id, shape))
+            busy = self.latency(model_id, shape)
+            _sleep_until(started + busy)
             c = model.constants
             simulated = {"device": self.device, "a_ms": c.a_ms, "b_us": c.b_us, "c_ns": c.c_ns,
                          "speed": self.speed}
             stamp_batch(results, model_id, (p.request.kwargs for p in runnable), started,
-                        simulated)
+                        simulated, device_s=busy)
             for p, result in zip(runnable, results, strict=True):
                 result["usage"] = {**result.get("usage", {}), "tokens": p.tokens}
                 outcomes[p.request.id] = Outcome(p.request.id, result=result)

@@ -1,0 +1,98 @@
+"""How long the device spends in a model's forward passes: the time it is busy.
+
+`watch_forward` puts a `DeviceClock` on a loaded model: hooks around the model's
+forward and its direct children's (CLIP's `get_text_features` calls its text tower,
+not the model's own forward) mark where the device work of a pass begins and ends.
+A forward nested in another (the encoder inside the model) is not counted twice.
+
+On CUDA the marks are CUDA events on the current stream, so the figure is the
+device's own time from the pass's first kernel to its last, not the host's: a host
+that launches kernels asynchronously is not billed for the device, and a device that
+waits for the next batch is not billed as busy. `take()` waits for the last pass
+recorded, so it is called once per batch, after the results are on the host anyway.
+On CPU the forward's wall time is the device's time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+class DeviceClock:
+    """Busy time of one model's forward passes, taken (and reset) batch by batch."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self._local = threading.local()  # per thread: nesting depth, the open pass
+        self._lock = threading.Lock()
+        self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not yet taken
+        self._seconds = 0.0  # CPU passes not yet taken
+
+    def enter(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth:
+            return
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._local.start = start
+        else:
+            self._local.start = time.perf_counter()
+
+    def exit(self) -> None:
+        depth = self._local.depth = getattr(self._local, "depth", 1) - 1
+        if depth:
+            return
+        start = self._local.start
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            with self._lock:
+                self._events.append((start, end))
+        else:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._seconds += elapsed
+
+    def take(self) -> float:
+        """Seconds the device was busy in forward passes since the last take."""
+        with self._lock:
+            events, self._events = self._events, []
+            seconds, self._seconds = self._seconds, 0.0
+        if events:
+            events[-1][1].synchronize()  # a stream runs in order: the rest are done too
+            seconds += sum(start.elapsed_time(end) for start, end in events) / 1000
+        return seconds
+
+
+_clocks: dict[str, DeviceClock] = {}
+_clocks_lock = threading.Lock()
+
+
+def device_clock(device: str | torch.device) -> DeviceClock:
+    """The one clock of a device, shared by every model on it: the runtime runs one batch
+    at a time, so what it took since the last batch is that batch's."""
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    name = str(where)
+    with _clocks_lock:
+        clock = _clocks.get(name)
+        if clock is None:
+            clock = _clocks[name] = DeviceClock(name)
+        return clock
+
+
+def watch_forward(model: torch.nn.Module) -> DeviceClock:
+    """Count `model`'s forward passes on its device's clock (see the module doc)."""
+    first = next(model.parameters(), None)
+    clock = device_clock(first.device if first is not None else "cpu")
+    for module in (model, *model.children()):
+        module.register_forward_pre_hook(lambda *_: clock.enter())
+        module.register_forward_hook(lambda *_: clock.exit(), always_call=True)
+    return clock
