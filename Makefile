@@ -42,8 +42,8 @@ bench: install services
 
 # The PyTorch runtime on a CUDA device (bench/gpu_check.py, under 8 minutes): MiniLM and
 # bge-small/-base shapes in fp32 and bf16, in process and through the runtime process;
-# without a GPU it says so and exits 0. A GPU machine needs a CUDA build of torch:
-#   TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130" make gpu-check
+# without a GPU it says so and exits 0. A GPU machine needs a CUDA build of torch in the
+# venv (TORCH_SPEC with PyTorch's CUDA index, see docs/runtimes.md).
 GPU_CHECK_ARGS ?= --json bench/out/gpu-check.json
 gpu-check: install
 	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
