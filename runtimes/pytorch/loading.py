@@ -8,6 +8,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from runtimes.pytorch.device_time import watch_forward
+from runtimes.pytorch.emulated import emulate_forward
 
 
 class LoadedModel(NamedTuple):
@@ -33,6 +34,7 @@ def load_model(model_class: Any, ref: str, device: str,
         model = model_class.from_pretrained(ref, **options)
     model.eval().to(device)
     watch_forward(model)
+    emulate_forward(model, model_class, ref)  # benchmarks only: SHOAL_EMULATE_DEVICE, else a no-op
     return LoadedModel(tokenizer, model, pad_id(tokenizer))
 
 
