@@ -183,3 +183,43 @@ def test_a_generate_request_names_its_lora(tmp_path):
     with pytest.raises(ShoalError) as err:
         entry.parse({"items": [{"text": "hi"}], "options": {"lora": "chats"}})
     assert err.value.code == ErrorCode.LORA_NOT_FOUND and "['chat']" in err.value.message
+
+
+# --- precision ------------------------------------------------------------------------------
+
+
+def test_fp16_is_refused_in_the_cpu_profile(tmp_path):
+    path = _write(tmp_path, "id: x/y\nsource: {hub: x/y}\nadapter: dense\ndims: 8\n"
+                  "profiles:\n  cpu: {max_items: 8, precision: fp16}\n")
+    with pytest.raises(CatalogError) as err:
+        load_entry(path)
+    message = str(err.value)
+    assert "entry.yaml" in message and "profiles.cpu.precision" in message
+    assert "fp16" in message and "['fp32', 'bf16']" in message
+
+
+@pytest.mark.parametrize("profiles,expected", [
+    ({"cpu": "bf16"}, {"cpu": "bf16"}),
+    ({"cpu": "fp32", "cuda": "fp16"}, {"cpu": "fp32", "cuda": "fp16"}),
+    ({"h100": "fp16", "l4": "bf16"}, {"h100": "fp16", "l4": "bf16"}),
+])
+def test_precisions_the_device_runs_are_accepted(tmp_path, profiles, expected):
+    lines = "".join(f"  {device}: {{precision: {p}}}\n" for device, p in profiles.items())
+    entry = load_entry(_write(tmp_path, "id: x/y\nsource: {hub: x/y}\nadapter: dense\n"
+                              f"dims: 8\nprofiles:\n{lines}"))
+    assert {device: entry.profile(device).precision for device in profiles} == expected
+
+
+def test_a_profile_without_precision_leaves_it_to_the_device(tmp_path):
+    entry = load_entry(_write(tmp_path, "id: x/y\nsource: {hub: x/y}\nadapter: dense\n"
+                              "dims: 8\nprofiles:\n  cpu: {max_items: 8}\n"))
+    assert entry.profile("cpu").precision is None
+
+
+def test_an_unknown_precision_is_refused_with_the_known_ones(tmp_path):
+    path = _write(tmp_path, "id: x/y\nsource: {hub: x/y}\nadapter: dense\ndims: 8\n"
+                  "profiles:\n  cuda: {precision: fp8}\n")
+    with pytest.raises(CatalogError) as err:
+        load_entry(path)
+    assert "profiles.cuda.precision" in str(err.value)
+    assert all(f"'{p}'" in str(err.value) for p in ("fp32", "fp16", "bf16"))

@@ -41,3 +41,19 @@ def test_validate_reports_every_bad_file_and_fails(tmp_path, capsys):
 
 def test_shipped_catalog_validates(capsys):
     assert main(["models", "--catalog-dir", CATALOG, "validate"]) == 0
+
+
+def test_validate_refuses_fp16_in_a_cpu_profile(tmp_path, capsys):
+    (tmp_path / "half.yaml").write_text(
+        "id: me/half\nadapter: dense\ndims: 8\nsource: {hub: me/half}\n"
+        "profiles:\n  cpu: {precision: fp16}\n  cuda: {precision: fp16}\n")
+    (tmp_path / "brain.yaml").write_text(
+        "id: me/brain\nadapter: dense\ndims: 8\nsource: {hub: me/brain}\n"
+        "profiles:\n  cpu: {precision: bf16}\n")
+    assert main(["models", "--catalog-dir", str(tmp_path), "validate"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "half.yaml" in out and "profiles.cpu.precision" in out
+    assert "fp16" in out and "['fp32', 'bf16']" in out
+    assert "1 valid, 1 invalid" in out
+    (tmp_path / "half.yaml").unlink()
+    assert main(["models", "--catalog-dir", str(tmp_path), "validate"]) == 0
