@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import time
 
-from tasks.served import read_served, reply_headers, stamp_batch, stamp_delivery
+from tasks.served import (
+    batch_device_ms,
+    read_served,
+    reply_headers,
+    stamp_batch,
+    stamp_delivery,
+)
 
 
 def _served_batch(simulated: dict | None = None) -> list[dict]:
@@ -49,3 +55,28 @@ def test_a_result_without_an_envelope_reads_as_empty():
     assert (served.model, served.batch, served.timing, served.worker, served.simulated) == (
         None, None, None, None, None)
     assert reply_headers({"scores": [1.0]}) == {}
+
+
+def test_a_batch_carries_the_devices_busy_time_when_the_runtime_tells():
+    results: list[dict] = [{"scores": [0.5]}, {"scores": [0.1]}]
+    stamp_batch(results, "m/x", [{"items": [1]}, {"items": [2]}], time.perf_counter(),
+                device_s=0.0125)
+    assert [r["batch"]["device_ms"] for r in results] == [12.5, 12.5]
+    assert batch_device_ms(results) == 12.5
+    assert batch_device_ms(iter(results)) == 12.5  # a generator, as the dispatcher passes
+    assert "device_ms" not in _served_batch()[0]["batch"]  # None: the runtime cannot tell
+    zero: list[dict] = [{}]
+    stamp_batch(zero, "m/x", [{}], time.perf_counter(), device_s=0.0)
+    assert batch_device_ms(zero) == 0.0  # a figure of 0, not "unknown"
+
+
+def test_batch_device_ms_skips_failed_requests_and_is_none_without_a_figure():
+    results: list[dict] = [{"scores": [0.5]}]
+    stamp_batch(results, "m/x", [{"items": [1]}], time.perf_counter(), device_s=0.002)
+    assert batch_device_ms([None, None, *results]) == 2.0  # failed ones come as None
+    assert batch_device_ms([None, None]) is None  # every request failed
+    assert batch_device_ms([]) is None
+    assert batch_device_ms(_served_batch()) is None  # SGLang: no device figure
+    assert batch_device_ms([{"scores": [1.0]}]) is None  # no envelope at all
+    assert batch_device_ms([{"batch": "not a mapping"}]) is None
+
