@@ -273,7 +273,8 @@ def test_the_dashboard_covers_what_operators_watch():
         used |= metric_names(expr, grafana=grafana)
     for needed in ("rabbitmq_detailed_queue_messages_ready", "shoal_queue_wait_seconds_bucket",
                    "shoal_batch_fill_ratio_bucket", "shoal_batch_items_sum",
-                   "shoal_batch_seconds_sum", "shoal_gateway_request_seconds_bucket",
+                   "shoal_batch_seconds_sum", "shoal_device_busy_seconds_total",
+                   "shoal_gateway_request_seconds_bucket",
                    "shoal_returned_total", "shoal_expired_total", "shoal_model_loads_total",
                    "shoal_model_evictions_total", "shoal_dead_lettered_total",
                    "shoal_runtime_restarts", "shoal_runtime_spare_promotions",
