@@ -242,15 +242,18 @@ class Dispatcher:
         self.parked: dict[tuple[str, str], list[tuple[Held, int]]] = {}
         self.entries = entries  # to annotate a Celery client's message that came without
         self.part_target_s = part_target_s  # the longest a part of a split request should run
-        self.scheduler = Scheduler(lanes, hold, self._peers)
+        # A pipelined runtime takes the next batch while it computes one (its
+        # `pipeline_depth`); each batch in flight waits for its answer on a thread here.
+        depth = max(1, int(getattr(runtime, "pipeline_depth", 1)))
+        self.scheduler = Scheduler(lanes, hold, self._peers, depth=depth)
         self.continuous = {model for model in lanes if runtime.continuous(model)}
         self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)
         self.replier = Replier(consumer)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-runtime")
+        self.executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shoal-runtime")
         self.claims = ClaimFetcher(blob_url, claim_upload_timeout_s,
                                    lambda fn: self.c.hub.call_soon(fn))
         self.consuming: dict[str, Consuming] = {}
-        self.future: Future | None = None  # of the running batch
+        self.futures: dict[Future, Batch] = {}  # of the batches in flight
         # Deltas the runtime's thread made, for the loop to publish in order:
         # (generation, the batch's requests by task id, one step's deltas).
         self._deltas: deque[tuple[int, dict[str, Held], list[Delta]]] = deque()
@@ -668,9 +671,8 @@ class Dispatcher:
         need, with how many: none of them may be evicted, and the queued load with the
         most requests waiting goes first."""
         used: Counter[str] = Counter()
-        running = self.scheduler.running
         pendings = [p for lane in self.scheduler.lanes.values() for p in lane.backlog]
-        pendings += running.members if running is not None else []
+        pendings += [p for batch in self.scheduler.in_flight for p in batch.members]
         for pending in pendings:
             a = pending.handle.annotations
             used[a.model] += 1
@@ -780,7 +782,7 @@ class Dispatcher:
         generation = self.generation
         future = self.executor.submit(self._run, model, [p.handle for p in batch.members],
                                       generation)
-        self.future = future
+        self.futures[future] = batch
         future.add_done_callback(
             lambda f: self.c.hub.call_soon(self._on_batch_done, generation, f)
         )
@@ -874,8 +876,7 @@ class Dispatcher:
         when its batch comes; one that runs stops at its next token. The ids that were
         running here."""
         worker_state.revoked.update(task_ids)
-        running = self.scheduler.running
-        here = {p.handle.task_id for p in running.members} if running is not None else set()
+        here = {p.handle.task_id for batch in self.scheduler.in_flight for p in batch.members}
         for in_flight in self.feeder.in_flight.values():
             here.update(in_flight)
         hit = [t for t in task_ids if t in here]
@@ -886,7 +887,7 @@ class Dispatcher:
     # --- completion (loop thread) --------------------------------------------------------
 
     def _on_batch_done(self, generation: int, future: Future) -> None:
-        if future is not self.future:
+        if future not in self.futures:
             return
         # Until its answers are all published, the drain is not over, whatever is seen
         # meanwhile (confirms of the first answers read while the rest go out, a tick).
@@ -898,7 +899,7 @@ class Dispatcher:
         self.check_drained()
 
     def _batch_done(self, generation: int, future: Future) -> None:
-        self.future = None
+        started = self.futures.pop(future)
         outcomes: list[Outcome] | None = None
         seconds: float | None = None
         failure: Exception | None = None
@@ -906,8 +907,8 @@ class Dispatcher:
             outcomes, seconds = future.result()
         except Exception as exc:  # the runtime itself broke; every request gets an error
             failure = exc
-        batch = self.scheduler.finish(time.monotonic(), seconds)
-        assert batch is not None
+        batch = self.scheduler.finish(time.monotonic(), seconds, started)
+        assert batch is started
         model, held = batch.lane.model, [p.handle for p in batch.members]
         if outcomes is None:
             log.exception("batch of %d failed", len(held), exc_info=failure)
@@ -1052,15 +1053,14 @@ class Dispatcher:
     def unfinished(self) -> int:
         """Requests running or bound to run here: the running batch, the parts of split
         requests left to run, the requests a continuous runtime is generating."""
-        running = self.scheduler.running
-        return ((len(running.members) if running is not None else 0)
+        return (sum(len(batch.members) for batch in self.scheduler.in_flight)
                 + sum(len(lane.backlog) for lane in self.scheduler.lanes.values())
                 + sum(len(in_flight) for in_flight in self.feeder.in_flight.values()))
 
     @property
     def drained(self) -> bool:
         """Draining, nothing runs, nothing is held, every publish is confirmed."""
-        return (self._drain_begun and not self._answering and self.future is None
+        return (self._drain_begun and not self._answering and not self.futures
                 and self.unfinished == 0
                 and not self.parked and not self.fetching
                 and not any(self.feeder.waiting.values())

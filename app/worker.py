@@ -198,6 +198,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                 batch_timeout=settings.runtime_batch_timeout_s,
                 spare=settings.runtime_spare,
                 precision=settings.precision,
+                pipeline_depth=settings.runtime_pipeline_depth,
             )
         if "sglang" in on.values():
             from runtimes.sglang import SGLangRuntime
@@ -291,12 +292,13 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                     consumer.cancel()
                 except Exception:
                     log.warning("could not cancel a consumer while draining", exc_info=True)
-        running = dispatcher.scheduler.running
+        in_flight = dispatcher.scheduler.in_flight
         log.warning("draining for shutdown: stopped consuming; handed back %d requests that "
-                    "had not started (%s); finishing %d running (a batch of %d), %d results "
+                    "had not started (%s); finishing %d running (batches of %s), %d results "
                     "to confirm; grace %gs", sum(handed.values()),
                     ", ".join(f"{m}: {n}" for m, n in handed.items()) or "none",
-                    dispatcher.unfinished, len(running.members) if running else 0,
+                    dispatcher.unfinished,
+                    ", ".join(str(len(b.members)) for b in in_flight) or "none",
                     dispatcher.replier.unconfirmed, self.settings.shutdown_grace_s)
         dispatcher.check_drained()
 

@@ -8,13 +8,15 @@ with plain data and a fake `now` (seconds, one monotonic clock throughout):
 - `tick(now)`: look at everything held and decide; returns an `Actions`
   (answer these as expired or late, give these back, change these prefetch
   counts, start this batch, call me again in so many seconds);
-- `finish(now, seconds)`: the running batch ended (`seconds`: its measured
+- `finish(now, seconds, batch)`: a running batch ended (`seconds`: its measured
   time, or None if the runtime broke);
 - `clear()`: the connection was lost, the broker redelivers everything held.
 
 The rules, each owned by a pure function of `batching/`:
-- one batch at a time (one runtime); the lane whose oldest held request has
-  waited longest goes next; `take_batch` forms the batch;
+- up to `depth` batches in flight to the runtime (one by default; a pipelined
+  runtime takes a second while it computes the first, and answers them in order);
+  the lane whose oldest held request has waited longest goes next; `take_batch`
+  forms the batch;
 - an idle runtime starts at once; under load it may wait up to the profile's
   `max_delay_s` for a fuller batch (`seconds_to_wait`);
 - a request whose deadline has passed is answered DEADLINE_EXCEEDED; so is a
@@ -118,7 +120,7 @@ class Batch:
     members: list[Pending]
     shape: BatchShape
     predicted_s: float
-    started: float
+    started: float  # handed to the runtime; once the batches before it ended, from then
     check_at: float  # when to look again at what is held if it has not ended
 
     def left_s(self, now: float) -> float:
@@ -154,11 +156,13 @@ PeerCount = Callable[[str, float], int]  # (model, now) -> consumers of its queu
 
 
 class Scheduler:
-    def __init__(self, lanes: dict[str, Lane], hold: HoldLimits, peers: PeerCount) -> None:
+    def __init__(self, lanes: dict[str, Lane], hold: HoldLimits, peers: PeerCount,
+                 depth: int = 1) -> None:
         self.lanes = lanes
         self.hold = hold
         self.peers = peers
-        self.running: Batch | None = None
+        self.depth = depth  # batches in flight to the runtime at most
+        self.in_flight: list[Batch] = []  # in the order they started (and end)
         self.last_finished: float | None = None
         self._adapt: Lane | None = None  # the lane whose batch just ended
         # Per lane, the requests (ids) its current consumer delivered that are still held
@@ -177,11 +181,33 @@ class Scheduler:
         if pending.returnable:
             self._drawn[model].add(id(pending))
 
-    def finish(self, now: float, seconds: float | None) -> Batch | None:
-        """The running batch ended; learn its time. Returns it (None if none ran)."""
-        batch, self.running = self.running, None
+    @property
+    def running(self) -> Batch | None:
+        """The oldest batch in flight (the one the runtime works on first)."""
+        return self.in_flight[0] if self.in_flight else None
+
+    def finish(self, now: float, seconds: float | None, batch: Batch | None = None
+               ) -> Batch | None:
+        """A batch in flight ended (`batch`, default the oldest); learn its time. Returns it
+        (None if none ran).
+
+        With batches in flight behind one another, `seconds` (from its hand-over to its
+        answer) counts the wait behind the one before: the time it added is since that
+        one ended, if that was after it started."""
         if batch is None:
+            batch = self.running
+        if batch is None or batch not in self.in_flight:
             return None
+        self.in_flight.remove(batch)
+        if seconds is not None and self.depth > 1:
+            seconds = min(seconds, now - batch.started)
+        if self.in_flight and self.in_flight[0].started < now:
+            # The next one runs alone from now: its time left and its overrun check
+            # count from here, not from when it was handed over.
+            head = self.in_flight[0]
+            head.started = now
+            head.check_at = max(head.check_at,
+                                now + max(head.predicted_s * OVERRUN_FIRST, OVERRUN_MIN_S))
         self.last_finished = now
         if seconds is not None:
             batch.lane.cost.observe(batch.shape, seconds)
@@ -209,8 +235,7 @@ class Scheduler:
     def in_use(self) -> set[str]:
         """The models with a batch running or requests held: none may be evicted."""
         used = {model for model, lane in self.lanes.items() if lane.backlog}
-        if self.running is not None:
-            used.add(self.running.lane.model)
+        used.update(batch.lane.model for batch in self.in_flight)
         return used
 
     def prefetch_applied(self, model: str, prefetch: int) -> None:
@@ -226,7 +251,7 @@ class Scheduler:
                 self._settled(lane.model, expired)
                 actions.expired.extend((lane.model, p) for p in expired)
         wait = None
-        if self.running is None:
+        if len(self.in_flight) < self.depth:
             wait = self._maybe_start(now, actions)
         if self._adapt is not None:
             if self.peers(self._adapt.model, now) < 2:  # with peers: _bound_holdings
@@ -264,11 +289,13 @@ class Scheduler:
             members = take_batch(lane.backlog, lane.limits, lane.cost, now)
             shape = BatchShape.of(members)
             predicted = lane.cost.predict(shape)
-            late = [p for p in members if p.deadline is not None and p.deadline < now + predicted]
+            ahead = self.busy_for(now)  # the batches in flight end first
+            late = [p for p in members
+                    if p.deadline is not None and p.deadline < now + ahead + predicted]
             if late:
                 self._settled(lane.model, late)
-                actions.late.extend((lane.model, Late(p, predicted, p.deadline - now))
-                                    for p in late)
+                actions.late.extend((lane.model, Late(p, ahead + predicted,
+                                                      p.deadline - now)) for p in late)
                 # The rest finish no later than predicted for the whole batch.
                 gone = {id(p) for p in late}
                 members = [p for p in members if id(p) not in gone]
@@ -276,9 +303,10 @@ class Scheduler:
                     continue
                 shape = BatchShape.of(members)
                 predicted = lane.cost.predict(shape)
-            check = now + max(predicted * OVERRUN_FIRST, OVERRUN_MIN_S)
-            self.running = Batch(lane, members, shape, predicted, now, check)
-            actions.start = self.running
+            check = now + ahead + max(predicted * OVERRUN_FIRST, OVERRUN_MIN_S)
+            batch = Batch(lane, members, shape, predicted, now, check)
+            self.in_flight.append(batch)
+            actions.start = batch
             return None
         return None
 
@@ -298,8 +326,7 @@ class Scheduler:
         current consumer delivered: returning that would reopen its credit, so the
         broker would hand over another request (or the same one) at once. A re-consume
         just before makes everything held returnable."""
-        running = self.running
-        left = running.left_s(now) if running is not None else 0.0
+        left = self.busy_for(now)
         opens: float | None = None
         for lane in self.lanes.values():
             if not lane.ready or self.peers(lane.model, now) < 2:
@@ -375,6 +402,13 @@ class Scheduler:
     def _set_prefetch(self, lane: Lane, prefetch: int, actions: Actions) -> None:
         if prefetch != lane.prefetch:
             self._reconsume(lane, prefetch, actions)
+
+    def busy_for(self, now: float) -> float:
+        """Predicted seconds until the runtime has no batch in flight."""
+        if not self.in_flight:
+            return 0.0
+        head, *behind = self.in_flight
+        return head.left_s(now) + sum(batch.predicted_s for batch in behind)
 
     def _wake_in(self, now: float, wait: float | None) -> float | None:
         running = self.running

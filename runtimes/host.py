@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.pool import keys_of, lora_key
 from runtimes.precision import resolve_precision
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.device_time import device_clock
+from runtimes.pytorch.device_time import Span, device_clock
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
 from tasks.served import stamp_batch
@@ -40,6 +41,22 @@ def adapter_class(entry: ModelEntry) -> type[Adapter]:
     """The class that implements the entry's adapter (imported only when needed)."""
     module, _, name = entry.contract.implementation.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+@dataclass(slots=True)
+class BatchWork:
+    """One batch on its way through the host's stages (`begin`, `forward`, `finish`)."""
+
+    model_id: str
+    requests: list[Request]
+    adapter: Adapter | None
+    outcomes: dict[str, Outcome] = field(default_factory=dict)  # refused requests, then all
+    runnable: list[tuple[Request, Any]] = field(default_factory=list)
+    started: float = 0.0  # perf_counter, when its checks were done
+    planned: Any = None
+    stream: Any = None  # a streamed batch's Stream
+    output: Any = None
+    device: Span | None = None  # its forward passes' device time
 
 
 class ModelHost:
@@ -154,33 +171,68 @@ class ModelHost:
 
     def run_batch(self, model_id: str, requests: list[Request],
                   on_deltas: OnDeltas | None = None) -> list[Outcome]:
-        adapter = self._models.get(model_id)
-        if adapter is None:
-            return [failed(r.id, ErrorCode.MODEL_NOT_FOUND,
-                           f"this worker does not serve {model_id}") for r in requests]
+        """One batch, its stages in a row (a streamed one through the adapter's stream)."""
         try:
-            return self._run(adapter, model_id, requests, on_deltas)
+            work = self.begin(model_id, requests, on_deltas)
+            self.forward(work)
+            return self.finish(work)
         finally:
-            with self._cancel_lock:
-                self._cancelled.difference_update(r.id for r in requests)
+            self.forget_cancelled(requests)
 
-    def _run(self, adapter: Adapter, model_id: str, requests: list[Request],
-             on_deltas: OnDeltas | None) -> list[Outcome]:
-        outcomes, runnable = prepare_each(model_id, adapter.operation, requests,
-                                          lambda r: adapter.prepare(r.kwargs))
-        if runnable:
-            started = time.perf_counter()
-            self.clock.take()  # what ran before this batch (a load, a probe) is not its
-            prepared = [p for _, p in runnable]
-            stream = self._stream([r for r, _ in runnable], on_deltas) \
-                if getattr(adapter, "streams", False) and on_deltas is not None else None
-            results = adapter.run(prepared, stream) if stream is not None \
-                else adapter.run(prepared)
-            stamp_batch(results, model_id, (r.kwargs for r, _ in runnable), started,
-                        device_s=self.clock.take())
-            for (request, _), result in zip(runnable, results, strict=True):
-                outcomes[request.id] = Outcome(request.id, result=result)
-        return [outcomes[r.id] for r in requests]
+    def begin(self, model_id: str, requests: list[Request],
+              on_deltas: OnDeltas | None = None) -> BatchWork:
+        """A batch's host work before the device: each request checked (a refused one
+        fails alone), then the adapter's `plan`. Raises what the plan raises."""
+        work = BatchWork(model_id, requests, self._models.get(model_id))
+        if work.adapter is None:
+            work.outcomes = {r.id: failed(r.id, ErrorCode.MODEL_NOT_FOUND,
+                                          f"this worker does not serve {model_id}")
+                             for r in requests}
+            return work
+        adapter = work.adapter
+        work.outcomes, work.runnable = prepare_each(model_id, adapter.operation, requests,
+                                                    lambda r: adapter.prepare(r.kwargs))
+        if not work.runnable:
+            return work
+        work.started = time.perf_counter()
+        prepared = [p for _, p in work.runnable]
+        if getattr(adapter, "streams", False) and on_deltas is not None:
+            # A stream talks to its caller step by step: it runs whole, in `forward`.
+            work.stream = self._stream([r for r, _ in work.runnable], on_deltas)
+            work.planned = prepared
+        else:
+            work.planned = adapter.plan(prepared)
+        return work
+
+    def forward(self, work: BatchWork) -> None:
+        """A batch's device work (one batch at a time: the device clock's span after it
+        is this batch's). Raises what the model raises."""
+        if work.adapter is None or not work.runnable:
+            return
+        self.clock.take_span()  # what ran before this batch (a load, a probe) is not its
+        try:
+            if work.stream is not None:
+                work.output = work.adapter.run(work.planned, work.stream)
+            else:
+                work.output = work.adapter.forward(work.planned)
+        finally:
+            work.device = self.clock.take_span()
+
+    def finish(self, work: BatchWork) -> list[Outcome]:
+        """A batch's outcomes, in request order, once its outputs are on the host."""
+        if work.adapter is not None and work.runnable:
+            results = work.output if work.stream is not None else \
+                work.adapter.finish(work.planned, work.output)
+            stamp_batch(results, work.model_id, (r.kwargs for r, _ in work.runnable),
+                        work.started, device_s=work.device.seconds()
+                        if work.device is not None else None)
+            for (request, _), result in zip(work.runnable, results, strict=True):
+                work.outcomes[request.id] = Outcome(request.id, result=result)
+        return [work.outcomes[r.id] for r in work.requests]
+
+    def forget_cancelled(self, requests: list[Request]) -> None:
+        with self._cancel_lock:
+            self._cancelled.difference_update(r.id for r in requests)
 
     def _stream(self, requests: list[Request], on_deltas: OnDeltas) -> Any:
         """The adapter's `Stream` for a batch: deltas of its streamed requests go to

@@ -54,6 +54,12 @@ all (its weights gone bad) fails clearly instead of looping. The very first star
 is not retried (a wrong catalog entry fails at once). `start_failures` counts
 them.
 
+Two batches in flight (`pipeline_depth`, the worker's SHOAL_RUNTIME_PIPELINE_DEPTH):
+the child prepares the second while its device computes the first. A crash then
+fails both; each is bisected on its own, on the next child, so a poison request is
+still blamed alone and every other request gets its result. A streamed batch and a
+probe go alone (they talk back and forth on the connection).
+
 Streams: a batch with streamed requests sends their deltas as it goes (see
 `runtimes.server`). A request whose output has begun to go out is never run
 again after a failure (its caller would read the beginning twice): it is
@@ -72,8 +78,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,6 +118,81 @@ class LoadFailed(RuntimeError):
     the models it had."""
 
 
+@dataclass(slots=True)
+class _Call:
+    """One `run_batch` call's state through its bisection."""
+
+    on_deltas: OnDeltas | None
+    streamed: set[str] = field(default_factory=set)  # its requests whose deltas went out
+    works_after_failure: bool = False  # part of it succeeded after a failure; see _blame
+
+
+class _Turn:
+    """A frame's place in its connection's order of replies."""
+
+    def __init__(self, turns: _Turns, ticket: int) -> None:
+        self._turns, self._ticket = turns, ticket
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Wait until the replies before this frame's are read, then read it (the block)."""
+        turns = self._turns
+        with turns.changed:
+            turns.changed.wait_for(lambda: turns.read == self._ticket)
+        try:
+            if turns.broken:
+                raise ConnectionError("an earlier frame on this connection failed")
+            yield
+        except BaseException:
+            # What comes next on the connection may be the reply this one did not read
+            # (late after a timeout): nobody reads it; the child is replaced.
+            turns.broken = True
+            raise
+        finally:
+            turns.done()
+
+
+class _Turns:
+    """The frames in flight on one batch connection, answered in the order sent."""
+
+    def __init__(self) -> None:
+        self._sending = threading.Lock()
+        self.changed = threading.Condition()
+        self.sent = 0
+        self.read = 0
+        self.broken = False  # a frame failed: the replies no longer match the frames
+
+    @contextlib.contextmanager
+    def send(self, alone: bool) -> Iterator[_Turn]:
+        """Send a frame (the block); `alone`: first wait until nothing is in flight, and
+        keep others from sending until the block ends (its replies are read in it)."""
+        with self._sending:
+            if alone:
+                with self.changed:
+                    self.changed.wait_for(lambda: self.read == self.sent)
+            if self.broken:
+                raise ConnectionError("an earlier frame on this connection failed")
+            ticket = self.sent
+            self.sent += 1
+            try:
+                yield _Turn(self, ticket)
+            except BaseException:
+                # Nothing or part was sent: the connection is broken and the child is
+                # replaced; let the frames behind this one read (and fail) in turn.
+                self.broken = True
+                with self.changed:
+                    self.changed.wait_for(lambda: self.read == ticket)
+                self.done()
+                raise
+            if alone:
+                self.done()
+
+    def done(self) -> None:
+        with self.changed:
+            self.read += 1
+            self.changed.notify_all()
+
+
 @dataclass(frozen=True, slots=True)
 class _Failure:
     kind: Literal["crash", "hang", "exception"]
@@ -138,6 +219,7 @@ class _Child:
         )
         self.pid = self.proc.pid
         self.sock: socket.socket | None = None  # batches
+        self.turns = _Turns()  # the batches in flight on it
         self.control: socket.socket | None = None  # loads and unloads, beside batches
         self.ready: dict[str, Any] = {}  # the ready frame
         assert self.proc.stdout is not None
@@ -250,11 +332,13 @@ class _Child:
 class ProcessRuntime:
     """`runtimes.base.Runtime` backed by a child process; see the module doc for the policy.
 
-    `run_batch` is called from one thread at a time, `load` and `unload` from one other
-    thread (they run beside batches); `close` may come from any thread. Counters for
-    metrics: `restarts` (replacement children, spawned or promoted, failed starts
-    included), `poison_isolated`, `spare_promotions`, `start_failures`; `pid` is the
-    current child's, `spare_pid` the spare's.
+    `run_batch` is called from up to `pipeline_depth` threads at a time (their batches
+    share the connection and are answered in the order sent; each bisects its own on a
+    failure), `load` and `unload` from one other thread (they run beside batches);
+    `close` may come from any thread. Counters for metrics: `restarts` (replacement
+    children, spawned or promoted, failed starts included), `poison_isolated`,
+    `spare_promotions`, `start_failures`; `pid` is the current child's, `spare_pid` the
+    spare's.
 
     `models` load at start. A child that replaces a dead one loads every model resident
     in its predecessor (`resident`) before it is ready, so that what the worker believes
@@ -274,10 +358,14 @@ class ProcessRuntime:
         batch_timeout: float | None = None,
         spare: bool = False,
         precision: str | None = None,
+        pipeline_depth: int = 2,
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.device_bytes: int | None = None  # the device's memory, from the child
         self.start_timeout = start_timeout
+        # Batches `run_batch` may be running at once (from as many threads): the child
+        # computes one while it prepares the next (`runtimes.pipeline`).
+        self.pipeline_depth = pipeline_depth
         self._catalog_dir = catalog_dir
         # A model that hangs (a deadlocked kernel, a stuck device) is killed
         # after this long and treated like a crash: restart, then bisect.
@@ -312,11 +400,8 @@ class ProcessRuntime:
         self._spare: _Child | None = None
         self._spawned = 0  # children and spares started (names their sockets)
         self._started_once = False  # a child was ready once: later starts are restarts
-        self._works_after_failure = False  # in the current run_batch; see _blame
-        self._on_deltas: OnDeltas | None = None  # of the current run_batch
-        self._streamed: set[str] = set()  # its requests whose deltas went out
-        self._cancelled: set[str] = set()  # requests of the running batch whose callers left
-        self._running: set[str] = set()  # the running batch's request ids
+        self._cancelled: set[str] = set()  # requests of running batches whose callers left
+        self._running: set[str] = set()  # the running batches' request ids
         try:
             self._ready_child()
             # Only now: on a small host its imports would slow the first start.
@@ -353,18 +438,16 @@ class ProcessRuntime:
                   on_deltas: OnDeltas | None = None) -> list[Outcome]:
         if not requests:
             return []
-        self._works_after_failure = False
-        self._on_deltas = on_deltas if any(r.stream for r in requests) else None
-        self._streamed.clear()
+        call = _Call(on_deltas if any(r.stream for r in requests) else None)
+        ids = {r.id for r in requests}
         with self._lock:
-            self._running = {r.id for r in requests}
+            self._running |= ids
         try:
-            return self._run(model_id, requests, failed_before=False)
+            return self._run(call, model_id, requests, failed_before=False)
         finally:
-            self._on_deltas = None
             with self._lock:
-                self._running = set()
-                self._cancelled.clear()
+                self._running -= ids
+                self._cancelled -= ids
 
     def cancel(self, request_ids: list[str]) -> None:
         """The next step of the running batch drops these requests' rows (any thread); ids
@@ -441,35 +524,36 @@ class ProcessRuntime:
 
     # --- bisection --------------------------------------------------------------------
 
-    def _run(self, model: str, requests: list[Request], failed_before: bool) -> list[Outcome]:
-        result = self._call(model, requests)
+    def _run(self, call: _Call, model: str, requests: list[Request], failed_before: bool
+             ) -> list[Outcome]:
+        result = self._call(call, model, requests)
         if not isinstance(result, _Failure):
             if failed_before and any(o.ok for o in result):
-                self._works_after_failure = True
+                call.works_after_failure = True
             return result
-        if self._streamed.intersection(r.id for r in requests):
-            return self._interrupted(model, requests, result)
+        if call.streamed.intersection(r.id for r in requests):
+            return self._interrupted(call, model, requests, result)
         if len(requests) > 1:
             log.warning("batch of %d requests for %s failed (%s: %s); splitting it",
                         len(requests), model, result.kind, result.detail)
             mid = len(requests) // 2
-            return (self._run(model, requests[:mid], failed_before=True)
-                    + self._run(model, requests[mid:], failed_before=True))
+            return (self._run(call, model, requests[:mid], failed_before=True)
+                    + self._run(call, model, requests[mid:], failed_before=True))
         if not failed_before:
             # A lone request's first failure may not be its fault (an OOM kill): once more.
             log.warning("request %s for %s failed alone (%s: %s); retrying it once",
                         requests[0].id, model, result.kind, result.detail)
-            return self._run(model, requests, failed_before=True)
-        return [self._blame(model, requests[0], result)]
+            return self._run(call, model, requests, failed_before=True)
+        return [self._blame(call, model, requests[0], result)]
 
-    def _interrupted(self, model: str, requests: list[Request], failure: _Failure
-                     ) -> list[Outcome]:
+    def _interrupted(self, call: _Call, model: str, requests: list[Request],
+                     failure: _Failure) -> list[Outcome]:
         """A failed batch in which some requests had streamed: they end here, the rest
         run again (bisected, as any failed batch)."""
         outcomes: dict[str, Outcome] = {}
         rest = []
         for request in requests:
-            if request.id in self._streamed:
+            if request.id in call.streamed:
                 outcomes[request.id] = Outcome(
                     request.id, error_code=str(ErrorCode.STREAM_INTERRUPTED),
                     error_message=f"the model runtime failed ({failure.kind}: "
@@ -479,12 +563,12 @@ class ProcessRuntime:
             else:
                 rest.append(request)
         if rest:
-            outcomes.update((o.id, o) for o in self._run(model, rest, failed_before=True))
+            outcomes.update((o.id, o) for o in self._run(call, model, rest, failed_before=True))
         return [outcomes[r.id] for r in requests]
 
     def probe(self, model: str) -> str | None:
         """Run the model's probe: None when it was answered, else what went wrong."""
-        result = self._exchange({"op": "probe", "model": model}, [PROBE_ID])
+        result = self._exchange(_Call(None), {"op": "probe", "model": model}, [PROBE_ID])
         if isinstance(result, _Failure):
             return f"{result.kind}: {result.detail}"
         (outcome,) = result
@@ -493,8 +577,8 @@ class ProcessRuntime:
             return f"the probe was refused: {outcome.error_code}: {outcome.error_message}"
         return None
 
-    def _blame(self, model: str, request: Request, failure: _Failure) -> Outcome:
-        problem = None if self._works_after_failure else self.probe(model)
+    def _blame(self, call: _Call, model: str, request: Request, failure: _Failure) -> Outcome:
+        problem = None if call.works_after_failure else self.probe(model)
         if problem is not None:
             raise RuntimeUnhealthy(
                 f"the model runtime for {model} fails even on a known-good request "
@@ -516,30 +600,37 @@ class ProcessRuntime:
 
     # --- one round trip ---------------------------------------------------------------
 
-    def _call(self, model: str, requests: list[Request]) -> list[Outcome] | _Failure:
-        frame = {"op": "run", "model": model, "deltas": self._on_deltas is not None,
+    def _call(self, call: _Call, model: str, requests: list[Request]
+              ) -> list[Outcome] | _Failure:
+        frame = {"op": "run", "model": model, "deltas": call.on_deltas is not None,
                  "requests": [{"id": r.id, "op": r.op, "kwargs": r.kwargs, "stream": r.stream}
                               for r in requests]}
-        return self._exchange(frame, [r.id for r in requests])
+        return self._exchange(call, frame, [r.id for r in requests])
 
-    def _exchange(self, frame: dict[str, Any], ids: list[str]) -> list[Outcome] | _Failure:
-        """Send a run or probe frame; the outcomes (for `ids`, in order) or how it failed."""
+    def _exchange(self, call: _Call, frame: dict[str, Any], ids: list[str]
+                  ) -> list[Outcome] | _Failure:
+        """Send a run or probe frame; the outcomes (for `ids`, in order) or how it failed.
+
+        Batches from several threads share the connection (the child answers them in
+        the order they came, `runtimes.pipeline`): each waits for its turn to read. A
+        frame that talks back (a stream's deltas) or must run alone (a probe) waits
+        until nothing else is in flight and keeps the connection for its exchange."""
         child = self._ready_child()
         try:
             payload = encode_frame(frame)
         except FrameTooLarge as exc:  # nothing was sent; halves may fit
             return _Failure("exception", str(exc))
         assert child.sock is not None
+        alone = bool(frame.get("deltas")) or frame.get("op") == "probe"
         try:
-            child.sock.settimeout(self.batch_timeout)
-            child.sock.sendall(payload)
-            reply = recv_frame(child.sock)
-            while isinstance(reply, dict) and "deltas" in reply:
-                self._forward(reply["deltas"])
-                with self._lock:
-                    cancel = [i for i in ids if i in self._cancelled]
-                child.sock.sendall(encode_frame({"cancel": cancel}))
-                reply = recv_frame(child.sock)
+            with child.turns.send(alone) as turn:
+                child.sock.settimeout(self.batch_timeout)
+                child.sock.sendall(payload)
+                if alone:
+                    reply = self._converse(call, child, ids)
+            if not alone:
+                with turn.reading():
+                    reply = recv_frame(child.sock)
         except TimeoutError:
             why = f"no answer within the {self.batch_timeout:g}s batch timeout"
             self._replace_dead(child, why)
@@ -556,7 +647,20 @@ class ProcessRuntime:
         self._replace_dead(child, "protocol error")
         raise RuntimeError(f"unexpected reply from the model runtime: {reply!r:.300}")
 
-    def _forward(self, raw: Any) -> None:
+    def _converse(self, call: _Call, child: _Child, ids: list[str]) -> Any:
+        """The replies to a frame sent alone, up to its last: a stream's deltas, each
+        answered with the cancels since."""
+        assert child.sock is not None
+        reply = recv_frame(child.sock)
+        while isinstance(reply, dict) and "deltas" in reply:
+            self._forward(call, reply["deltas"])
+            with self._lock:
+                cancel = [i for i in ids if i in self._cancelled]
+            child.sock.sendall(encode_frame({"cancel": cancel}))
+            reply = recv_frame(child.sock)
+        return reply
+
+    def _forward(self, call: _Call, raw: Any) -> None:
         """Hand a step's deltas to the batch's `on_deltas` (the batch timeout then applies
         to each step, not to the whole stream)."""
         try:
@@ -564,10 +668,10 @@ class ProcessRuntime:
         except (TypeError, ValueError, IndexError):
             log.error("malformed deltas from the model runtime dropped: %r", raw)
             return
-        self._streamed.update(d.id for d in deltas)
-        if self._on_deltas is not None:
+        call.streamed.update(d.id for d in deltas)
+        if call.on_deltas is not None:
             try:
-                self._on_deltas(deltas)
+                call.on_deltas(deltas)
             except Exception:  # the worker's side of a stream must not fail the batch
                 log.exception("delivering %d deltas failed", len(deltas))
 

@@ -42,6 +42,12 @@ class RuntimeRouter:
         return sum(getattr(r, "start_failures", 0) for r in self.runtimes.values())
 
     @property
+    def pipeline_depth(self) -> int:
+        """Batches in flight at once: the batching runtimes' (continuous ones get none)."""
+        return max((getattr(r, "pipeline_depth", 1) for r in self.runtimes.values()),
+                   default=1)
+
+    @property
     def pid(self) -> int | None:
         return next((r.pid for r in self.runtimes.values() if r.pid is not None), None)
 

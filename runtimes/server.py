@@ -71,6 +71,14 @@ from typing import TYPE_CHECKING, Any
 
 from app.catalog import Catalog, load_catalog
 from runtimes.base import Delta, Request
+from runtimes.pipeline import (
+    EXIT_FATAL,
+    Pipeline,
+    failed_reply,
+    outcomes_reply,
+    release_cached_memory,
+    reply_bytes,
+)
 from runtimes.protocol import (
     PROBE_ID,
     ConnectionClosed,
@@ -83,9 +91,6 @@ if TYPE_CHECKING:
     from runtimes.host import ModelHost
 
 log = logging.getLogger("runtimes.server")
-
-EXIT_FATAL = 3  # the device is unusable after an error; the client restarts us
-
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtimes.server")
@@ -141,27 +146,6 @@ def _accept(path: Path, count: int) -> list[socket.socket]:
         path.unlink(missing_ok=True)
 
 
-def _leaves_device_unusable(exc: BaseException, device: str) -> bool:
-    # After a CUDA error the context is corrupt and every later call fails;
-    # out-of-memory is not one of them (the next, smaller batch can succeed).
-    if not device.startswith("cuda"):
-        return False
-    text = str(exc)
-    return type(exc).__name__ == "AcceleratorError" or any(
-        marker in text for marker in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS")
-    )
-
-
-def _release_cached_memory(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        try:
-            torch.cuda.empty_cache()
-        except Exception:  # the device may be what failed
-            log.exception("could not release cached device memory")
-
-
 def probe(host: ModelHost, model: str) -> list[Request]:
     """The model's health check: its adapter knows a request it must answer when it works
     (an unknown model gets one that is answered MODEL_NOT_FOUND)."""
@@ -213,23 +197,21 @@ def handle(host: ModelHost, frame: Any, conn: socket.socket | None = None
     except WorkerGone:
         raise  # nobody is left to answer
     except Exception as exc:
-        log.exception("batch of %d requests for %s failed", len(requests), model)
-        fatal = _leaves_device_unusable(exc, host.device)
-        if not fatal:
-            _release_cached_memory(host.device)
-        return {"failed": repr(exc), "fatal": fatal}, fatal
-    return {
-        "outcomes": [
-            {
-                "id": o.id,
-                "result": o.result,
-                "error_code": None if o.error_code is None else str(o.error_code),
-                "error_message": o.error_message,
-                "stats": o.stats,
-            }
-            for o in outcomes
-        ]
-    }, False
+        return failed_reply(exc, host.device, len(requests), model)
+    return outcomes_reply(outcomes), False
+
+
+def batch_of(frame: Any) -> tuple[str, list[Request]] | None:
+    """The model and requests of a run frame the pipeline takes (no deltas to talk back);
+    None for any other frame (answered by `handle`, alone)."""
+    if not isinstance(frame, dict) or frame.get("op") != "run" or frame.get("deltas"):
+        return None
+    try:
+        return str(frame["model"]), [
+            Request(str(r["id"]), str(r["op"]), r["kwargs"], bool(r.get("stream")))
+            for r in frame["requests"]]
+    except (KeyError, TypeError):
+        return None  # `handle` says what is malformed
 
 
 def control(host: ModelHost, catalog: Catalog, frame: Any,
@@ -262,7 +244,7 @@ def control(host: ModelHost, catalog: Catalog, frame: Any,
         measured = host.load_one(entry) if lora is None else host.load_lora(model, lora)
     except Exception as exc:  # bad weights, missing files, out of memory: not our death
         log.exception("loading %s failed", model)
-        _release_cached_memory(host.device)
+        release_cached_memory(host.device)
         return {"failed": f"{type(exc).__name__}: {exc}"}
     return {"loaded": model, "bytes": measured, "seconds": time.perf_counter() - started}
 
@@ -285,25 +267,27 @@ def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog,
 
 
 def serve(conn: socket.socket, host: ModelHost) -> int:
-    """Answer frames until the worker hangs up; the process exit code."""
+    """Answer frames until the worker hangs up; the process exit code. Batches go through
+    the pipeline (`runtimes.pipeline`); any other frame waits until it is empty."""
+    pipeline = Pipeline(conn, host)
     while True:
         try:
             frame = recv_frame(conn)
         except (ConnectionClosed, OSError):
             log.info("the worker closed the connection; exiting")
             return 0
+        batch = batch_of(frame)
+        if batch is not None:
+            pipeline.submit(*batch)
+            continue
+        pipeline.idle()
         try:
             reply, fatal = handle(host, frame, conn)
         except WorkerGone:
             log.info("the worker closed the connection mid-stream; exiting")
             return 0
         try:
-            payload = encode_frame(reply)
-        except Exception as exc:  # too large, or a result msgpack cannot pack
-            # Not fatal: the client bisects, and smaller batches give smaller replies.
-            payload = encode_frame({"failed": f"reply could not be sent: {exc!r}", "fatal": False})
-        try:
-            conn.sendall(payload)
+            conn.sendall(reply_bytes(reply))
         except OSError:
             log.info("the worker went away before the reply; exiting")
             return 0

@@ -87,6 +87,25 @@ class Adapter(ABC):
     def run(self, prepared: list[Any]) -> list[dict[str, Any]]:
         """One result per request, in order; each has `usage: {"tokens": n}`."""
 
+    # --- stages: how a pipelined runtime runs a batch ------------------------------------
+    # The runtime process overlaps batches (runtimes.server): while the device runs one
+    # batch's `forward`, the next batch's `plan` and the previous one's `finish` run on
+    # other threads. Per batch they run in this order, and `forward` of one batch at a
+    # time. A family that does not split its work runs it whole in `forward`.
+
+    def plan(self, prepared: list[Any]) -> Any:
+        """The host work before the device (tokenize, pad); any thread."""
+        return prepared
+
+    def forward(self, planned: Any) -> Any:
+        """The device work: queue it, and the copy of its outputs to the host, without
+        waiting for them where the device allows; the device stage's thread."""
+        return self.run(planned)
+
+    def finish(self, planned: Any, output: Any) -> list[dict[str, Any]]:
+        """The results, once `forward`'s outputs are on the host; any thread."""
+        return output
+
     # --- LoRA adapters -----------------------------------------------------------------
 
     def load_lora(self, name: str, ref: str) -> int:

@@ -24,7 +24,7 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.st_config import read_st_config
-from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
+from runtimes.pytorch.text import HostCopy, check_lengths, host_chunks, max_length, to_device
 from runtimes.pytorch.vectors import dense_result, normalize_rows
 from tasks.schema import ParsedRequest, check_encode_output
 
@@ -33,6 +33,16 @@ from tasks.schema import ParsedRequest, check_encode_output
 class Tokenized:
     input_ids: list[list[int]]
     token_type_ids: list[list[int]] | None
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A batch between `DenseAdapter.plan` and `finish`."""
+
+    prepared: list[ParsedRequest]
+    tokens: Tokenized
+    loras: list[str | None] | None
+    chunks: list[tuple[list[int], dict[str, torch.Tensor]]]
 
 
 class DenseEncoder:
@@ -87,17 +97,36 @@ class DenseEncoder:
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
-    @torch.inference_mode()
     def embed(self, tokens: Tokenized, loras: Sequence[str | None] | None = None) -> np.ndarray:
         """Pooled (not yet normalised) float32 vectors, in input order; text i through
         LoRA `loras[i]` (None: the base model)."""
-        n = len(tokens.input_ids)
-        out = np.empty((n, self.dims), dtype=np.float32)
-        for chunk, inputs in padded_chunks(tokens.input_ids, tokens.token_type_ids,
-                                           self.pad_id, self.device, self.chunk_tokens):
+        chunks = self.chunks(tokens)
+        return self.gather(chunks, self.forward(chunks, loras), len(tokens.input_ids))
+
+    def chunks(self, tokens: Tokenized) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+        """The host side of `embed`: padded host tensors per length-sorted chunk."""
+        return host_chunks(tokens.input_ids, tokens.token_type_ids, self.pad_id, self.device,
+                           self.chunk_tokens)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[tuple[list[int], dict[str, torch.Tensor]]],
+                loras: Sequence[str | None] | None = None) -> HostCopy:
+        """The device side of `embed`: every chunk's pooled vectors, copied to the host
+        without waiting (`gather` waits)."""
+        pooled = []
+        for chunk, staged_inputs in chunks:
+            inputs = to_device(staged_inputs, self.device)
             names = None if loras is None else [loras[i] for i in chunk]
             hidden = self.loras.forward(names, **inputs).last_hidden_state
-            out[chunk] = self._pool(hidden, inputs["attention_mask"]).float().cpu().numpy()
+            pooled.append(self._pool(hidden, inputs["attention_mask"]).float())
+        return HostCopy(pooled)
+
+    def gather(self, chunks: list[tuple[list[int], dict[str, torch.Tensor]]], copy: HostCopy,
+               n: int) -> np.ndarray:
+        """The vectors of `forward`, in input order."""
+        out = np.empty((n, self.dims), dtype=np.float32)
+        for (chunk, _), vectors in zip(chunks, copy.wait(), strict=True):
+            out[chunk] = vectors.numpy()
         return out
 
     def encode(self, texts: list[str], *, normalize: bool | None = None) -> np.ndarray:
@@ -132,10 +161,22 @@ class DenseAdapter(Adapter):
         return parsed
 
     def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
+        planned = self.plan(prepared)
+        return self.finish(planned, self.forward(planned))
+
+    def plan(self, prepared: list[ParsedRequest]) -> _Planned:
         texts = [t for parsed in prepared for t in self.prompted(parsed)]
         loras = [parsed.options.lora for parsed in prepared for _ in parsed.items]
         tokens = self.encoder.tokenize(texts)
-        vectors = self.encoder.embed(tokens, loras if any(loras) else None)
+        return _Planned(prepared, tokens, loras if any(loras) else None,
+                        self.encoder.chunks(tokens))
+
+    def forward(self, planned: _Planned) -> HostCopy:
+        return self.encoder.forward(planned.chunks, planned.loras)
+
+    def finish(self, planned: _Planned, output: HostCopy) -> list[dict[str, Any]]:
+        prepared, tokens = planned.prepared, planned.tokens
+        vectors = self.encoder.gather(planned.chunks, output, len(tokens.input_ids))
         results, offset = [], 0
         for parsed in prepared:
             n = len(parsed.items)

@@ -8,9 +8,15 @@ A forward nested in another (the encoder inside the model) is not counted twice.
 On CUDA the marks are CUDA events on the current stream, so the figure is the
 device's own time from the pass's first kernel to its last, not the host's: a host
 that launches kernels asynchronously is not billed for the device, and a device that
-waits for the next batch is not billed as busy. `take()` waits for the last pass
-recorded, so it is called once per batch, after the results are on the host anyway.
+waits for the next batch is not billed as busy (gaps between one pass's kernels, while
+the host launches them, are: eager PyTorch's small batches are launch-bound).
 On CPU the forward's wall time is the device's time.
+
+A batch's passes run on one thread (the runtime's device stage), one batch after
+another, so what `take_span()` returns after a batch's forward is that batch's: a
+`Span`, read later (`seconds()` waits for the span's last pass on CUDA) by whichever
+thread turns the batch's outputs into results, so the device stage never waits for the
+GPU. `take()` is the same read at once.
 """
 
 from __future__ import annotations
@@ -60,14 +66,33 @@ class DeviceClock:
                 self._seconds += elapsed
 
     def take(self) -> float:
-        """Seconds the device was busy in forward passes since the last take."""
+        """Seconds the device was busy in forward passes since the last take (on CUDA,
+        once the last of them has run)."""
+        return self.take_span().seconds()
+
+    def take_span(self) -> Span:
+        """The forward passes since the last take (read their time with `seconds()`)."""
         with self._lock:
             events, self._events = self._events, []
             seconds, self._seconds = self._seconds, 0.0
-        if events:
-            events[-1][1].synchronize()  # a stream runs in order: the rest are done too
-            seconds += sum(start.elapsed_time(end) for start, end in events) / 1000
-        return seconds
+        return Span(seconds, events)
+
+
+class Span:
+    """The busy time of some forward passes: CPU seconds, and CUDA events to read."""
+
+    __slots__ = ("_events", "_seconds")
+
+    def __init__(self, seconds: float, events: list[tuple[Any, Any]]) -> None:
+        self._seconds = seconds
+        self._events = events
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()  # a stream runs in order: the rest are done
+            self._seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            self._events = []
+        return self._seconds
 
 
 _clocks: dict[str, DeviceClock] = {}

@@ -3,7 +3,7 @@
 Catalog `adapter: dense-faulty` (encode) and `cross-encoder-faulty` (score):
 the plain adapter with `Faulty` in front. Refused unless
 SHOAL_ALLOW_TEST_ADAPTERS=1, since one request could otherwise take a
-production worker down on purpose. The fault happens in `run`, where a real
+production worker down on purpose. The fault happens in `forward`, where a real
 model fails (inference, not validation); requests without markers get what
 the plain adapter gives.
 
@@ -78,9 +78,19 @@ class Faulty(Adapter):
         markers = frozenset(m for m in MARKERS if any(m in text for text in texts))
         return _Marked(super().check(parsed), markers)
 
-    def run(self, prepared: list[_Marked]) -> list[dict[str, Any]]:
-        misbehave(marker for p in prepared for marker in p.markers)
-        return super().run([p.prepared for p in prepared])
+    # The faults happen in the device stage, where a real model fails; the plain
+    # adapter's `run`, where it does not split its work into stages, runs in that stage.
+    def plan(self, prepared: list[_Marked]) -> tuple[frozenset[str], Any]:
+        markers = frozenset(marker for p in prepared for marker in p.markers)
+        return markers, super().plan([p.prepared for p in prepared])
+
+    def forward(self, planned: tuple[frozenset[str], Any]) -> Any:
+        markers, inner = planned
+        misbehave(markers)
+        return super().forward(inner)
+
+    def finish(self, planned: tuple[frozenset[str], Any], output: Any) -> list[dict[str, Any]]:
+        return super().finish(planned[1], output)
 
 
 class FaultyDenseAdapter(Faulty, DenseAdapter):

@@ -94,15 +94,55 @@ def encoder_inputs(input_ids: Sequence[Sequence[int]],
     }
     if token_type_ids is not None:
         inputs["token_type_ids"] = pad(token_type_ids, 0)
-    return to_device(inputs, device)
+    return to_device(staged(inputs, device), device)
+
+
+def staged(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """Host tensors ready to go to `device`: in pinned (page-locked) memory for a GPU, so
+    the copy can run without the host waiting for it."""
+    if not device.startswith("cuda"):
+        return tensors
+    return {k: v.pin_memory() for k, v in tensors.items()}
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
-    """Host tensors on `device`; to a GPU through pinned memory without blocking the host
-    (the copy is queued on the stream ahead of the forward that reads it)."""
+    """`staged` tensors on `device`; to a GPU without blocking the host (the copy is
+    queued on the stream ahead of the forward that reads it)."""
     if not device.startswith("cuda"):
         return {k: v.to(device) for k, v in tensors.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+
+
+def host_chunks(input_ids: Sequence[Sequence[int]],
+                token_type_ids: Sequence[Sequence[int]] | None, pad_id: int, device: str,
+                budget: int) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+    """`padded_chunks`' chunks as host tensors `staged` for `device`: a batch's `plan`."""
+    return [(chunk, staged(inputs, device)) for chunk, inputs in
+            padded_chunks(input_ids, token_type_ids, pad_id, "cpu", budget)]
+
+
+class HostCopy:
+    """Device outputs on their way to host memory: `wait()` gives them once copied.
+
+    On a GPU the copy is queued behind the forward that makes them (into pinned memory),
+    and an event marks its end, so the device stage moves on to the next batch at once."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        self._event = None
+        if outputs and outputs[0].is_cuda:
+            host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
+            for target, output in zip(host, outputs, strict=True):
+                target.copy_(output, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            outputs = host
+        self._outputs = outputs
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._outputs
 
 
 def padded_chunks(input_ids: Sequence[Sequence[int]],
