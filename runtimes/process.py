@@ -56,8 +56,9 @@ them.
 
 Two batches in flight (`pipeline_depth`, the worker's SHOAL_RUNTIME_PIPELINE_DEPTH):
 the child prepares the second while its device computes the first. A crash then
-fails both; each is bisected on its own, on the next child, so a poison request is
-still blamed alone and every other request gets its result. A streamed batch and a
+fails both; each is bisected on its own, on the next child, its frames sent alone from
+its first failure on (nothing else in flight), so a request is still blamed only for a
+failure of its own and every other request gets its result. A streamed batch and a
 probe go alone (they talk back and forth on the connection).
 
 Streams: a batch with streamed requests sends their deltas as it goes (see
@@ -125,6 +126,14 @@ class _Call:
     on_deltas: OnDeltas | None
     streamed: set[str] = field(default_factory=set)  # its requests whose deltas went out
     works_after_failure: bool = False  # part of it succeeded after a failure; see _blame
+    # Failed once: its frames from now on go alone. With another batch in flight a crash
+    # fails both, and only a failure with nothing else in flight blames a request.
+    alone: bool = False
+
+
+class _Stale(ConnectionError):
+    """A frame was not sent, or its reply not read, because one before it on the
+    connection failed: the child never ran it alone, so its failure is no evidence."""
 
 
 class _Turn:
@@ -141,7 +150,7 @@ class _Turn:
             turns.changed.wait_for(lambda: turns.read == self._ticket)
         try:
             if turns.broken:
-                raise ConnectionError("an earlier frame on this connection failed")
+                raise _Stale("an earlier frame on this connection failed")
             yield
         except BaseException:
             # What comes next on the connection may be the reply this one did not read
@@ -171,7 +180,7 @@ class _Turns:
                 with self.changed:
                     self.changed.wait_for(lambda: self.read == self.sent)
             if self.broken:
-                raise ConnectionError("an earlier frame on this connection failed")
+                raise _Stale("an earlier frame on this connection failed")
             ticket = self.sent
             self.sent += 1
             try:
@@ -531,6 +540,7 @@ class ProcessRuntime:
             if failed_before and any(o.ok for o in result):
                 call.works_after_failure = True
             return result
+        call.alone = True
         if call.streamed.intersection(r.id for r in requests):
             return self._interrupted(call, model, requests, result)
         if len(requests) > 1:
@@ -615,13 +625,23 @@ class ProcessRuntime:
         the order they came, `runtimes.pipeline`): each waits for its turn to read. A
         frame that talks back (a stream's deltas) or must run alone (a probe) waits
         until nothing else is in flight and keeps the connection for its exchange."""
-        child = self._ready_child()
         try:
             payload = encode_frame(frame)
         except FrameTooLarge as exc:  # nothing was sent; halves may fit
             return _Failure("exception", str(exc))
+        alone = call.alone or bool(frame.get("deltas")) or frame.get("op") == "probe"
+        while True:
+            child = self._ready_child()
+            try:
+                return self._send(call, child, payload, alone, ids)
+            except _Stale as exc:
+                # Another frame's failure broke the connection first: on the next child.
+                self._replace_dead(child, f"connection lost: {exc}")
+
+    def _send(self, call: _Call, child: _Child, payload: bytes, alone: bool, ids: list[str]
+              ) -> list[Outcome] | _Failure:
+        """One frame's exchange on `child` (see `_exchange`)."""
         assert child.sock is not None
-        alone = bool(frame.get("deltas")) or frame.get("op") == "probe"
         try:
             with child.turns.send(alone) as turn:
                 child.sock.settimeout(self.batch_timeout)
@@ -635,6 +655,8 @@ class ProcessRuntime:
             why = f"no answer within the {self.batch_timeout:g}s batch timeout"
             self._replace_dead(child, why)
             return _Failure("hang", why)
+        except _Stale:
+            raise
         except (OSError, EOFError, ProtocolError) as exc:
             return _Failure("crash", self._replace_dead(child, f"connection lost: {exc}"))
         if isinstance(reply, dict) and "outcomes" in reply:

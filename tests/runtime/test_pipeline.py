@@ -1,0 +1,175 @@
+"""Two batches in flight to one runtime process (`runtimes.pipeline`, `runtimes.process`).
+
+The worker hands its runtime a second batch while the first runs; the child prepares it
+meanwhile and answers both in order. A crash or a kill with both in flight must lose
+nothing and blame only a poison request; each batch is bisected on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from runtimes.base import Outcome, Request
+from runtimes.process import ProcessRuntime
+from tests.tiny_models import build_tiny_sentence_transformer
+
+TINY, FAULTY = "test/tiny", "test/faulty"
+SLOW_S = 1.0
+CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def catalog_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pipeline")
+    weights = build_tiny_sentence_transformer(root / "tiny", pooling="mean", normalize=True)
+    directory = root / "catalog"
+    directory.mkdir()
+    for name, model_id, adapter in (("tiny", TINY, "dense"), ("faulty", FAULTY, "dense-faulty")):
+        entry = {"id": model_id, "adapter": adapter, "source": {"path": str(weights)}, "dims": 32}
+        (directory / f"{name}.yaml").write_text(yaml.safe_dump(entry))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def runtime(catalog_dir: Path):
+    with ProcessRuntime(catalog_dir, [TINY, FAULTY], threads=1, start_timeout=60,
+                        env=CHILD_ENV, pipeline_depth=2) as runtime:
+        yield runtime
+
+
+def requests(prefix: str, texts: list[str]) -> list[Request]:
+    return [Request(f"{prefix}{i}", "encode", {"items": [{"text": t}, {"text": "and more"}]})
+            for i, t in enumerate(texts)]
+
+
+def vectors(outcome: Outcome) -> np.ndarray:
+    result = outcome.result
+    assert result is not None, (outcome.error_code, outcome.error_message)
+    return np.frombuffer(result["embeddings"], "<f4").reshape(result["count"], result["dims"])
+
+
+class InFlight:
+    """Batches run on threads of their own, as the worker's dispatcher runs them."""
+
+    def __init__(self, runtime: ProcessRuntime) -> None:
+        self.runtime = runtime
+        self.threads: list[threading.Thread] = []
+        self.outcomes: dict[str, list[Outcome]] = {}
+        self.finished: list[str] = []  # names, in the order their answers came
+        self.errors: list[BaseException] = []
+
+    def start(self, name: str, model: str, batch: list[Request]) -> None:
+        def run() -> None:
+            try:
+                self.outcomes[name] = self.runtime.run_batch(model, batch)
+                self.finished.append(name)
+            except BaseException as exc:
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=run, name=f"batch-{name}")
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> dict[str, list[Outcome]]:
+        for thread in self.threads:
+            thread.join(WAIT_S)
+            assert not thread.is_alive(), "run_batch did not return"
+        assert not self.errors, self.errors
+        return self.outcomes
+
+
+def wait_for(condition, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def assert_all_ok_but(outcomes: list[Outcome], bad: int | None) -> None:
+    for i, outcome in enumerate(outcomes):
+        assert outcome.ok == (i != bad), (i, outcome.error_code, outcome.error_message)
+        if i != bad:
+            assert vectors(outcome).shape == (2, 32)
+
+
+def test_two_batches_in_flight_get_their_own_results_in_order(runtime):
+    first, second = requests("a", ["the first batch", "slow @@slow@@"]), \
+        requests("b", ["the second batch", "another text"])
+    alone = {r.id: vectors(o) for batch in (first, second)
+             for r, o in zip(batch, runtime.run_batch(TINY, batch), strict=True)}
+    flight = InFlight(runtime)
+    flight.start("first", FAULTY, first)  # sleeps in the device stage
+    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 1)
+    flight.start("second", TINY, second)
+    outcomes = flight.join()
+    assert flight.finished == ["first", "second"]  # the child answers in the order sent
+    for name, batch in (("first", first), ("second", second)):
+        assert [o.id for o in outcomes[name]] == [r.id for r in batch]
+        for request, outcome in zip(batch, outcomes[name], strict=True):
+            np.testing.assert_allclose(vectors(outcome), alone[request.id], rtol=1e-5,
+                                       atol=1e-6)
+
+
+@pytest.mark.parametrize("killed", ["first", "second"])
+def test_a_kill_with_two_batches_in_flight_loses_nothing(runtime, killed):
+    """SIGKILL (an OOM kill) while one batch computes and another is in flight: both are
+    run again on the next child, every request answered once, nobody blamed."""
+    pid, restarts, poison = runtime.pid, runtime.restarts, runtime.poison_isolated
+    slow = [f"t{i}" for i in range(3)] + ["@@slow@@"]
+    fast = [f"u{i}" for i in range(4)]
+    first, second = (slow, fast) if killed == "first" else (fast, slow)
+    flight = InFlight(runtime)
+    flight.start("first", FAULTY, requests("a", first))
+    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 1)
+    flight.start("second", FAULTY, requests("b", second))
+    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 2)
+    if killed == "second":
+        wait_for(lambda: "first" in flight.finished)
+    time.sleep(SLOW_S / 3)  # the slow batch sleeps in the child's device stage
+    os.kill(pid, signal.SIGKILL)
+    outcomes = flight.join()
+    assert_all_ok_but(outcomes["first"], bad=None)
+    assert_all_ok_but(outcomes["second"], bad=None)
+    assert runtime.pid != pid and runtime.restarts == restarts + 1
+    assert runtime.poison_isolated == poison
+
+
+@pytest.mark.parametrize("marker", ["@@crash@@", "@@raise@@"])
+@pytest.mark.parametrize("poisoned", ["first", "second"])
+def test_a_poison_request_with_two_batches_in_flight_is_blamed_alone(runtime, marker,
+                                                                      poisoned):
+    poison = runtime.poison_isolated
+    bad = [f"t{i}" if i != 2 else f"t{i} {marker}" for i in range(8)]
+    good = [f"u{i}" for i in range(8)]
+    first, second = (bad, good) if poisoned == "first" else (good, bad)
+    flight = InFlight(runtime)
+    flight.start("first", FAULTY, requests("a", first))
+    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 1)
+    flight.start("second", FAULTY, requests("b", second))
+    outcomes = flight.join()
+    for name in ("first", "second"):
+        assert_all_ok_but(outcomes[name], bad=2 if name == poisoned else None)
+    blamed = outcomes[poisoned][2]
+    assert blamed.error_code == "POISON_INPUT"
+    assert runtime.poison_isolated == poison + 1
+    # The runtime serves on.
+    assert_all_ok_but(runtime.run_batch(TINY, requests("c", ["after"])), bad=None)
+
+
+def test_a_streamless_batch_waits_for_a_probe_and_both_are_answered(runtime):
+    """A probe goes alone on the connection: it waits for the batch in flight."""
+    flight = InFlight(runtime)
+    flight.start("slow", FAULTY, requests("a", ["@@slow@@"]))
+    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 1)
+    assert runtime.probe(TINY) is None
+    assert "slow" in flight.finished  # the probe's answer came after the batch's
+    assert_all_ok_but(flight.join()["slow"], bad=None)
