@@ -14,10 +14,13 @@ returning zeros of the shape and dtype the adapter reads (viewed from a cached b
 a pass allocates nothing that grows with it). The wait sleeps until a `perf_counter`
 deadline, never less, and `time.sleep` releases the GIL: like a GPU, the "device" leaves
 the CPU to the other threads while it computes. The device clock (`device_time`) counts
-the wait as the forward's time, so `batch.device_ms` and `shoal_device_busy_seconds_total`
-read as on a device of the profile's speed. This is what DESIGN.md "Feeding the device"
-asks for: on a machine without a GPU, does the CPU side keep a device of a given speed
-busy, and how many cores does that take (`bench/device_feed.py` measures it).
+the forward's time, less how late the wait woke up (on a busy host, the scheduler and the
+GIL held by the runtime's other threads wake it up to milliseconds late: the host's delay,
+not the device's, which CUDA events would not count either), so `batch.device_ms` and
+`shoal_device_busy_seconds_total` read as on a device of the profile's speed. This is
+what DESIGN.md "Feeding the device" asks for: on a machine without a GPU, does the CPU
+side keep a device of a given speed busy, and how many cores does that take
+(`bench/device_feed.py` measures it).
 
 Results are zeros, not the model's: a process that emulates logs a WARNING per model and
 `emulation_stamp()` says so (the host marks the results `simulated` with it). Families it
@@ -69,6 +72,8 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+
+from runtimes.pytorch.device_time import DeviceClock, device_clock
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +313,7 @@ class EmulatedForward:
         self.output_class = output_class or self._OUTPUTS[kind]
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._late = threading.local()  # per thread: how late the last pass's wait woke
 
     def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A view of `shape` on a zero buffer that grows (by doubling) and is then reused."""
@@ -339,8 +345,15 @@ class EmulatedForward:
         # The output is made inside the pass's time, not after it: the wait is what the
         # device takes, whatever making zeros costs (as long as that is less).
         wait_until(started + requested)
-        _count(tokens, requested, time.perf_counter() - started)
+        waited = time.perf_counter() - started
+        self._late.seconds = waited - requested
+        _count(tokens, requested, waited)
         return out
+
+    def late_s(self) -> float:
+        """How much later than asked this thread's last pass woke (0 once read)."""
+        late, self._late.seconds = getattr(self._late, "seconds", 0.0), 0.0
+        return late
 
 
 def _text_encoder(config: Any) -> bool:
@@ -394,11 +407,34 @@ def emulate_forward(model: torch.nn.Module, model_class: Any, ref: str) -> Devic
                          f"(SHOAL_DEVICE=cpu); {ref} is on {device}, whose clock times kernels")
     forward = _forward_for(model, model_class, ref, profile)
     model.forward = forward  # an instance attribute: nn.Module.__call__ runs it, hooks and all
+    clock = device_clock(device)
+    # After the clock's own hook (hooks run in the order registered): the device was busy
+    # for the time asked, and a wake-up after that (the scheduler, the GIL held by the
+    # runtime's other threads) is the host's, as CUDA events would not count it either.
+    model.register_forward_hook(lambda *_: _bill(clock, -forward.late_s()))
     _loaded = profile
+    if torch.get_num_threads() > 1:
+        # What torch still computes here is what a GPU would run after the forward (pooling
+        # the zeros): a few kernel launches there. Intra-op threads would only make it
+        # contend with the pipeline for the cores (10x slower than one thread on 2 busy
+        # cores, measured), billing the CPU side for the device's work.
+        log.warning("EMULATED device: torch intra-op threads %d -> 1", torch.get_num_threads())
+        torch.set_num_threads(1)
     log.warning("EMULATED device %s: %s computes nothing; each forward pass waits %g ms + "
                 "%g us per padded token and returns zeros (%s). Results are not the model's.",
                 profile.name, ref, profile.fixed_ms, profile.per_token_us, profile.source)
     return profile
+
+
+def _bill(clock: DeviceClock, seconds: float) -> None:
+    """Add `seconds` (here: take back a late wake-up) to the busy time `clock` has not yet
+    handed out. Through `DeviceClock.bill` where the clock has one, else its CPU sum."""
+    bill = getattr(clock, "bill", None)
+    if bill is not None:
+        bill(seconds)
+        return
+    with clock._lock:
+        clock._seconds += seconds
 
 
 def emulated_profile(model: torch.nn.Module) -> DeviceProfile | None:

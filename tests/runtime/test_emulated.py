@@ -104,6 +104,20 @@ def test_dense_batches_take_the_profiles_time(monkeypatch, dense_dir, caplog):
     assert stamp["device"].startswith("emulated:")
 
 
+def test_a_late_wake_up_is_not_device_time(monkeypatch, dense_dir):
+    """A wait that wakes late (a busy host, the GIL) bills the device only the time asked."""
+    monkeypatch.setenv(ENV, PROFILE)
+    host = serve(DENSE, "dense", dense_dir, dims=32)
+    emulated.reset()
+    late = 0.030
+    on_time = emulated.wait_until
+    monkeypatch.setattr(emulated, "wait_until", lambda deadline: on_time(deadline + late))
+    device_s = sum(encode(host, texts)["batch"]["device_ms"] / 1000 for texts in BATCHES)
+    done = totals()
+    assert done.waited_s >= done.requested_s + late * len(BATCHES)
+    assert device_s == pytest.approx(done.requested_s, rel=0.05)
+
+
 def test_sparse_and_cross_encoder_shapes(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV, "1,1")
     splade = serve("test/emulated-splade", "sparse", build_tiny_splade(tmp_path / "splade"))
