@@ -2,7 +2,8 @@
 
 msgpack and JSON only (never pickle), the rpc result backend (results go to
 the caller's `reply_to`), publisher confirms for clients (a worker confirms
-its results asynchronously instead, see app.replies), task events on. shoal tasks are
+its results asynchronously instead, see app.replies), task events off unless
+SHOAL_TASK_EVENTS or `-E` (Flower turns them on when it starts). shoal tasks are
 routed to the queue of the model named in their kwargs.
 """
 
@@ -58,7 +59,9 @@ app.conf.update(
     # tasks (acks_late ones are redelivered after a connection loss, not run twice at once).
     worker_cancel_long_running_tasks_on_connection_loss=True,
     broker_transport_options={"confirm_publish": True},
-    worker_send_task_events=True,
+    # Celery's convention: task events only with -E (this setting), or once Flower or
+    # `celery control enable_events` enables them; they cost the worker CPU per request.
+    worker_send_task_events=settings.task_events,
     task_send_sent_event=False,
     worker_prefetch_multiplier=1,
     task_default_queue=f"{settings.queue_prefix}.default",

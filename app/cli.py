@@ -66,10 +66,12 @@ def _worker(args: argparse.Namespace) -> int:
     argv = [
         "celery", "-A", "app", "worker",
         "--pool", "threads", "--concurrency", "1",
-        "--events", "--without-gossip", "--without-mingle",
+        "--without-gossip", "--without-mingle",
         "--loglevel", args.log_level,
         "--hostname", args.hostname,
     ]
+    if args.events:  # else SHOAL_TASK_EVENTS decides (worker_send_task_events)
+        argv.append("--events")
     from celery.__main__ import main as celery_main
 
     sys.argv = argv
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--models", help="comma-separated model ids (default: SHOAL_MODELS)")
     worker.add_argument("--hostname", default="shoal@%h")
     worker.add_argument("--log-level", default="info")
+    worker.add_argument("-E", "--events", action="store_true",
+                        help="send task events from the start (as SHOAL_TASK_EVENTS=true); "
+                        "otherwise Flower turns them on when it starts")
     worker.set_defaults(run=_worker)
 
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)

@@ -14,8 +14,13 @@ replies.
 A shoal gateway marks its messages with `shoal_reply_batch`; their results
 are collected while a batch is answered and go out as one message per reply
 queue (`{"results": [...]}` with header `shoal_multi`), one broker message
-for many requests. Flower learns of every answer from the task events sent
-here.
+for many requests.
+
+Flower learns of every request from the task events sent here, which go out
+only while the worker's event dispatcher takes the `task` group, Celery's own
+convention: from the start with `celery worker -E` (SHOAL_TASK_EVENTS), or
+once Flower (or `celery control enable_events`) enables them, until
+`disable_events`. When they are off, a request costs a flag check.
 """
 
 from __future__ import annotations
@@ -150,16 +155,18 @@ class Replier:
     def success(self, delivery: Delivery, task_id: str, result: dict[str, Any],
                 runtime_s: float) -> None:
         self._answer(delivery, task_id, rpc_result(task_id, SUCCESS, result))
-        self.event("task-succeeded", task_id, result=f"<{result.get('count')} vectors>",
-                   runtime=runtime_s)
+        if self.task_events:
+            self._event("task-succeeded", task_id, result=f"<{result.get('count')} vectors>",
+                        runtime=runtime_s)
 
     def failure(self, delivery: Delivery, task_id: str, code: str | None,
                 text: str | None) -> None:
         code = code or ErrorCode.INTERNAL
         self._answer(delivery, task_id,
                      rpc_result(task_id, FAILURE, ShoalError(code, text or "").as_celery_failure()))
-        self.event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
-                   traceback="")
+        if self.task_events:
+            self._event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
+                        traceback="")
 
     def progress(self, updates: list[tuple[Delivery, str, dict[str, Any]]]) -> None:
         """Publish PROGRESS states (a streamed request's new output) before its result: on
@@ -179,13 +186,33 @@ class Replier:
             body = msgpack.packb({"results": payloads}, use_bin_type=True)
             self._send(reply_to, "", body, [], headers={H_MULTI: 1})
 
-    def event(self, kind: str, task_id: str, **fields: Any) -> None:
+    @property
+    def task_events(self) -> bool:
+        """Whether task events go out now, as Celery's own worker decides: its event
+        dispatcher is enabled (worker heartbeats keep it so) and its groups take `task`.
+        `-E` / worker_send_task_events leaves the groups empty (every group); without it
+        they are {'worker'} until the remote-control command `enable_events` (Flower
+        sends it when it starts, and every 5 s) adds 'task', and `disable_events` takes
+        it out. The dispatcher is replaced on a reconnect, its groups carried over, so
+        this is read each time rather than kept: a few attribute loads."""
         dispatcher = getattr(self.c, "event_dispatcher", None)
-        if dispatcher is not None and dispatcher.enabled:
-            # Celery buffers task events and flushes them on the loop's next turn; a batch
-            # of requests sends three events each, so let one flush carry them all.
-            dispatcher.buffer_limit = EVENT_BUFFER_LIMIT
-            dispatcher.send(kind, utcoffset=self._utcoffset, uuid=task_id, **fields)
+        if dispatcher is None or not dispatcher.enabled:
+            return False
+        groups = dispatcher.groups
+        return not groups or "task" in groups
+
+    def event(self, kind: str, task_id: str, **fields: Any) -> None:
+        """Send a task event (`task-received`, ...) if task events are on. A caller that
+        builds costly fields checks `task_events` first."""
+        if self.task_events:
+            self._event(kind, task_id, **fields)
+
+    def _event(self, kind: str, task_id: str, **fields: Any) -> None:
+        dispatcher = self.c.event_dispatcher
+        # Celery buffers task events and flushes them on the loop's next turn; a batch
+        # of requests sends three events each, so let one flush carry them all.
+        dispatcher.buffer_limit = EVENT_BUFFER_LIMIT
+        dispatcher.send(kind, utcoffset=self._utcoffset, uuid=task_id, **fields)
 
     def _utcoffset(self) -> int:
         # Celery asks the OS for the UTC offset on every event; once a minute will do.
