@@ -30,6 +30,7 @@ from runtimes.pool import keys_of, lora_key
 from runtimes.precision import resolve_precision
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.device_time import Span, device_clock
+from runtimes.pytorch.emulated import emulation_stamp
 from runtimes.sources import resolve_source
 from tasks.errors import ErrorCode
 from tasks.served import stamp_batch
@@ -224,7 +225,7 @@ class ModelHost:
             results = work.output if work.stream is not None else \
                 work.adapter.finish(work.planned, work.output)
             stamp_batch(results, work.model_id, (r.kwargs for r, _ in work.runnable),
-                        work.started, device_s=work.device.seconds()
+                        work.started, emulation_stamp(), device_s=work.device.seconds()
                         if work.device is not None else None)
             for (request, _), result in zip(work.runnable, results, strict=True):
                 work.outcomes[request.id] = Outcome(request.id, result=result)

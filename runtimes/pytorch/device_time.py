@@ -65,6 +65,11 @@ class DeviceClock:
             with self._lock:
                 self._seconds += elapsed
 
+    def bill(self, seconds: float) -> None:
+        """Add busy time the hooks did not see (or take some back: negative)."""
+        with self._lock:
+            self._seconds += seconds
+
     def take(self) -> float:
         """Seconds the device was busy in forward passes since the last take (on CUDA,
         once the last of them has run)."""

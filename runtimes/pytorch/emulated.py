@@ -428,13 +428,8 @@ def emulate_forward(model: torch.nn.Module, model_class: Any, ref: str) -> Devic
 
 def _bill(clock: DeviceClock, seconds: float) -> None:
     """Add `seconds` (here: take back a late wake-up) to the busy time `clock` has not yet
-    handed out. Through `DeviceClock.bill` where the clock has one, else its CPU sum."""
-    bill = getattr(clock, "bill", None)
-    if bill is not None:
-        bill(seconds)
-        return
-    with clock._lock:
-        clock._seconds += seconds
+    handed out."""
+    clock.bill(seconds)
 
 
 def emulated_profile(model: torch.nn.Module) -> DeviceProfile | None:
