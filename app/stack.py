@@ -142,14 +142,15 @@ class Stack:
         return self.start(name, argv, **overrides)
 
     def flower(self, name: str, port: int, management_url: str | None = None,
-               password: str | None = None) -> Process:
+               password: str | None = None, **overrides: str) -> Process:
         """`shoal flower` on 127.0.0.1:`port` behind basic auth, user SHOAL_FLOWER_USER
         (default shoal) and `password` (default: a fresh one nobody is told; pass one to
         use Flower), reading queues from RabbitMQ's management API (default: the settings').
-        Both reach Flower through its environment, never its command line."""
+        Both reach Flower through its environment, never its command line. When it starts
+        (and every 5 s), Flower turns on the task events of every worker on its broker."""
         import secrets
 
-        overrides = {"SHOAL_FLOWER_PASSWORD": password or secrets.token_urlsafe(24)}
+        overrides["SHOAL_FLOWER_PASSWORD"] = password or secrets.token_urlsafe(24)
         if management_url is not None:
             overrides["SHOAL_MANAGEMENT_URL"] = management_url
         argv = [sys.executable, "-m", "app.cli", "flower", "--port", str(port),
