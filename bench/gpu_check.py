@@ -16,7 +16,9 @@ values), loaded through the catalog and `from_pretrained` as a user's model is:
 2. **through the runtime process** (`runtimes.process.ProcessRuntime`: msgpack frames
    over the socket, as a worker runs it) with 1, 32 and 256 concurrent clients sending
    1 or 8 texts per request, batched as the worker's former does (up to the profile's
-   item and token budget): texts/s, device busy, request p50/p99;
+   item and token budget), one batch at a time (depth 1) and pipelined (depth 2: the
+   runtime prepares the next batch while the device runs one): texts/s, device busy,
+   request p50/p99;
 3. a fit of the forward's device time per batch, a + b x padded tokens, per model and
    precision: the constants an emulated device of this GPU runs with
    (`runtimes.pytorch.emulated`).
@@ -203,14 +205,16 @@ class Former:
     and runs it on the runtime; each client waits for its answer."""
 
     def __init__(self, run: Callable[[list[Any]], list[Any]], max_items: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, depth: int = 1) -> None:
         self.run, self.max_items, self.max_tokens = run, max_items, max_tokens
         self.waiting: queue.Queue[tuple[Any, int, int, threading.Event, list[Any]]] = \
             queue.Queue()
         self.batches: list[tuple[float, float]] = []  # (start, device seconds) per batch
         self.stop = False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+        self._taking = threading.Lock()  # one batch formed at a time
+        # `depth` batches in flight, each on a thread, as the worker's dispatcher runs them.
+        for _ in range(depth):
+            threading.Thread(target=self._loop, daemon=True).start()
 
     def busy_since(self, since: float) -> float:
         """Device seconds of the batches that started at `since` or later."""
@@ -224,22 +228,23 @@ class Former:
 
     def _loop(self) -> None:
         while not self.stop:
-            try:
-                first = self.waiting.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            batch, items, tokens = [first], first[1], first[2]
-            while True:
+            with self._taking:
                 try:
-                    nxt = self.waiting.get_nowait()
+                    first = self.waiting.get(timeout=0.1)
                 except queue.Empty:
-                    break
-                if items + nxt[1] > self.max_items or tokens + nxt[2] > self.max_tokens:
-                    self.waiting.queue.appendleft(nxt)  # the next batch starts with it
-                    break
-                batch.append(nxt)
-                items += nxt[1]
-                tokens += nxt[2]
+                    continue
+                batch, items, tokens = [first], first[1], first[2]
+                while True:
+                    try:
+                        nxt = self.waiting.get_nowait()
+                    except queue.Empty:
+                        break
+                    if items + nxt[1] > self.max_items or tokens + nxt[2] > self.max_tokens:
+                        self.waiting.queue.appendleft(nxt)  # the next batch starts with it
+                        break
+                    batch.append(nxt)
+                    items += nxt[1]
+                    tokens += nxt[2]
             started = time.perf_counter()
             outcomes = self.run([b[0] for b in batch])
             busy_ms = batch_device_ms(o.result for o in outcomes) or 0.0
@@ -250,7 +255,7 @@ class Former:
 
 
 def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
-                    loads: list[tuple[int, int]], seconds: float) -> list[Row]:
+                    loads: list[tuple[int, int]], seconds: float, depth: int) -> list[Row]:
     from app.catalog import load_catalog
     from runtimes.base import Request
     from runtimes.process import ProcessRuntime
@@ -259,12 +264,13 @@ def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
     entry = load_catalog(catalog_dir).get(model)
     assert entry is not None
     runtime = ProcessRuntime(catalog_dir, [model], device=device, precision=precision,
-                             env={"TOKENIZERS_PARALLELISM": "false"})
+                             env={"TOKENIZERS_PARALLELISM": "false"}, pipeline_depth=depth,
+                             spare=False)
     rows = []
     try:
         for clients, per_request in loads:
             former = Former(lambda batch: runtime.run_batch(model, batch), max_items=256,
-                            max_tokens=16_384)
+                            max_tokens=16_384, depth=depth)
             latencies: list[float] = []
             counted = [0, 0]  # texts, tokens (estimated)
             lock = threading.Lock()
@@ -299,7 +305,7 @@ def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
                 t.join()
             wall = time.perf_counter() - warm
             former.stop = True
-            rows.append(Row("runtime-process", model, precision,
+            rows.append(Row(f"runtime-process, depth {depth}", model, precision,
                             f"{clients} clients x {per_request} texts",
                             texts_per_s=counted[0] / wall, tokens_per_s=counted[1] / wall,
                             device_busy=former.busy_since(warm) / wall,
@@ -410,10 +416,12 @@ def main(argv: list[str] | None = None) -> int:
                 if row.model == model and row.precision == "bf16" and row.path == "in-process":
                     row.parity = float(cosines.min())
         for model in [MINILM, *(f"shoal-check/{n}" for n in shaped[:1])]:
-            rows.extend(through_runtime(catalog_dir, model, device, "bf16" if
-                                        device.startswith("cuda") else "fp32", loads, seconds))
-            print(f"  runtime-process {model}: done at {time.perf_counter() - started:.0f}s",
-                  flush=True)
+            for depth in (1, 2):  # one batch at a time, and pipelined
+                rows.extend(through_runtime(
+                    catalog_dir, model, device, "bf16" if device.startswith("cuda") else "fp32",
+                    loads, seconds, depth))
+                print(f"  runtime-process {model} depth {depth}: done at "
+                      f"{time.perf_counter() - started:.0f}s", flush=True)
     print()
     print(table(rows))
     print()
