@@ -345,12 +345,14 @@ class Dispatcher:
               headers: dict[str, Any] | None = None) -> None:
         """Hold one request (the only one of its message, or a part of a coalesced one)."""
         held = Held(delivery, task_id, annotations, body, returns)
-        h = headers or {}
-        self.replier.event("task-received", task_id, name=task_name, args="()",
-                           kwargs=h.get("kwargsrepr") or
-                           f"{{'model': {annotations.model!r}, 'items': {annotations.items}}}",
-                           root_id=h.get("root_id", task_id), parent_id=h.get("parent_id"),
-                           retries=h.get("retries", 0), eta=None, expires=h.get("expires"))
+        if self.replier.task_events:  # off unless -E or Flower: no fields built then
+            h = headers or {}
+            self.replier.event(
+                "task-received", task_id, name=task_name, args="()",
+                kwargs=h.get("kwargsrepr") or
+                f"{{'model': {annotations.model!r}, 'items': {annotations.items}}}",
+                root_id=h.get("root_id", task_id), parent_id=h.get("parent_id"),
+                retries=h.get("retries", 0), eta=None, expires=h.get("expires"))
         if annotations.claims:
             # Once acked (answered, whichever way), nobody needs its blobs any more.
             delivery.on_acked = [lambda: self.claims.delete(body)]

@@ -55,6 +55,7 @@ from batching.hold import HoldLimits
 from batching.scheduler import Lane
 from runtimes.footprint import physical_memory_bytes
 from runtimes.pool import Pool
+from runtimes.precision import device_kind
 from runtimes.process import ProcessRuntime
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def device_profile(entry: ModelEntry, settings: Settings) -> BatchProfile:
-    """The catalog's tuned profile for this device, or the profile defaults."""
-    return entry.profile(settings.device) or BatchProfile()
+    """The catalog's tuned profile for this device ('cuda:1' finds a `cuda` profile, as
+    the runtime's precision does), or the profile defaults."""
+    return (entry.profile(settings.device) or entry.profile(device_kind(settings.device))
+            or BatchProfile())
 
 
 def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
