@@ -15,6 +15,9 @@ with plain data and a fake `now` (seconds, one monotonic clock throughout):
 The rules, each owned by a pure function of `batching/`:
 - up to `depth` batches in flight to the runtime (one by default; a pipelined
   runtime takes a second while it computes the first, and answers them in order);
+  one behind another starts when at least half full, or when the ones ahead are due
+  to end soon (`PIPELINE_LEAD`): small batches back to back would each pay the fixed
+  cost of a batch;
   the lane whose oldest held request has waited longest goes next; `take_batch`
   forms the batch;
 - an idle runtime starts at once; under load it may wait up to the profile's
@@ -48,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from batching.cost import CostModel
-from batching.former import BatchLimits, seconds_to_wait, split_expired, take_batch
+from batching.former import BatchLimits, is_full, seconds_to_wait, split_expired, take_batch
 from batching.hold import (
     HoldLimits,
     MeanRequest,
@@ -68,6 +71,9 @@ MIX_WEIGHT = 1 / 32
 OVERRUN_FIRST = 1.5
 OVERRUN_MIN_S = 0.05
 OVERRUN_REPEAT_MIN_S = 0.25
+# A batch that would join others in flight while under half full starts once they are
+# due to end within this share of its own predicted time.
+PIPELINE_LEAD = 0.5
 # A wait shorter than this is no wait: a timer cannot be that precise, and one set at the
 # rounding error of the clock would fire without time having passed.
 MIN_WAIT_S = 1e-4
@@ -286,10 +292,18 @@ class Scheduler:
             wait = seconds_to_wait(lane.backlog, lane.limits, now, self.last_finished)
             if wait >= MIN_WAIT_S:
                 return wait
+            ahead = self.busy_for(now)  # the batches in flight end first
+            if self.in_flight and not is_full(lane.backlog, lane.limits):
+                # Behind a batch in flight, a small batch now pays a batch's fixed cost
+                # for a few requests, and the next ones would pay it again: it starts
+                # once half a batch waits, or once the batches ahead are due to end
+                # within half its own time (enough to prepare it while they run).
+                lead = PIPELINE_LEAD * lane.cost.predict(BatchShape.of(lane.backlog))
+                if ahead - lead >= MIN_WAIT_S:
+                    return ahead - lead
             members = take_batch(lane.backlog, lane.limits, lane.cost, now)
             shape = BatchShape.of(members)
             predicted = lane.cost.predict(shape)
-            ahead = self.busy_for(now)  # the batches in flight end first
             late = [p for p in members
                     if p.deadline is not None and p.deadline < now + ahead + predicted]
             if late:

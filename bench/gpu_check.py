@@ -200,9 +200,11 @@ def _rows_of(result: dict[str, Any]) -> list[list[float]]:
 
 
 class Former:
-    """The worker's batching, without the broker: clients put requests in a queue, one
+    """The worker's batching, without the broker: clients put requests in a queue, a
     thread takes what waits (up to `max_items` texts and `max_tokens` estimated tokens)
-    and runs it on the runtime; each client waits for its answer."""
+    and runs it on the runtime; each client waits for its answer. With `depth` threads,
+    a batch joins one in flight only when at least half full (the scheduler's rule,
+    `batching.scheduler`, without its "the one ahead ends soon" half)."""
 
     def __init__(self, run: Callable[[list[Any]], list[Any]], max_items: int,
                  max_tokens: int, depth: int = 1) -> None:
@@ -212,9 +214,15 @@ class Former:
         self.batches: list[tuple[float, float]] = []  # (start, device seconds) per batch
         self.stop = False
         self._taking = threading.Lock()  # one batch formed at a time
+        self._in_flight = 0
         # `depth` batches in flight, each on a thread, as the worker's dispatcher runs them.
         for _ in range(depth):
             threading.Thread(target=self._loop, daemon=True).start()
+
+    def _half_full(self) -> bool:
+        waiting = list(self.waiting.queue)
+        return (sum(w[1] for w in waiting) * 2 >= self.max_items
+                or sum(w[2] for w in waiting) * 2 >= self.max_tokens)
 
     def busy_since(self, since: float) -> float:
         """Device seconds of the batches that started at `since` or later."""
@@ -229,6 +237,9 @@ class Former:
     def _loop(self) -> None:
         while not self.stop:
             with self._taking:
+                if self._in_flight and not self._half_full():
+                    time.sleep(0.0005)
+                    continue
                 try:
                     first = self.waiting.get(timeout=0.1)
                 except queue.Empty:
@@ -245,8 +256,13 @@ class Former:
                     batch.append(nxt)
                     items += nxt[1]
                     tokens += nxt[2]
+                self._in_flight += 1
             started = time.perf_counter()
-            outcomes = self.run([b[0] for b in batch])
+            try:
+                outcomes = self.run([b[0] for b in batch])
+            finally:
+                with self._taking:
+                    self._in_flight -= 1
             busy_ms = batch_device_ms(o.result for o in outcomes) or 0.0
             self.batches.append((started, busy_ms / 1000))
             for outcome, (_, _, _, done, box) in zip(outcomes, batch, strict=True):
@@ -361,6 +377,41 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[Row], path: Path, title: str) -> Path:
+    """Texts/s and device busy through the runtime process, one batch at a time against
+    pipelined, per model and load."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    process = [r for r in rows if r.path.startswith("runtime-process")]
+    models = sorted({r.model for r in process})
+    fig = Figure(figsize=(11, 3.6 * len(models)), layout="constrained")
+    axes = fig.subplots(len(models), 2, squeeze=False)
+    for line, model in enumerate(models):
+        loads = list(dict.fromkeys(r.shape for r in process if r.model == model))
+        for column, (field_name, label) in enumerate((("texts_per_s", "texts/s"),
+                                                      ("device_busy", "device busy"))):
+            ax = axes[line][column]
+            width = 0.4
+            for k, depth in enumerate(("depth 1", "depth 2")):
+                values = [next((getattr(r, field_name) for r in process if r.model == model
+                                and r.shape == load and r.path.endswith(depth)), 0.0)
+                          for load in loads]
+                ax.bar([i + (k - 0.5) * width for i in range(len(loads))], values, width,
+                       label="one batch at a time" if depth == "depth 1" else "pipelined")
+            ax.set_xticks(range(len(loads)), [s.replace(" clients x ", "x") for s in loads],
+                          rotation=20)
+            ax.set_ylabel(label)
+            ax.set_title(f"{model.rsplit('/', 1)[-1]}: {label}")
+            if field_name == "device_busy":
+                ax.set_ylim(0, 1)
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig).print_png(str(path))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,7 +422,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="run on the CPU, small: a check of this script, not of a GPU")
     parser.add_argument("--quick", action="store_true", help="shorter measurements")
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="a PNG of the runtime-process rows (depth 1 against 2)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="plot (and print) an earlier run's --json instead of running")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        rows = [Row(**r) for r in saved["rows"]]
+        print(table(rows))
+        if args.plot:
+            plot(rows, args.plot, f"shoal's PyTorch runtime on {saved['info'].get('gpu')}")
+        return 0
 
     import torch
 
@@ -429,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, fit in fits.items():
         print(f"  {key}: a = {fit['a_ms']:.3f} ms, b = {fit['b_us']:.4f} us/token")
     print(f"\ngpu-check: {len(rows)} rows in {time.perf_counter() - started:.0f}s")
+    if args.plot:
+        plot(rows, args.plot, f"shoal's PyTorch runtime on {info.get('gpu', device)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows],

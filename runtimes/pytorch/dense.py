@@ -106,7 +106,7 @@ class DenseEncoder:
     def chunks(self, tokens: Tokenized) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
         """The host side of `embed`: padded host tensors per length-sorted chunk."""
         return host_chunks(tokens.input_ids, tokens.token_type_ids, self.pad_id, self.device,
-                           self.chunk_tokens)
+                           self.chunk_tokens, self.max_seq_length)
 
     @torch.inference_mode()
     def forward(self, chunks: list[tuple[list[int], dict[str, torch.Tensor]]],

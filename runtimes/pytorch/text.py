@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from tasks.errors import ErrorCode, ShoalError
 
 # Tokenizers without a limit report a huge sentinel (int(1e30)).
+GPU_WIDTH_MULTIPLE = 16
 _NO_LIMIT = 1_000_000
 
 
@@ -42,23 +43,26 @@ def check_lengths(lengths: Sequence[int], limit: int, what: str = "items") -> No
             raise too_long(i, length, limit, what)
 
 
-def filled(lengths: np.ndarray, left: bool = False) -> np.ndarray:
-    """The (rows, longest) boolean mask of the places that rows of `lengths` fill when
-    padded on the right (or left): the attention mask."""
-    width = int(lengths.max(initial=0))
+def filled(lengths: np.ndarray, left: bool = False, multiple: int = 1) -> np.ndarray:
+    """The (rows, width) boolean mask of the places that rows of `lengths` fill when
+    padded on the right (or left): the attention mask. The width is the longest row's,
+    rounded up to a `multiple`."""
+    width = -(-int(lengths.max(initial=0)) // multiple) * multiple
     places = np.arange(width)
     if left:
         return places >= (width - lengths)[:, None]
     return places < lengths[:, None]
 
 
-def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
-    """A (len(rows), longest) long tensor, padded with `value` on the right (or left).
+def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False,
+        multiple: int = 1) -> torch.Tensor:
+    """A (len(rows), longest) long tensor, padded with `value` on the right (or left); its
+    width rounded up to a `multiple`.
 
     One numpy pass over all the rows (a masked assignment fills row-major, the rows'
     own order), not a tensor per row: the per-row loop was a third of the runtime's CPU."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    mask = filled(lengths, left)
+    mask = filled(lengths, left, multiple)
     out = np.full(mask.shape, value, dtype=np.int64)
     out[mask] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
                             count=int(lengths.sum()))
@@ -84,16 +88,18 @@ def length_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 def encoder_inputs(input_ids: Sequence[Sequence[int]],
                    token_type_ids: Sequence[Sequence[int]] | None, pad_id: int,
-                   device: str) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask (and token_type_ids) on `device`."""
+                   device: str, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask (and token_type_ids) on `device`, as wide
+    as the longest row rounded up to a `multiple`."""
     lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64,
                           count=len(input_ids))
     inputs = {
-        "input_ids": pad(input_ids, pad_id),
-        "attention_mask": torch.from_numpy(filled(lengths).astype(np.int64)),
+        "input_ids": pad(input_ids, pad_id, multiple=multiple),
+        "attention_mask": torch.from_numpy(filled(lengths, multiple=multiple)
+                                           .astype(np.int64)),
     }
     if token_type_ids is not None:
-        inputs["token_type_ids"] = pad(token_type_ids, 0)
+        inputs["token_type_ids"] = pad(token_type_ids, 0, multiple=multiple)
     return to_device(staged(inputs, device), device)
 
 
@@ -115,10 +121,19 @@ def to_device(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.
 
 def host_chunks(input_ids: Sequence[Sequence[int]],
                 token_type_ids: Sequence[Sequence[int]] | None, pad_id: int, device: str,
-                budget: int) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
-    """`padded_chunks`' chunks as host tensors `staged` for `device`: a batch's `plan`."""
+                budget: int, limit: int | None = None
+                ) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+    """`padded_chunks`' chunks as host tensors `staged` for `device`: a batch's `plan`.
+
+    On a GPU, for a model whose length `limit` is a multiple of GPU_WIDTH_MULTIPLE, the
+    width is rounded up to a multiple of it: each new (rows, width) shape costs the
+    device a first-time choice of kernels, and rows of every length from 1 to 512 tokens
+    would make hundreds of them."""
+    multiple = GPU_WIDTH_MULTIPLE if device.startswith("cuda") else 1
+    if multiple > 1 and (limit is None or limit % multiple):
+        multiple = 1  # a rounded width could pass the model's limit (its positions)
     return [(chunk, staged(inputs, device)) for chunk, inputs in
-            padded_chunks(input_ids, token_type_ids, pad_id, "cpu", budget)]
+            padded_chunks(input_ids, token_type_ids, pad_id, "cpu", budget, multiple)]
 
 
 class HostCopy:
@@ -147,8 +162,10 @@ class HostCopy:
 
 def padded_chunks(input_ids: Sequence[Sequence[int]],
                   token_type_ids: Sequence[Sequence[int]] | None, pad_id: int, device: str,
-                  budget: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+                  budget: int, multiple: int = 1
+                  ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
     """(indices, model inputs) per chunk of `length_chunks`: what every encoder loop runs."""
     for chunk in length_chunks([len(ids) for ids in input_ids], budget):
         types = None if token_type_ids is None else [token_type_ids[i] for i in chunk]
-        yield chunk, encoder_inputs([input_ids[i] for i in chunk], types, pad_id, device)
+        yield chunk, encoder_inputs([input_ids[i] for i in chunk], types, pad_id, device,
+                                    multiple)

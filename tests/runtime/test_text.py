@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtimes.pytorch.text import encoder_inputs, filled, pad
+from runtimes.pytorch.text import encoder_inputs, filled, pad, padded_chunks
 
 ROWS = [[101, 7592, 102], [], [101, 102], [101, 2023, 2003, 1037, 2146, 6251, 102], [7]]
 # Rows of ids as tokenizers give them, with the pad id itself inside some of them: the
@@ -117,3 +117,15 @@ def test_encoder_inputs_feed_a_model_like_the_tokenizers_padding():
     padded = tokenizer(texts, padding=True, return_tensors="pt")
     for key in ("input_ids", "attention_mask", "token_type_ids"):
         assert torch.equal(inputs[key], padded[key]), key
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 16])
+def test_a_width_multiple_rounds_the_padded_width_up_and_masks_the_rest(multiple):
+    rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    chunks = list(padded_chunks(rows, None, 0, "cpu", 10_000, multiple))
+    assert len(chunks) == 1
+    inputs = chunks[0][1]
+    width = -(-5 // multiple) * multiple
+    assert inputs["input_ids"].shape == (3, width)
+    assert inputs["attention_mask"].sum(dim=1).tolist() == [1, 3, 5]  # length-sorted
+    assert pad(rows, 0, left=True, multiple=multiple)[:, -5:].tolist()[2] == rows[2]

@@ -694,3 +694,74 @@ def test_a_lane_waiting_for_its_model_starts_nothing_and_answers_deadlines_on_ti
     scheduler.append(MODEL, Pending(handle="s", group="encode", items=1, cost=8, longest=8,
                                     received=0.7))
     assert scheduler.tick(0.7).start is not None
+
+
+
+# --- two batches in flight (a pipelined runtime) ------------------------------------------
+
+
+def pipelined(limits: BatchLimits, cost: CostModel) -> Scheduler:
+    return Scheduler({MODEL: Lane(MODEL, limits, cost)}, HOLD, lambda _m, _n: 1, depth=2)
+
+
+def test_a_second_batch_waits_behind_a_running_one_until_it_is_worth_starting():
+    scheduler = pipelined(BatchLimits(max_tokens=10_000, max_items=8), CostModel(0.1, 0.0))
+    scheduler.append(MODEL, Pending(0, "g", 1, 10, 10, received=0.0))
+    first = scheduler.tick(0.0).start
+    assert first is not None  # idle: at once
+    scheduler.append(MODEL, Pending(1, "g", 1, 10, 10, received=0.001))
+    held = scheduler.tick(0.001)
+    # One request behind a batch predicted to run 0.1 s more: wait until the batch is due
+    # to end within half of the next one's time.
+    assert held.start is None and held.wake_in == pytest.approx(0.1 - 0.001 - 0.05)
+    scheduler.append(MODEL, Pending(2, "g", 1, 10, 10, received=0.02))
+    second = scheduler.tick(0.05)
+    assert second.start is not None and [p.handle for p in second.start.members] == [1, 2]
+    assert scheduler.in_flight == [first, second.start]
+    assert scheduler.tick(0.06).start is None  # depth 2: nothing more in flight
+
+
+def test_half_a_batch_waiting_starts_behind_a_running_one_at_once():
+    scheduler = pipelined(BatchLimits(max_tokens=10_000, max_items=8), CostModel(0.1, 0.0))
+    scheduler.append(MODEL, Pending(0, "g", 1, 10, 10, received=0.0))
+    assert scheduler.tick(0.0).start is not None
+    for i in range(1, 5):
+        scheduler.append(MODEL, Pending(i, "g", 1, 10, 10, received=0.001))
+    second = scheduler.tick(0.001).start
+    assert second is not None and [p.handle for p in second.members] == [1, 2, 3, 4]
+
+
+def test_behind_a_batch_in_flight_a_deadline_counts_the_wait_for_it():
+    scheduler = pipelined(BatchLimits(max_tokens=10_000, max_items=2), CostModel(0.1, 0.0))
+    scheduler.append(MODEL, Pending(0, "g", 1, 10, 10, received=0.0))
+    assert scheduler.tick(0.0).start is not None
+    # Alone it would end at 0.1 + 0.01 < 0.15; behind the first, at 0.2.
+    scheduler.append(MODEL, Pending(1, "g", 1, 10, 10, received=0.01, deadline=0.15))
+    scheduler.append(MODEL, Pending(2, "g", 1, 10, 10, received=0.01))
+    actions = scheduler.tick(0.01)
+    assert [lt.pending.handle for _, lt in actions.late] == [1]
+    assert actions.late[0][1].predicted_s == pytest.approx(0.09 + 0.1)
+    assert actions.start is not None and [p.handle for p in actions.start.members] == [2]
+
+
+def test_batches_in_flight_end_in_order_and_the_time_each_adds_is_learned():
+    class Recording(CostModel):
+        def observe(self, shape: BatchShape, seconds: float) -> None:
+            observed.append(seconds)
+
+    observed: list[float] = []
+    scheduler = pipelined(BatchLimits(max_tokens=10_000, max_items=2), Recording(0.1, 0.0))
+    for i in range(4):
+        scheduler.append(MODEL, Pending(i, "g", 1, 10, 10, received=0.0))
+    first = scheduler.tick(0.0).start
+    second = scheduler.tick(0.0).start
+    assert first is not None and second is not None
+    assert scheduler.busy_for(0.0) == pytest.approx(0.2)
+    assert scheduler.finish(0.1, 0.1, first) is first
+    assert observed == [pytest.approx(0.1)]
+    # The second one now runs alone: its time left counts from here.
+    assert scheduler.running is second and scheduler.busy_for(0.1) == pytest.approx(0.1)
+    # Handed over at 0, answered at 0.18: it added 0.08 after the first ended.
+    assert scheduler.finish(0.18, 0.18, second) is second
+    assert observed == [pytest.approx(0.1), pytest.approx(0.08)]
+    assert scheduler.in_flight == []
