@@ -24,7 +24,14 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.st_config import read_st_config
-from runtimes.pytorch.text import HostCopy, check_lengths, host_chunks, max_length, to_device
+from runtimes.pytorch.text import (
+    HostCopy,
+    check_lengths,
+    encode_texts,
+    host_chunks,
+    max_length,
+    to_device,
+)
 from runtimes.pytorch.vectors import dense_result, normalize_rows
 from tasks.schema import ParsedRequest, check_encode_output
 
@@ -76,13 +83,8 @@ class DenseEncoder:
         return [t.lower() for t in texts] if self.do_lower_case else texts
 
     def tokenize(self, texts: list[str]) -> Tokenized:
-        encoded = self.tokenizer(
-            self._prepare(texts),
-            truncation=True,
-            max_length=self.max_seq_length,
-            padding=False,
-        )
-        return Tokenized(encoded["input_ids"], encoded.get("token_type_ids"))
+        return Tokenized(*encode_texts(self.tokenizer, self._prepare(texts),
+                                       self.max_seq_length))
 
     def untruncated_lengths(self, texts: list[str]) -> list[int]:
         encoded = self.tokenizer(self._prepare(texts), truncation=False, padding=False)

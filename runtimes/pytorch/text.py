@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from itertools import chain
 
@@ -26,6 +27,29 @@ def max_length(tokenizer: PreTrainedTokenizerBase, model_config: object,
     positions = getattr(model_config, "max_position_embeddings", None)
     limits = [n for n in (limit, positions) if n]
     return min(limits) if limits else 512
+
+
+_encoding = threading.Lock()  # a fast tokenizer's truncation setting is shared state
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int
+                 ) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Token ids (and token type ids, where the model takes them) of `texts`, special
+    tokens added, truncated to `limit`: what `tokenizer(texts, truncation=True,
+    max_length=limit)` gives, straight from a fast tokenizer's Rust encoder (its batch
+    runs on several threads where TOKENIZERS_PARALLELISM allows) without transformers'
+    conversion of every encoding to dicts of lists (a fifth of the runtime's CPU
+    under load)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
+    types = "token_type_ids" in tokenizer.model_input_names
+    if backend is None:
+        encoded = tokenizer(texts, truncation=True, max_length=limit, padding=False)
+        return encoded["input_ids"], encoded.get("token_type_ids") if types else None
+    with _encoding:
+        backend.enable_truncation(limit, direction=tokenizer.truncation_side)
+        backend.no_padding()
+        encodings = backend.encode_batch(texts)
+    return [e.ids for e in encodings], [e.type_ids for e in encodings] if types else None
 
 
 def too_long(index: int, length: int, limit: int, what: str = "items") -> ShoalError:
