@@ -215,6 +215,7 @@ class Former:
         self.stop = False
         self._taking = threading.Lock()  # one batch formed at a time
         self._in_flight = 0
+        self._counting = threading.Lock()
         # `depth` batches in flight, each on a thread, as the worker's dispatcher runs them.
         for _ in range(depth):
             threading.Thread(target=self._loop, daemon=True).start()
@@ -236,10 +237,10 @@ class Former:
 
     def _loop(self) -> None:
         while not self.stop:
+            if self._in_flight and not self._half_full():
+                time.sleep(0.0005)
+                continue
             with self._taking:
-                if self._in_flight and not self._half_full():
-                    time.sleep(0.0005)
-                    continue
                 try:
                     first = self.waiting.get(timeout=0.1)
                 except queue.Empty:
@@ -256,12 +257,13 @@ class Former:
                     batch.append(nxt)
                     items += nxt[1]
                     tokens += nxt[2]
-                self._in_flight += 1
+                with self._counting:
+                    self._in_flight += 1
             started = time.perf_counter()
             try:
                 outcomes = self.run([b[0] for b in batch])
             finally:
-                with self._taking:
+                with self._counting:  # not _taking: a taker holds that while it waits
                     self._in_flight -= 1
             busy_ms = batch_device_ms(o.result for o in outcomes) or 0.0
             self.batches.append((started, busy_ms / 1000))
@@ -422,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="run on the CPU, small: a check of this script, not of a GPU")
     parser.add_argument("--quick", action="store_true", help="shorter measurements")
+    parser.add_argument("--runtime-only", action="store_true",
+                        help="only the runtime-process rows (no in-process rows, no fits)")
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--plot", type=Path, default=None,
                         help="a PNG of the runtime-process rows (depth 1 against 2)")
@@ -466,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in shaped:
             models[f"shoal-check/{name}"] = build_shaped(name, minilm, Path(tmp) / name)
         catalog_dir = write_catalog(Path(tmp) / "catalog", models)
-        for model in models:
+        for model in [] if args.runtime_only else models:
             vectors = {}
             for precision in precisions:
                 measured, vectors[precision], points = in_process(
