@@ -52,7 +52,7 @@ from typing import Any
 import uvloop
 
 from bench.cpu import process_kind
-from bench.e2e import machine_info
+from bench.e2e import int_list, machine_info
 from bench.load import LoadResult, prepare, run_load
 from bench.mix import make_texts
 from bench.output import emit
@@ -249,23 +249,13 @@ def report(data: dict[str, Any]) -> str:
 # --- main ---------------------------------------------------------------------------------------
 
 
-def _ints(value: str) -> list[int]:
-    try:
-        items = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {value!r}") from None
-    if not items or min(items) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {value!r}")
-    return items
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.device_feed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="an emulated device profile (`list` lists them) or fixed_ms,per_token_us")
-    p.add_argument("--clients", type=_ints, default=[64, 16], help="clients per load")
-    p.add_argument("--texts", type=_ints, default=[1, 16],
+    p.add_argument("--clients", type=int_list, default=[64, 16], help="clients per load")
+    p.add_argument("--texts", type=int_list, default=[1, 16],
                    help="texts per request per load (paired with --clients; one value: all)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per round")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds before each")
