@@ -79,6 +79,12 @@ class InFlight:
         thread.start()
         self.threads.append(thread)
 
+    def start_two(self, model: str, first: list[Request], second: list[Request]) -> None:
+        """`first`, then `second` once the first is on the connection."""
+        self.start("first", model, first)
+        wait_for(lambda: self.runtime._child is not None and self.runtime._child.turns.sent >= 1)
+        self.start("second", model, second)
+
     def join(self) -> dict[str, list[Outcome]]:
         for thread in self.threads:
             thread.join(WAIT_S)
@@ -128,9 +134,7 @@ def test_a_kill_with_two_batches_in_flight_loses_nothing(runtime, killed):
     fast = [f"u{i}" for i in range(4)]
     first, second = (slow, fast) if killed == "first" else (fast, slow)
     flight = InFlight(runtime)
-    flight.start("first", FAULTY, requests("a", first))
-    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 1)
-    flight.start("second", FAULTY, requests("b", second))
+    flight.start_two(FAULTY, requests("a", first), requests("b", second))
     wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 2)
     if killed == "second":
         wait_for(lambda: "first" in flight.finished)
@@ -152,9 +156,7 @@ def test_a_poison_request_with_two_batches_in_flight_is_blamed_alone(runtime, ma
     good = [f"u{i}" for i in range(8)]
     first, second = (bad, good) if poisoned == "first" else (good, bad)
     flight = InFlight(runtime)
-    flight.start("first", FAULTY, requests("a", first))
-    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 1)
-    flight.start("second", FAULTY, requests("b", second))
+    flight.start_two(FAULTY, requests("a", first), requests("b", second))
     outcomes = flight.join()
     for name in ("first", "second"):
         assert_all_ok_but(outcomes[name], bad=2 if name == poisoned else None)

@@ -156,3 +156,28 @@ def test_a_runtime_killed_mid_stream_interrupts_only_that_stream(runtime):
     (choice,) = choices(outcomes[1])
     assert choice["completion_tokens"] == 8
     assert runtime.pid != pid
+
+
+def test_a_stream_behind_a_batch_in_flight_streams_and_its_cancel_lands(runtime):
+    """Two batches in flight (the worker's default depth 2): a plain batch goes through the
+    runtime's pipeline, a streamed one behind it waits until the pipeline is empty, then
+    talks back and forth alone; cancelling it (the second batch) stops it, and both are
+    answered."""
+    collected = Collected()
+    done: dict[str, list[Outcome]] = {}
+    plain = threading.Thread(target=lambda: done.__setitem__("plain", runtime.run_batch(
+        LLAMA, [generate("p", "the dog", max_tokens=48, stream=False)])))
+    streamed = threading.Thread(target=lambda: done.__setitem__("stream", runtime.run_batch(
+        LLAMA, [generate("s2", "the cat", max_tokens=200)], collected)))
+    plain.start()
+    streamed.start()
+    assert collected.first.wait(60), "no delta came"
+    runtime.cancel(["s2"])
+    for thread in (plain, streamed):
+        thread.join(60)
+    assert set(done) == {"plain", "stream"}, "a batch was not answered"
+    (kept,) = choices(done["plain"][0])
+    assert kept["finish_reason"] == "length" and kept["completion_tokens"] == 48
+    (cancelled,) = choices(done["stream"][0])
+    assert cancelled["finish_reason"] == CANCELLED and cancelled["completion_tokens"] < 200
+    assert collected.text("s2") == cancelled["text"][:len(collected.text("s2"))]
