@@ -168,7 +168,9 @@ def test_every_result_says_it_is_simulated(sim):
                                            "c_ns": 0.0, "speed": 1.0}
         assert out.result["model"] == model.id
         assert out.result["usage"]["tokens"] > 0
-        assert set(out.result["batch"]) == {"requests", "items", "inference_ms"}
+        # The simulated device's busy time is what it slept: none at zero cost.
+        assert set(out.result["batch"]) == {"requests", "items", "inference_ms", "device_ms"}
+        assert out.result["batch"]["device_ms"] == 0.0
 
 
 # --- checks ---------------------------------------------------------------------------------
