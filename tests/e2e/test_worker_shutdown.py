@@ -210,8 +210,11 @@ def test_a_split_request_that_started_is_finished(private, replies):
     """A request run in parts whose first part runs when SIGTERM comes gets all its parts
     run and is answered; the requests held behind it go back."""
     queue = private.queue
-    # A batch of at most 12 tokens: a request of 4 texts of 8 runs as 4 parts.
-    a = _worker(private, "split-a", SHOAL_FAULTY_SLOW_S="5", SHOAL_BATCH_MAX_TOKENS="12")
+    # A batch of at most 12 tokens: a request of 4 texts of 8 runs as 4 parts. One batch in
+    # flight: with two (the default), the requests behind the first part would join the
+    # runtime as a second batch, which counts as started and is finished, not handed back.
+    a = _worker(private, "split-a", SHOAL_FAULTY_SLOW_S="5", SHOAL_BATCH_MAX_TOKENS="12",
+                SHOAL_RUNTIME_PIPELINE_DEPTH="1")
     split = replies.publish(queue, f"{SLOW} first", "second", "third", "fourth")
     wait_for(lambda: a.metric("shoal_split_requests_total") == 1
              and a.metric("shoal_batch_requests_count") >= 1, 60, "its first part to run")
