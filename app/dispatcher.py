@@ -254,6 +254,7 @@ class Dispatcher:
                                    lambda fn: self.c.hub.call_soon(fn))
         self.consuming: dict[str, Consuming] = {}
         self.futures: dict[Future, Batch] = {}  # of the batches in flight
+        self.device_busy_s = 0.0  # the device's busy time in this worker's batches so far
         # Deltas the runtime's thread made, for the loop to publish in order:
         # (generation, the batch's requests by task id, one step's deltas).
         self._deltas: deque[tuple[int, dict[str, Held], list[Delta]]] = deque()
@@ -922,6 +923,7 @@ class Dispatcher:
             busy_ms = batch_device_ms(o.result for o in outcomes)
             if busy_ms is not None:
                 metrics.DEVICE_BUSY.labels(model).inc(busy_ms / 1000)
+                self.device_busy_s += busy_ms / 1000
         self._continue_splits(model, held, outcomes)
         self.placement.kick()  # a queued load may fit now that this batch is done
         # Start the next batch before answering this one: the runtime computes

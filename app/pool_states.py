@@ -44,6 +44,10 @@ class PoolStates:
         self.c: Any = None
         self.hostname = ""
         self.snapshot: Callable[[], dict[str, Any]] = dict
+        # Seconds the device has been busy so far (the worker's running total), and the
+        # reading at the last publish: each state says the busy fraction since then.
+        self.busy_seconds: Callable[[], float] | None = None
+        self._busy_at: tuple[float, float] | None = None  # (monotonic, busy seconds)
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._due = False
@@ -76,11 +80,25 @@ class PoolStates:
             return
         state = {"worker": self.hostname, "at": time.time(), "interval_s": self.interval_s,
                  **self.snapshot()}
+        busy = self._device_busy()
+        if busy is not None:
+            state["device_busy"] = busy
         try:
             self.producer.publish(encode_state(state), content_type=CONTENT_TYPE,
                                   content_encoding=CONTENT_ENCODING, delivery_mode=1)
         except Exception:  # a lost connection: the next one carries the state again
             log.warning("could not publish the pool state", exc_info=True)
+
+    def _device_busy(self) -> float | None:
+        """The fraction of the time since the last reading that the device was busy (None
+        at the first reading, or without a running total)."""
+        if self.busy_seconds is None:
+            return None
+        now, busy = time.monotonic(), self.busy_seconds()
+        last, self._busy_at = self._busy_at, (now, busy)
+        if last is None or now - last[0] <= 0:
+            return None
+        return round(max(0.0, busy - last[1]) / (now - last[0]), 4)
 
     def _on_message(self, message: Any) -> None:
         try:

@@ -263,6 +263,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             log.debug("consuming %s and %s", queue.name, dead.name)
         log.info("consuming the queues of %d models; pinned: %s", len(self.entries),
                  sorted(self.pinned) or "none")
+        self.pool_states.busy_seconds = lambda: self.dispatcher.device_busy_s
         self.pool_states.open(c, self.dispatcher.placement.snapshot)
         self.dispatcher.on_placement = self.pool_states.soon
         self.state_timer = c.hub.call_repeatedly(self.settings.pool_state_interval_s,

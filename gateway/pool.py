@@ -28,6 +28,7 @@ class Placement:
     bytes: int | None
     pinned: bool
     loras: tuple[str, ...]  # the LoRA adapters the worker has loaded for it
+    device_busy: float | None = None  # the worker's device, busy fraction (None: not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,10 @@ def parse_state(body: bytes, default_interval_s: float, now: float) -> WorkerSta
             or not math.isfinite(interval) or interval <= 0:
         raise ValueError(f"interval_s must be a positive number, got {interval!r}")
     worker = state["worker"]
+    busy = state.get("device_busy")
+    if busy is not None and (isinstance(busy, bool) or not isinstance(busy, int | float)
+                             or not math.isfinite(busy) or busy < 0):
+        raise ValueError(f"device_busy must be a number >= 0 or absent, got {busy!r}")
     models: dict[str, Placement] = {}
     for i, m in enumerate(state["models"]):
         if not isinstance(m, dict) or not isinstance(m.get("id"), str):
@@ -62,7 +67,8 @@ def parse_state(body: bytes, default_interval_s: float, now: float) -> WorkerSta
         loras = m.get("loras") or []
         if not isinstance(loras, list) or not all(isinstance(name, str) for name in loras):
             raise ValueError(f"models[{i}].loras must be a list of strings")
-        models[m["id"]] = Placement(worker, m["state"], size, pinned, tuple(loras))
+        models[m["id"]] = Placement(worker, m["state"], size, pinned, tuple(loras),
+                                    None if busy is None else float(busy))
     return WorkerState(worker, now, STALE_AFTER_INTERVALS * float(interval), models)
 
 
@@ -115,14 +121,16 @@ class PoolView:
 
 def worker_rows(placements: list[Placement], lora: str | None = None) -> list[dict[str, Any]]:
     """The `workers` field of a /v1/models entry. A base model's row adds the LoRAs that
-    worker has loaded for it. A LoRA's row is `resident` where the worker has the base
-    resident with that adapter loaded, else the base's state (`cold` when the base is
-    resident but the adapter is not loaded); its bytes are unknown here (None)."""
+    worker has loaded for it and how busy its device was lately (None: not said). A
+    LoRA's row is `resident` where the worker has the base resident with that adapter
+    loaded, else the base's state (`cold` when the base is resident but the adapter is not
+    loaded); its bytes are unknown here (None)."""
     rows = []
     for p in placements:
         if lora is None:
             rows.append({"worker": p.worker, "state": p.state, "bytes": p.bytes,
-                         "pinned": p.pinned, "loras": list(p.loras)})
+                         "pinned": p.pinned, "loras": list(p.loras),
+                         "device_busy": p.device_busy})
             continue
         state = COLD if p.state == RESIDENT and lora not in p.loras else p.state
         rows.append({"worker": p.worker, "state": state, "bytes": None, "pinned": False})

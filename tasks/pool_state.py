@@ -7,6 +7,7 @@ The body is msgpack:
 
     {"worker": "celery@host", "at": epoch_s, "interval_s": 5.0,
      "budget_bytes": int, "used_bytes": int,
+     "device_busy": float,  # optional: the busy fraction of its device since its last state
      "models": [{"id": str, "state": "resident" | "loading" | "cold",
                  "pinned": bool, "bytes": int | None, "loras": [str, ...]}]}
 

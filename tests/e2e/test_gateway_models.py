@@ -50,9 +50,9 @@ def _publish_state(prefix: str, body: bytes) -> None:
             content_type="application/x-msgpack", content_encoding="binary")
 
 
-def _state(worker: str, interval_s: float, models: list[dict]) -> bytes:
+def _state(worker: str, interval_s: float, models: list[dict], **extra: object) -> bytes:
     return encode_state({"worker": worker, "at": time.time(), "interval_s": interval_s,
-                         "budget_bytes": 10**9, "used_bytes": 0, "models": models})
+                         "budget_bytes": 10**9, "used_bytes": 0, "models": models, **extra})
 
 
 def _models(url: str) -> dict[str, dict]:
@@ -100,12 +100,14 @@ def test_pool_states_show_in_v1_models_decide_served_and_go_stale(tmp_path):
                  "loras": []},
                 {"id": TINY_CLS, "state": "loading", "pinned": False, "bytes": None},
                 {"id": "not/served-here", "state": "cold", "pinned": False, "bytes": None},
-            ]))
+            ], device_busy=0.25))
             wait_for(lambda: _workers(url, MINILM), 10, "the state in /v1/models")
             assert _workers(url, MINILM) == [{"worker": "steady@host", "state": "resident",
-                                              "bytes": 90_000_000, "pinned": True, "loras": []}]
+                                              "bytes": 90_000_000, "pinned": True, "loras": [],
+                                              "device_busy": 0.25}]
             assert _workers(url, TINY_CLS) == [{"worker": "steady@host", "state": "loading",
-                                                "bytes": None, "pinned": False, "loras": []}]
+                                                "bytes": None, "pinned": False, "loras": [],
+                                                "device_busy": 0.25}]
             assert "not/served-here" not in _models(url)
 
             # Malformed states are dropped; the gateway and the kept states are unharmed.

@@ -64,9 +64,26 @@ def test_worker_rows_for_a_model_and_for_its_loras():
     pool.update(_state("w3", state="loading"), now=0.0)
     placements = pool.placements("m/a", now=0.0)
     assert worker_rows(placements) == [
-        {"worker": "w1", "state": "resident", "bytes": 100, "pinned": False, "loras": ["x"]},
-        {"worker": "w2", "state": "resident", "bytes": 100, "pinned": False, "loras": []},
-        {"worker": "w3", "state": "loading", "bytes": 100, "pinned": False, "loras": ["x"]},
+        {"worker": "w1", "state": "resident", "bytes": 100, "pinned": False, "loras": ["x"],
+         "device_busy": None},
+        {"worker": "w2", "state": "resident", "bytes": 100, "pinned": False, "loras": [],
+         "device_busy": None},
+        {"worker": "w3", "state": "loading", "bytes": 100, "pinned": False, "loras": ["x"],
+         "device_busy": None},
     ]
     assert [(r["worker"], r["state"]) for r in worker_rows(placements, "x")] == [
         ("w1", "resident"), ("w2", "cold"), ("w3", "loading")]
+
+
+def test_a_workers_device_busy_fraction_is_kept_per_row_and_checked():
+    pool = PoolView(default_interval_s=5.0)
+    body = encode_state({"worker": "w9", "at": 0.0, "interval_s": 2.0, "device_busy": 0.5,
+                         "models": [{"id": "m/a", "state": "resident", "pinned": False,
+                                     "bytes": 1}]})
+    pool.update(body, now=0.0)
+    (row,) = worker_rows(pool.placements("m/a", now=0.0))
+    assert row["device_busy"] == 0.5
+    for wrong in (-0.1, "busy", True, float("nan")):
+        with pytest.raises(ValueError, match="device_busy"):
+            pool.update(encode_state({"worker": "w9", "device_busy": wrong, "models": []}),
+                        now=0.1)
