@@ -98,9 +98,9 @@ def reply_bytes(reply: dict[str, Any]) -> bytes:
 @dataclass(slots=True)
 class _Item:
     model: str
-    work: BatchWork | None
+    requests: list[Request]
+    work: BatchWork | None = None  # None: `begin` raised (`failure`)
     failure: BaseException | None = None
-    size: int = 0
 
 
 class Pipeline:
@@ -120,7 +120,7 @@ class Pipeline:
         """Begin a batch (on the caller's thread, the reader's) and pass it on."""
         with self._changed:
             self._in_flight += 1
-        item = _Item(model, None, size=len(requests))
+        item = _Item(model, requests)
         try:
             item.work = self.host.begin(model, requests)
         except Exception as exc:
@@ -152,10 +152,9 @@ class Pipeline:
                 except Exception as exc:
                     item.failure = exc
             if item.failure is not None:
-                reply, fatal = failed_reply(item.failure, self.host.device, item.size,
-                                            item.model)
-            if item.work is not None:
-                self.host.forget_cancelled(item.work.requests)
+                reply, fatal = failed_reply(item.failure, self.host.device,
+                                            len(item.requests), item.model)
+            self.host.forget_cancelled(item.requests)
             try:
                 self.conn.sendall(reply_bytes(reply))
             except OSError:

@@ -85,8 +85,17 @@ def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False,
 
     One numpy pass over all the rows (a masked assignment fills row-major, the rows'
     own order), not a tensor per row: the per-row loop was a third of the runtime's CPU."""
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    mask = filled(lengths, left, multiple)
+    lengths = _lengths(rows)
+    return _placed(rows, lengths, filled(lengths, left, multiple), value)
+
+
+def _lengths(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    return np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+
+
+def _placed(rows: Sequence[Sequence[int]], lengths: np.ndarray, mask: np.ndarray,
+            value: int) -> torch.Tensor:
+    """`rows` laid into `mask`'s places (row-major, their own order), `value` elsewhere."""
     out = np.full(mask.shape, value, dtype=np.int64)
     out[mask] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
                             count=int(lengths.sum()))
@@ -115,15 +124,15 @@ def encoder_inputs(input_ids: Sequence[Sequence[int]],
                    device: str, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask (and token_type_ids) on `device`, as wide
     as the longest row rounded up to a `multiple`."""
-    lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64,
-                          count=len(input_ids))
+    # One mask for the three: token type rows are as long as their id rows.
+    lengths = _lengths(input_ids)
+    mask = filled(lengths, multiple=multiple)
     inputs = {
-        "input_ids": pad(input_ids, pad_id, multiple=multiple),
-        "attention_mask": torch.from_numpy(filled(lengths, multiple=multiple)
-                                           .astype(np.int64)),
+        "input_ids": _placed(input_ids, lengths, mask, pad_id),
+        "attention_mask": torch.from_numpy(mask.astype(np.int64)),
     }
     if token_type_ids is not None:
-        inputs["token_type_ids"] = pad(token_type_ids, 0, multiple=multiple)
+        inputs["token_type_ids"] = _placed(token_type_ids, lengths, mask, 0)
     return to_device(staged(inputs, device), device)
 
 
