@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,6 +199,35 @@ def test_after_an_outage_worker_and_gateway_reconnect_within_the_bound(failover)
 def _accepts(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
+
+
+def test_the_cluster_script_launches_again_a_node_whose_vm_dies_while_booting(failover):
+    # CI once saw RabbitMQ 3.10 crash at boot while syncing feature flags with a peer
+    # that was still booting; a kill while booting is the same fault, made on purpose.
+    cluster = failover.cluster
+    node_dir = Path(cluster.env["SHOAL_CLUSTER_DIR"]) / "node1"
+    cluster.stop_node(1)
+    stopped_vm = _pid_in(node_dir / "pid")
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(cluster.start_node, 1)
+        # The VM writes its pid file early in its boot, long before it takes connections.
+        wait_for(lambda: _pid_in(node_dir / "pid") not in (None, stopped_vm), 60,
+                 "node 1's VM to write its pid file",
+                 give_up=lambda: starting.done() and "start-node ended first")
+        os.kill(_pid_in(node_dir / "pid"), signal.SIGKILL)
+        starting.result()  # raises if start-node gave up
+    assert (node_dir / "log" / "startup.failed-1.log").is_file()
+    status = cluster.run("status").splitlines()
+    assert next(line for line in status if line.startswith("node 1 ")).split()[3] == "running"
+    wait_for(lambda: cluster.queue_consumers(failover.queue) >= 1, 60,
+             "the worker to consume again")
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def test_the_cluster_script_leaves_the_system_broker_alone(cluster):
