@@ -286,6 +286,10 @@ def parse_items(items: Any, inputs: frozenset[str], model: str = "this model",
                       + (" or {'image': bytes}" if IMAGE in inputs else ""))
     parsed: list[Item] = []
     for i, item in enumerate(items):
+        # The common case first, with nothing built that only an error message needs.
+        if type(item) is dict and len(item) == 1 and type(text := item.get("text")) is str:
+            parsed.append(Item(text=text))
+            continue
         where = f"items[{i}]"
         if not isinstance(item, dict) or len(item) != 1:
             raise invalid(f"{where} must be an object with exactly one of 'text'"

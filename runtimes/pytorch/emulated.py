@@ -14,10 +14,18 @@ returning zeros of the shape and dtype the adapter reads (viewed from a cached b
 a pass allocates nothing that grows with it). The wait sleeps until a `perf_counter`
 deadline, never less, and `time.sleep` releases the GIL: like a GPU, the "device" leaves
 the CPU to the other threads while it computes. The device clock (`device_time`) counts
-the forward's time, less how late the wait woke up (on a busy host, the scheduler and the
+the time asked, not how late the wait woke up (on a busy host, the scheduler and the
 GIL held by the runtime's other threads wake it up to milliseconds late: the host's delay,
 not the device's, which CUDA events would not count either), so `batch.device_ms` and
-`shoal_device_busy_seconds_total` read as on a device of the profile's speed. This is
+`shoal_device_busy_seconds_total` read as on a device of the profile's speed.
+
+The device is a queue, as a CUDA stream is: a pass starts when the one before it ends
+(or when it is called, if later). Inside `queued_passes()` a pass returns at once and the
+host waits for it where it reads the outputs (`wait_queued`, called by
+`runtimes.pytorch.text.HostCopy`, the pipelined dense adapter's copy to the host); so a
+host thread that wakes late from one batch's wait does not idle the device when the next
+batch was already queued behind it, as on a GPU. Outside it (the other families, which
+read their outputs at once) a pass waits until its own end. This is
 what DESIGN.md "Feeding the device" asks for: on a machine without a GPU, does the CPU
 side keep a device of a given speed busy, and how many cores does that take
 (`bench/device_feed.py` measures it).
@@ -55,6 +63,8 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -245,7 +255,7 @@ class EmulatedTotals:
     passes: int = 0
     padded_tokens: int = 0
     requested_s: float = 0.0  # what the profile asked the passes to take
-    waited_s: float = 0.0  # what their waits took (never less, a little more)
+    waited_s: float = 0.0  # how long after their call they ended (queue + pass + late)
 
 
 _totals = EmulatedTotals()
@@ -259,10 +269,11 @@ def totals() -> EmulatedTotals:
 
 def reset() -> None:
     """Zero the totals and forget the models emulated so far (tests: the next load decides)."""
-    global _totals, _loaded
+    global _totals, _loaded, _stream
     with _totals_lock:
         _totals = EmulatedTotals()
         _loaded = None
+        _stream = _Stream()
 
 
 def _count(tokens: int, requested_s: float, waited_s: float) -> None:
@@ -292,6 +303,47 @@ def wait_until(deadline: float) -> None:
         time.sleep(left)
 
 
+class _Stream:
+    """The emulated device's queue of passes: when it is free again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def queue(self, called: float, seconds: float) -> float:
+        """Queue a pass of `seconds` called at `called`; when it ends."""
+        with self._lock:
+            self._free_at = max(called, self._free_at) + seconds
+            return self._free_at
+
+
+_stream = _Stream()
+_queued = threading.local()  # per thread: inside queued_passes, and the last queued end
+
+
+@contextmanager
+def queued_passes() -> Iterator[None]:
+    """Emulated passes called inside return at once, queued on the device (see the module
+    doc); `wait_queued()` waits for the last of them. Without an emulated model, nothing."""
+    _queued.depth = getattr(_queued, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _queued.depth -= 1
+
+
+def queued_until() -> float | None:
+    """When the passes this thread queued since the last call end (None: it queued none)."""
+    until, _queued.until = getattr(_queued, "until", None), None
+    return until
+
+
+def wait_queued(until: float | None) -> None:
+    """Wait (GIL released) until the passes of `queued_until()` have run."""
+    if until is not None:
+        wait_until(until)
+
+
 # --- the forward ------------------------------------------------------------------------------
 
 
@@ -313,7 +365,7 @@ class EmulatedForward:
         self.output_class = output_class or self._OUTPUTS[kind]
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()
-        self._late = threading.local()  # per thread: how late the last pass's wait woke
+        self._unbilled = threading.local()  # per thread: see unbilled_s
 
     def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A view of `shape` on a zero buffer that grows (by doubling) and is then reused."""
@@ -344,16 +396,24 @@ class EmulatedForward:
                 logits=self._zeros((rows, columns, self.width), input_ids.device))
         # The output is made inside the pass's time, not after it: the wait is what the
         # device takes, whatever making zeros costs (as long as that is less).
-        wait_until(started + requested)
-        waited = time.perf_counter() - started
-        self._late.seconds = waited - requested
-        _count(tokens, requested, waited)
+        ends = _stream.queue(started, requested)
+        if getattr(_queued, "depth", 0):
+            _queued.until = ends
+        else:
+            wait_until(ends)
+        returned = time.perf_counter()
+        # The device clock timed this call from about `started` to `returned`.
+        self._unbilled.seconds = requested - (returned - started)
+        _count(tokens, requested, max(returned, ends) - started)
         return out
 
-    def late_s(self) -> float:
-        """How much later than asked this thread's last pass woke (0 once read)."""
-        late, self._late.seconds = getattr(self._late, "seconds", 0.0), 0.0
-        return late
+    def unbilled_s(self) -> float:
+        """What the device clock must add to its time of this thread's last pass to bill
+        the time asked (negative: a wait that woke late, or a pass queued behind another;
+        positive: a queued pass that returned at once). 0 once read."""
+        unbilled = getattr(self._unbilled, "seconds", 0.0)
+        self._unbilled.seconds = 0.0
+        return unbilled
 
 
 def _text_encoder(config: Any) -> bool:
@@ -409,9 +469,10 @@ def emulate_forward(model: torch.nn.Module, model_class: Any, ref: str) -> Devic
     model.forward = forward  # an instance attribute: nn.Module.__call__ runs it, hooks and all
     clock = device_clock(device)
     # After the clock's own hook (hooks run in the order registered): the device was busy
-    # for the time asked, and a wake-up after that (the scheduler, the GIL held by the
-    # runtime's other threads) is the host's, as CUDA events would not count it either.
-    model.register_forward_hook(lambda *_: _bill(clock, -forward.late_s()))
+    # for the time asked; a wake-up after that (the scheduler, the GIL held by the
+    # runtime's other threads) is the host's, as CUDA events would not count it either,
+    # and a queued pass that returned at once still took its time.
+    model.register_forward_hook(lambda *_: _bill(clock, forward.unbilled_s()))
     _loaded = profile
     if torch.get_num_threads() > 1:
         # What torch still computes here is what a GPU would run after the forward (pooling
@@ -427,8 +488,8 @@ def emulate_forward(model: torch.nn.Module, model_class: Any, ref: str) -> Devic
 
 
 def _bill(clock: DeviceClock, seconds: float) -> None:
-    """Add `seconds` (here: take back a late wake-up) to the busy time `clock` has not yet
-    handed out."""
+    """Add `seconds` (here: what the clock's own timing of a pass missed, or took too
+    much) to the busy time `clock` has not yet handed out."""
     clock.bill(seconds)
 
 

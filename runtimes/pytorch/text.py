@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from runtimes.pytorch import emulated
 from tasks.errors import ErrorCode, ShoalError
 
 # Tokenizers without a limit report a huge sentinel (int(1e30)).
@@ -48,7 +49,10 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: in
     with _encoding:
         backend.enable_truncation(limit, direction=tokenizer.truncation_side)
         backend.no_padding()
-        encodings = backend.encode_batch(texts)
+        # Without the character offsets nobody here reads: a sixth less CPU (tokenizers
+        # >= 0.21 has it).
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        encodings = encode(texts)
     return [e.ids for e in encodings], [e.type_ids for e in encodings] if types else None
 
 
@@ -173,9 +177,12 @@ class HostCopy:
     """Device outputs on their way to host memory: `wait()` gives them once copied.
 
     On a GPU the copy is queued behind the forward that makes them (into pinned memory),
-    and an event marks its end, so the device stage moves on to the next batch at once."""
+    and an event marks its end, so the device stage moves on to the next batch at once.
+    Made right after passes run inside `emulated.queued_passes()`, it waits for those
+    instead, as for a GPU's copy."""
 
     def __init__(self, outputs: list[torch.Tensor]) -> None:
+        self._emulated_until = emulated.queued_until()
         self._event = None
         if outputs and outputs[0].is_cuda:
             host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
@@ -187,6 +194,8 @@ class HostCopy:
         self._outputs = outputs
 
     def wait(self) -> list[torch.Tensor]:
+        emulated.wait_queued(self._emulated_until)
+        self._emulated_until = None
         if self._event is not None:
             self._event.synchronize()
             self._event = None
