@@ -30,6 +30,10 @@ def _entry(args: argparse.Namespace, key: str) -> dict[str, Any]:
         raw["requests_per_minute"] = args.rpm
     if args.tpm is not None:
         raw["tokens_per_minute"] = args.tpm
+    if args.inputs:
+        raw["inputs"] = [g.strip() for g in args.inputs.split(",") if g.strip()]
+    if args.admin:
+        raw["admin"] = True
     KeyEntry.model_validate(raw)  # the same check the gateway makes
     return raw
 
@@ -113,6 +117,10 @@ def add_parser(sub: Any) -> None:
     adding.add_argument("--models", help="comma-separated ids or globs it may use (default: *)")
     adding.add_argument("--rpm", type=int, help="requests per minute (default: no limit)")
     adding.add_argument("--tpm", type=int, help="tokens per minute (default: no limit)")
+    adding.add_argument("--inputs", help="comma-separated blob-store key globs its bulk jobs "
+                        "may name as input (default: only its own jobs' uploads)")
+    adding.add_argument("--admin", action="store_true",
+                        help="an operator's key: sees and cancels every key's jobs")
     adding.add_argument("--file", help="add the entry to this keys file (created 0600)")
     adding.set_defaults(run=add)
     keys_sub.add_parser("hash", help="the stored hash of a key given on stdin").set_defaults(

@@ -14,6 +14,13 @@ The keys file (SHOAL_API_KEYS_FILE), YAML or JSON:
         models: ["BAAI/*", "sentence-transformers/all-MiniLM-L6-v2"]  # default: all
         requests_per_minute: 600          # default: no limit
         tokens_per_minute: 200000         # default: no limit
+        inputs: ["search-team/*"]         # blob-store keys its bulk jobs may name as
+                                          # "input" (globs; default: none but its own)
+        admin: false                      # true: sees and cancels every key's jobs
+
+A job belongs to the key (by name) that created it: another key is told there is no such
+job (`gateway.jobs`). A key's name is its tenant: a rotated key (a new secret, the same
+name) keeps its jobs.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class KeyEntry(BaseModel):
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+    inputs: list[str] = Field(default_factory=list)
+    admin: bool = False
 
 
 class KeyFile(BaseModel):
@@ -86,12 +95,15 @@ class ApiKey:
     models: tuple[str, ...]
     requests_per_minute: int | None
     tokens_per_minute: int | None
+    inputs: tuple[str, ...] = ()  # blob-store key globs its jobs may read as "input"
+    admin: bool = False  # sees and cancels every key's jobs
     _allowed: dict[str, bool] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_entry(cls, entry: KeyEntry) -> ApiKey:
         return cls(entry.name, bytes.fromhex(entry.hash.removeprefix(HASH_PREFIX)),
-                   tuple(entry.models), entry.requests_per_minute, entry.tokens_per_minute)
+                   tuple(entry.models), entry.requests_per_minute, entry.tokens_per_minute,
+                   tuple(entry.inputs), entry.admin)
 
     @property
     def limited(self) -> bool:
@@ -111,6 +123,16 @@ class ApiKey:
             if len(self._allowed) < 10_000:  # callers choose the names: bound the cache
                 self._allowed[model] = allowed
         return allowed
+
+    def may_read_input(self, blob_key: str) -> bool:
+        """Whether a job of this key may name `blob_key` as its input by the grants of
+        the keys file (an admin key may name any)."""
+        return self.admin or any(fnmatch.fnmatchcase(blob_key, g) for g in self.inputs)
+
+    def owns(self, owner: str | None) -> bool:
+        """Whether a job created by the key named `owner` (None: made with keys off) is
+        this key's to see and cancel."""
+        return self.admin or owner == self.name
 
 
 class KeyRing:

@@ -6,7 +6,8 @@ network) needs a key from the file: 401 UNAUTHORIZED without one or with a
 wrong one, 403 FORBIDDEN for a model the key may not use (`check_model_allowed`,
 called where every route resolves its model), 429 RATE_LIMITED with
 Retry-After over the key's requests or tokens per minute (`gateway.rate_limit`);
-/v1/models lists only the models the key may use.
+/v1/models lists only the models the key may use. A job belongs to the key that
+created it: another key gets 404 JOB_NOT_FOUND for it, as for no job (`gateway.jobs`).
 
 Tokens per minute count the request body at `CHARS_PER_TOKEN` bytes per token,
 the rule the gateway's own cost estimate uses for text (`tasks.cost`), charged
@@ -55,16 +56,21 @@ def install_auth(app: Any, settings: Any) -> None:
     log.info("API keys: %d from %s", len(source.ring.keys), path)
 
 
+def caller_key(request: Request) -> ApiKey | None:
+    """The caller's key (None when keys are off)."""
+    return request.scope.get("state", {}).get(STATE_KEY)
+
+
 def models_visible(request: Request, models: list[str]) -> list[str]:
     """`models` the caller's key may use (all of them when keys are off): what an error
     may name without telling a restricted key about the rest of the fleet."""
-    key: ApiKey | None = request.scope.get("state", {}).get(STATE_KEY)
+    key = caller_key(request)
     return models if key is None else [m for m in models if key.allows(m)]
 
 
 def check_model_allowed(request: Request, model: str) -> None:
     """403 if the caller's key may not use `model`; nothing when keys are off."""
-    key: ApiKey | None = request.scope.get("state", {}).get(STATE_KEY)
+    key = caller_key(request)
     if key is not None and not key.allows(model):
         AUTH_REFUSALS.labels("forbidden_model").inc()
         shown = model if len(model) <= 200 else model[:200] + "..."

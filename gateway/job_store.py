@@ -91,6 +91,7 @@ class Job:
     result: Any = None  # inline jobs: the response payload
     result_file: str = ""  # bulk: blob key of the gathered result
     result_type: str = ""  # bulk: "npy" or "jsonl"
+    owner: str | None = None  # the name of the API key that created it (None: keys off)
 
     def to_redis(self) -> dict[str, bytes | str | int | float]:
         out: dict[str, Any] = {}
@@ -131,7 +132,7 @@ _INTS = {"part_items", "parts_total", "items_total", "parts_done", "items_done",
          "offset", "next_item"}
 _FLOATS = {"created_at", "started_at", "finished_at"}
 _STRS = {"id", "operation", "model", "state", "query", "folder", "input", "result_file",
-         "result_type"}
+         "result_type", "owner"}
 
 
 class JobStore:

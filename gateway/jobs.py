@@ -8,6 +8,13 @@ parts and gathered into one result file. Either is checked exactly as the sync
 route checks a request, and refused with a 4xx before anything is queued.
 `Prefer: respond-async` on a native route makes its request a job (`accept_native`).
 
+With API keys on, a job belongs to the key that created it (`Job.owner`, the key's name):
+every job route answers another key 404 JOB_NOT_FOUND, as for no job (existence is not
+disclosed), and 403 for a job whose model the key may no longer use; a key marked
+`admin` sees and cancels all. A bulk job's `"input"` may name only a blob-store key the
+keys file grants the key (`inputs`) or the input upload of one of the key's own jobs;
+anything else is "no such file", as for a missing one.
+
 State lives in Redis (`gateway.job_store`); parts are driven by
 `gateway.job_driver`; their results come back through `gateway.job_replies`.
 """
@@ -24,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from app.catalog import ModelEntry
+from gateway.auth import caller_key, check_model_allowed
 from gateway.bulk import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
 from gateway.codecs import check_body_size, encode_response, media_type, read_body
 from gateway.errors import ApiError, invalid
@@ -116,9 +124,10 @@ def _new_job(request: Request, entry: ModelEntry, op: str, options: Any,
 
     job_id = uuid.uuid4().hex
     raw_options = options if isinstance(options, dict) else None
+    key = caller_key(request)
     return Job(id=job_id, operation=op, model=entry.id, options=raw_options or {},
                query=query if isinstance(query, str) else None,
-               folder=BlobStore.new_key(JOBS, job_id))
+               folder=BlobStore.new_key(JOBS, job_id), owner=key.name if key else None)
 
 
 async def _start(request: Request, job: Job) -> Response:
@@ -210,9 +219,15 @@ async def _from_input(request: Request, body: dict[str, Any]) -> Response:
         raise invalid("'input' must be a key in the blob store")
     entry, check = _bulk_entry(request, body.get("operation"), body.get("model"),
                                body.get("options"), body.get("query"))
+    from tasks.blobs import BlobMissing
+
+    missing = ApiError(ErrorCode.NOT_FOUND, f"no file {key!r} in the blob store")
+    caller = caller_key(request)
+    if caller is not None and not (caller.may_read_input(key)
+                                   or await _input_of_own_job(request, caller.name, key)):
+        raise missing  # another tenant's file is no file to this key
     await request.app.state.broker.admit(entry.id)
     blobs = _blobs(request)
-    from tasks.blobs import BlobMissing
 
     limit = request.app.state.settings.max_job_input_bytes
 
@@ -227,10 +242,22 @@ async def _from_input(request: Request, body: dict[str, Any]) -> Response:
     try:
         await asyncio.to_thread(read_all)
     except BlobMissing:
-        raise ApiError(ErrorCode.NOT_FOUND, f"no file {key!r} in the blob store") from None
+        raise missing from None
     job = _new_job(request, entry, body["operation"], body.get("options"), body.get("query"))
     job.input, job.owns_input = key, False
     return await _start(request, _bulk(job, check))
+
+
+async def _input_of_own_job(request: Request, owner: str, blob_key: str) -> bool:
+    """Whether `blob_key` is the uploaded input of a job that `owner`'s key created."""
+    from tasks.blobs import JOBS
+
+    kind, _, rest = blob_key.partition("/")
+    folder, _, name = rest.partition("/")
+    if kind != JOBS or "-" not in folder or "/" in name:
+        return False
+    job = await _store(request).get(folder.partition("-")[2])
+    return job is not None and job.owner == owner and job.input == blob_key
 
 
 def _bulk(job: Job, check: InputCheck) -> Job:
@@ -250,9 +277,12 @@ def _too_large(limit: int) -> ApiError:
 async def _job(request: Request) -> Job:
     job_id = request.path_params["job_id"]
     job = await _store(request).get(job_id)
-    if job is None:
+    key = caller_key(request)
+    if job is None or (key is not None and not key.owns(job.owner)):
         raise ApiError(ErrorCode.JOB_NOT_FOUND, f"no job {job_id!r} (unknown, or finished "
                        "more than SHOAL_JOB_TTL_S ago)")
+    if key is not None and not key.admin:
+        check_model_allowed(request, job.model)
     return job
 
 

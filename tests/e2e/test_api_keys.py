@@ -8,6 +8,7 @@ editing the file, and the open routes that need none.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -33,13 +34,18 @@ class Keys:
         self.path = path
         self.all, self.tiny, self.limited, self.tokens, self.tests = (new_key()
                                                                       for _ in range(5))
+        self.tiny_two, self.ops = new_key(), new_key()
 
     def entries(self) -> list[dict]:
         return [{"name": "all", "hash": hash_key(self.all)},
                 {"name": "tiny-only", "hash": hash_key(self.tiny), "models": [TINY_CLS]},
                 {"name": "limited", "hash": hash_key(self.limited), "requests_per_minute": 3},
                 {"name": "tokens", "hash": hash_key(self.tokens), "tokens_per_minute": 50},
-                {"name": "tests", "hash": hash_key(self.tests), "models": ["test/*"]}]
+                {"name": "tests", "hash": hash_key(self.tests), "models": ["test/*"]},
+                {"name": "tiny-two", "hash": hash_key(self.tiny_two), "models": [TINY_CLS],
+                 "inputs": ["shared/*"]},
+                {"name": "ops", "hash": hash_key(self.ops), "models": [TINY_CLS],
+                 "admin": True}]
 
     def write(self, extra: list[dict] = ()) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -239,3 +245,78 @@ def test_keys_are_added_and_revoked_by_editing_the_file(keys):
     keys.write()
     wait_for(lambda: status(fresh) == 401, 10, "the gateway to drop the revoked key")
     assert status(keys.all) == 200
+
+
+# --- jobs belong to their key ------------------------------------------------------------
+
+JOB_ROUTES = [("GET", "/v1/jobs/{id}"), ("GET", "/v1/jobs/{id}/result"),
+              ("DELETE", "/v1/jobs/{id}")]
+
+
+def _finished_job(keys: Keys, key: str, model: str) -> str:
+    r = httpx.post(f"{keys.url}/v1/jobs", json={"operation": "encode", "model": model,
+                                                 **ENCODE}, headers=_auth(key), timeout=30)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    wait_for(lambda: httpx.get(f"{keys.url}/v1/jobs/{job_id}", headers=_auth(key),
+                               timeout=10).json()["state"] == "succeeded", 120,
+             f"job {job_id} to succeed")
+    return job_id
+
+
+def test_no_job_is_readable_or_cancellable_across_keys(keys):
+    # Three keys: two limited to the tiny model, one allowed all; a job of each kind.
+    jobs = {"tiny's own": (_finished_job(keys, keys.tiny, TINY_CLS), keys.tiny),
+            "all's, same model": (_finished_job(keys, keys.all, TINY_CLS), keys.all),
+            "all's, a model tiny may not use": (_finished_job(keys, keys.all, MINILM),
+                                                keys.all)}
+    callers = {"tiny-only": keys.tiny, "tiny-two": keys.tiny_two, "all": keys.all}
+    crossed = []
+    for what, (job_id, owner) in jobs.items():
+        for caller_name, caller in callers.items():
+            for method, route in JOB_ROUTES:
+                r = httpx.request(method, f"{keys.url}{route.format(id=job_id)}",
+                                  headers=_auth(caller), timeout=30)
+                if caller == owner:
+                    assert r.status_code == 200, (what, caller_name, method, route, r.text)
+                    continue
+                if r.status_code != 404 or r.json()["error"]["code"] != "JOB_NOT_FOUND":
+                    crossed.append((what, caller_name, method, route, r.status_code))
+                # Said exactly as for a job that does not exist.
+                assert job_id in r.json()["error"]["message"]
+    assert crossed == []
+    unknown = httpx.get(f"{keys.url}/v1/jobs/{'0' * 32}", headers=_auth(keys.tiny), timeout=10)
+    assert _error(unknown, 404, "JOB_NOT_FOUND")
+    # The jobs are still there for their owners: nobody else's DELETE touched them.
+    for job_id, owner in jobs.values():
+        r = httpx.get(f"{keys.url}/v1/jobs/{job_id}", headers=_auth(owner), timeout=10)
+        assert r.json()["state"] == "succeeded"
+
+
+def test_an_admin_key_sees_and_cancels_every_job(keys):
+    job_id = _finished_job(keys, keys.all, MINILM)  # a model outside the admin's list
+    for method, route in JOB_ROUTES:
+        r = httpx.request(method, f"{keys.url}{route.format(id=job_id)}",
+                          headers=_auth(keys.ops), timeout=30)
+        assert r.status_code == 200, (method, route, r.text)
+
+
+def test_a_job_input_is_only_a_file_the_key_may_read(keys):
+    from tasks.blobs import blob_store
+
+    blobs = blob_store(os.environ["SHOAL_BLOB_URL"])
+    lines = b"".join(b'{"text": "shared line"}\n' for _ in range(4))
+    blobs.put("shared/in.jsonl", lines)
+    blobs.put("private/in.jsonl", lines)
+    body = {"operation": "encode", "model": TINY_CLS}
+
+    def create(key: str, blob_key: str) -> httpx.Response:
+        return httpx.post(f"{keys.url}/v1/jobs", json={**body, "input": blob_key},
+                          headers=_auth(key), timeout=30)
+
+    # Granted by the keys file (`inputs: ["shared/*"]`): accepted.
+    assert create(keys.tiny_two, "shared/in.jsonl").status_code == 202
+    # Not granted: answered as a file that does not exist, whether it does or not.
+    for blob_key in ("private/in.jsonl", "private/none.jsonl", "shared/in.jsonl"):
+        message = _error(create(keys.tiny, blob_key), 404, "NOT_FOUND")
+        assert "no file" in message

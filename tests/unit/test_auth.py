@@ -90,6 +90,20 @@ def test_a_key_allows_the_models_its_globs_name():
     assert _key()[1].allows("anything/at-all")  # the default: every model
 
 
+def test_a_key_owns_its_own_jobs_and_reads_the_inputs_it_is_granted():
+    plain = ApiKey.from_entry(KeyEntry(name="team-a", hash=hash_key(new_key()),
+                                       inputs=["team-a/*"]))
+    admin = ApiKey.from_entry(KeyEntry(name="ops", hash=hash_key(new_key()), admin=True))
+    assert plain.owns("team-a") and not plain.owns("team-b")
+    assert not plain.owns(None)  # a job made while keys were off is nobody's key's
+    assert admin.owns("team-b") and admin.owns(None)
+    assert plain.may_read_input("team-a/2026/in.jsonl")
+    assert not plain.may_read_input("team-b/in.jsonl")
+    assert not plain.may_read_input("jobs/1-abc/input.jsonl")  # not by a grant
+    assert admin.may_read_input("team-b/in.jsonl")
+    assert not ApiKey.from_entry(KeyEntry(name="b", hash=hash_key(new_key()))).admin
+
+
 def test_a_key_file_in_yaml_or_json_is_read_with_its_defaults(tmp_path):
     secret, _ = _key()
     entries = [{"name": "a", "hash": hash_key(secret), "models": ["test/*"],
