@@ -26,7 +26,7 @@ from gateway.embeddings import create_embeddings
 from gateway.health import healthz, list_models, readyz
 from gateway.job_driver import JobDriver
 from gateway.job_replies import JobReplies
-from gateway.job_store import JobStore
+from gateway.job_store import JobStore, warn_if_jobs_are_volatile
 from gateway.jobs import cancel_job, create_job, get_job, get_result
 from gateway.metrics import metrics
 from gateway.middleware import RequestIdMiddleware
@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         drain.install()  # SIGTERM: /readyz says 503 while uvicorn drains (gateway.drain)
         broker.start()
         job_driver.start()
+        warned = asyncio.get_running_loop().create_task(warn_if_jobs_are_volatile(job_store))
         # Orphaned claim blobs (requests dead-lettered or lost) go after SHOAL_BLOB_TTL_S.
         sweeper = asyncio.get_running_loop().create_task(sweep_forever(
             settings.blob_url, settings.blob_ttl_s, settings.blob_sweep_interval_s))
@@ -89,6 +90,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         # uvicorn runs this only once the requests in flight were answered (or the grace
         # ran out): the broker, which brings their replies, closes after them.
         sweeper.cancel()
+        warned.cancel()
         await job_driver.close()
         await broker.close()
         await job_store.close()

@@ -10,7 +10,9 @@ which wakes the driver here if it is this one; a driver elsewhere notices within
 POLL_S.
 
 Cancelling or failing a job is a state change in Redis; the driver (or the DELETE
-route, whichever comes first) then revokes the parts published and not answered.
+route, whichever comes first) then revokes the parts published and not answered. A job
+whose record vanished from Redis (restarted without persistence) is stopped the same
+way: its parts revoked, its files deleted; nothing writes its record again.
 """
 
 from __future__ import annotations
@@ -133,6 +135,13 @@ class JobDriver:
                 log.warning("cannot renew the lease of job %s: %s", job_id, exc)
                 continue  # it may still be ours; if it lapses, another gateway takes over
             if not held:
+                if not await self.store.redis.exists(self.store.key(job_id)):
+                    # Gone with its lease (a Redis restarted without persistence): no
+                    # gateway will drive it. The driver sees it gone at its next look
+                    # (within POLL_S), revokes its parts and deletes its files.
+                    log.warning("job %s is gone from Redis (restarted without "
+                                "persistence?); stopping it and deleting its files", job_id)
+                    return
                 log.warning("lost the lease of job %s; another gateway drives it", job_id)
                 driver.cancel()
                 return
@@ -150,10 +159,10 @@ class JobDriver:
             entry = self.served.get(job.model)
             if not job.active or entry is None:
                 return  # a model this gateway does not serve: left to one that does
-            await self.store.mark_running(job_id)
-            if await self._publish_all(job, entry) and await self._wait_done(job):
+            if await self.store.mark_running(job_id) and \
+                    await self._publish_all(job, entry) and await self._wait_done(job):
                 await self._gather(job, entry)
-            else:  # cancelled or failed: its files go (the caller's own input stays)
+            else:  # cancelled, failed or gone: its files go (the caller's own input stays)
                 folder = [f"{job.folder}/parts", f"{job.folder}/input.jsonl",
                           f"{job.folder}/request.msgpack"]
                 await asyncio.to_thread(self.blobs().delete, folder, True)
@@ -185,7 +194,9 @@ class JobDriver:
                                       raw=False)
             if not await self._publish(job, entry, 0, request):
                 return False
-            await self.store.published(job.id, 1, 0, 0, job.items_total)
+            if not await self.store.published(job.id, 1, 0, 0, job.items_total):
+                await self.revoke(job.id, 1)
+                return False
             return True
         blobs = self.blobs()
         reader = await asyncio.to_thread(
@@ -206,7 +217,10 @@ class JobDriver:
                 if not await self._publish(job, entry, index, kwargs):
                     return False
                 index += 1
-                await self.store.published(job.id, index, reader.offset, first, len(items))
+                if not await self.store.published(job.id, index, reader.offset, first,
+                                                  len(items)):
+                    await self.revoke(job.id, index)  # stopped, or gone from Redis
+                    return False
                 first += len(items)
             return True
         finally:

@@ -19,12 +19,15 @@ must not leave a part recorded but not counted.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import orjson
+
+log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     "queued", "running", "succeeded", "failed", "cancelled")
@@ -50,6 +53,24 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
 redis.call('SREM', KEYS[3], ARGV[3])
+return 1
+"""
+# Set fields (ARGV: name value pairs) of a job that is still active; 0 (nothing written)
+# when its hash is gone (expired, or lost with a Redis that does not persist) or final: a
+# write must never make a vanished job's hash again, with no state and no TTL.
+_UPDATE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'queued' and state ~= 'running' then return 0 end
+for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+# The same for the splitter's resume point, with the items of the part just published
+# (ARGV[1] its index, ARGV[2] "first-last") in the ranges hash (KEYS[2]), in one step.
+_PUBLISHED = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'queued' and state ~= 'running' then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 # Renew a lease only if we still hold it.
@@ -152,6 +173,8 @@ class JobStore:
             self._redis = redis.asyncio.from_url(self.redis_url)
             self._record = self._redis.register_script(_RECORD)
             self._finish = self._redis.register_script(_FINISH)
+            self._update = self._redis.register_script(_UPDATE)
+            self._published = self._redis.register_script(_PUBLISHED)
             self._renew = self._redis.register_script(_RENEW)
         return self._redis
 
@@ -200,22 +223,32 @@ class JobStore:
     async def set_fields(self, job_id: str, **fields: Any) -> None:
         await self.redis.hset(self.key(job_id), mapping=fields)
 
-    async def mark_running(self, job_id: str) -> None:
-        """queued -> running, once (a takeover keeps the first start time)."""
-        key = self.key(job_id)
-        if await self.redis.hsetnx(key, "started_at", time.time()):
-            await self.redis.hset(key, "state", RUNNING)
+    async def update(self, job_id: str, **fields: Any) -> bool:
+        """Set `fields` of an active job; False (nothing written) if it is gone or final."""
+        self.redis  # noqa: B018  # registers the scripts
+        args = [v for item in fields.items() for v in item]
+        return bool(await self._update(keys=[self.key(job_id)], args=args))
+
+    async def mark_running(self, job_id: str) -> bool:
+        """queued -> running, once (a takeover keeps the first start time); False if the
+        job is gone or final."""
+        job = await self.get(job_id)
+        if job is None or not job.active:
+            return False
+        if job.started_at is not None:
+            return True
+        return await self.update(job_id, started_at=time.time(), state=RUNNING)
 
     async def published(self, job_id: str, parts: int, offset: int, first_item: int,
-                        items: int) -> None:
+                        items: int) -> bool:
         """The splitter's resume point: `parts` published, the next starts at `offset`;
-        the last one holds items `first_item`.. (0-based) `items` of them."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.ranges_key(job_id), str(parts - 1),
-                      f"{first_item + 1}-{first_item + items}")
-            pipe.hset(self.key(job_id), mapping={"published": parts, "offset": offset,
-                                                 "next_item": first_item + items})
-            await pipe.execute()
+        the last one holds items `first_item`.. (0-based) `items` of them. False if the
+        job is gone or final (nothing written)."""
+        self.redis  # noqa: B018
+        return bool(await self._published(
+            keys=[self.key(job_id), self.ranges_key(job_id)],
+            args=[parts - 1, f"{first_item + 1}-{first_item + items}", "published", parts,
+                  "offset", offset, "next_item", first_item + items]))
 
     async def part_range(self, job_id: str, index: int) -> tuple[str, str]:
         """The items (counted from 1) part `index` holds, as published."""
@@ -249,6 +282,19 @@ class JobStore:
             keys=[self.key(job_id), self.parts_key(job_id), self.active_key,
                   self.ranges_key(job_id)], args=args))
 
+    async def persistence(self) -> list[str]:
+        """How Redis keeps the jobs over its restart: "aof" (appendonly yes) and/or "rdb"
+        (a `save` schedule); empty when it does not. Raises when Redis will not say (a
+        managed Redis may refuse CONFIG)."""
+        appendonly = await self.redis.config_get("appendonly")
+        save = await self.redis.config_get("save")
+        kept = []
+        if str(appendonly.get("appendonly", "")).lower() == "yes":
+            kept.append("aof")
+        if str(save.get("save", "")).strip():
+            kept.append("rdb")
+        return kept
+
     # --- leases ---------------------------------------------------------------------------
 
     async def acquire(self, job_id: str, owner: str, ttl_s: float) -> bool:
@@ -263,6 +309,25 @@ class JobStore:
     async def release(self, job_id: str, owner: str) -> None:
         if await self.redis.get(self.lease_key(job_id)) == owner.encode():
             await self.redis.delete(self.lease_key(job_id))
+
+
+async def warn_if_jobs_are_volatile(store: JobStore) -> list[str] | None:
+    """At a gateway's start: a warning when Redis would lose every job with a restart
+    (what it keeps, or None when it will not say, is returned for tests)."""
+    from app.redact import mask_url
+
+    where = mask_url(store.redis_url)
+    try:
+        kept = await store.persistence()
+    except Exception as exc:  # away, or CONFIG refused: the first job will say more
+        log.info("could not read the persistence settings of Redis at %s: %s", where, exc)
+        return None
+    if not kept:
+        log.warning("Redis at %s keeps nothing over a restart (appendonly no, no save "
+                    "schedule): a restart loses every job, queued or running, and their "
+                    "callers get 404. Turn on `appendonly yes` in its redis.conf "
+                    "(docs/operations.md, \"Jobs and Redis\").", where)
+    return kept
 
 
 def transient(exc: BaseException) -> bool:

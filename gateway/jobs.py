@@ -131,7 +131,13 @@ def _new_job(request: Request, entry: ModelEntry, op: str, options: Any,
 
 
 async def _start(request: Request, job: Job) -> Response:
-    await _store(request).create(job)
+    try:
+        await _store(request).create(job)
+    except BaseException:
+        # Refused (the job store is away: 503): nothing of it stays in the blob store.
+        if job.owns_input:
+            await asyncio.to_thread(_blobs(request).delete, [job.folder], True)
+        raise
     await request.app.state.job_driver.kick(job.id)
     return encode_response(request, view(job), 202, {"Location": f"/v1/jobs/{job.id}"})
 

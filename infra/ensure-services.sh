@@ -26,6 +26,10 @@ fi
 wait_port 127.0.0.1 15672 60 || { echo "RabbitMQ management API did not start" >&2; exit 1; }
 
 if ! wait_port 127.0.0.1 6379 1 && command -v redis-server >/dev/null; then
-  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
-    --dir /tmp --logfile /tmp/shoal-redis.log
+  # Jobs live in Redis: with the append-only file on they survive a Redis restart (a
+  # gateway warns at start when its Redis keeps nothing).
+  redis_dir="${XDG_STATE_HOME:-$HOME/.local/state}/shoal/redis"
+  mkdir -p "$redis_dir"
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly yes \
+    --appendfsync everysec --dir "$redis_dir" --logfile "$redis_dir/redis.log"
 fi

@@ -207,6 +207,62 @@ def test_cancel_stops_the_parts_not_yet_run(jobs_stack):
         process.stop()
 
 
+def test_a_job_whose_redis_record_vanishes_stops_and_deletes_its_files(jobs_stack):
+    """Redis restarted without persistence loses a running job: its gateway stops
+    publishing its parts, revokes those out, deletes its upload and never writes the
+    record again (no state-less hash without a TTL)."""
+    import redis
+
+    private, worker = jobs_stack
+    process, url = start_gateway(private, "gw-vanish", SHOAL_JOB_PART_ITEMS="32",
+                                 SHOAL_JOB_PARTS_IN_FLIGHT="2")
+    client = redis.Redis.from_url(os.environ.get("SHOAL_REDIS_URL",
+                                                 "redis://127.0.0.1:6379/0"))
+    try:
+        wait_for(lambda: idle(private, worker), 60, "the worker to be idle")
+        before = results_ok(worker)
+        r = post_bulk(url, jsonl(texts(32 * 30, words=120)))
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        uploads = list(Path(os.environ["SHOAL_BLOB_URL"]).glob(f"jobs/*-{job_id}/input.jsonl"))
+        assert len(uploads) == 1
+        wait_for(lambda: job(url, job_id)["progress"]["parts_done"] >= 1, TIMEOUT,
+                 "a first part to be done")
+        # What a Redis restarted empty does to the job: every key of it gone at once.
+        keys = list(client.scan_iter(f"{private.prefix}:job:{job_id}*"))
+        with client.pipeline(transaction=True) as pipe:
+            pipe.delete(*keys)
+            pipe.srem(f"{private.prefix}:jobs:active", job_id)
+            pipe.execute()
+        wait_for(lambda: not uploads[0].exists(), 60, "the job's upload to be deleted")
+        wait_for(lambda: idle(private, worker), 60, "the worker to finish what it holds")
+        assert not client.exists(f"{private.prefix}:job:{job_id}")  # not written again
+        assert httpx.get(f"{url}/v1/jobs/{job_id}", timeout=10).status_code == 404
+        assert results_ok(worker) - before < 30  # the parts after it never ran
+    finally:
+        client.close()
+        process.stop()
+
+
+def test_a_job_refused_for_want_of_its_store_leaves_nothing_in_the_blob_store(jobs_stack):
+    private, _ = jobs_stack
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    process, url = start_gateway(private, "gw-no-redis", SHOAL_REDIS_URL=nowhere)
+    jobs_dir = Path(os.environ["SHOAL_BLOB_URL"]) / "jobs"
+    try:
+        before = set(jobs_dir.glob("*/*"))
+        inline = httpx.post(f"{url}/v1/jobs", json={"operation": "encode", "model": MINILM,
+                                                    "items": [{"text": "refused"}]},
+                            timeout=60)
+        upload = post_bulk(url, jsonl(["refused"] * 10))
+        for r in (inline, upload):
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "JOB_STORE_UNAVAILABLE"
+        assert set(jobs_dir.glob("*/*")) - before == set()
+    finally:
+        process.stop()
+
+
 def test_a_gateway_killed_mid_job_loses_nothing(jobs_stack):
     private, _ = jobs_stack
     first, url = start_gateway(private, "gw-doomed", SHOAL_JOB_PART_ITEMS="100")

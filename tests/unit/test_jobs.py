@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,9 +28,19 @@ from gateway.bulk import (
     part_key,
 )
 from gateway.job_replies import parse_part_id, part_id
-from gateway.job_store import CANCELLED, FAILED, RUNNING, SUCCEEDED, Job, JobStore, view
+from gateway.job_store import (
+    CANCELLED,
+    FAILED,
+    RUNNING,
+    SUCCEEDED,
+    Job,
+    JobStore,
+    view,
+    warn_if_jobs_are_volatile,
+)
 from tasks.blobs import BlobStore
 from tasks.errors import ShoalError, invalid
+from tests.stack import free_port
 
 
 def no_check(items: list[Any]) -> None:
@@ -210,6 +221,41 @@ def run(store: JobStore, coro: Any) -> Any:
             store._redis = None
 
     return asyncio.run(main())
+
+
+def test_a_vanished_or_finished_job_is_never_written_again(store):
+    async def scenario() -> None:
+        job = Job(id="gone", operation="encode", model="m", bulk=True, parts_total=3)
+        await store.create(job)
+        await store.redis.delete(store.key("gone"))  # lost with a Redis restart
+        assert not await store.mark_running("gone")
+        assert not await store.published("gone", 1, 10, 0, 2)
+        assert not await store.redis.exists(store.key("gone"))
+        assert not await store.redis.exists(store.ranges_key("gone"))
+        done = Job(id="done", operation="encode", model="m", bulk=True, parts_total=3)
+        await store.create(done)
+        assert await store.mark_running("done")
+        assert await store.finish("done", CANCELLED)
+        assert not await store.published("done", 1, 10, 0, 2)
+        assert (await store.get("done")).published == 0
+
+    run(store, scenario())
+
+
+def test_a_redis_that_keeps_nothing_over_a_restart_is_warned_of(store, caplog):
+    import redis
+
+    client = redis.Redis.from_url(store.redis_url)
+    expected = (["aof"] if client.config_get("appendonly")["appendonly"] == "yes" else []) + \
+        (["rdb"] if client.config_get("save")["save"].strip() else [])
+    client.close()
+    with caplog.at_level(logging.WARNING, logger="gateway.job_store"):
+        kept = run(store, warn_if_jobs_are_volatile(store))
+    assert kept == expected  # what this machine's Redis is set to
+    warned = [r for r in caplog.records if "keeps nothing over a restart" in r.getMessage()]
+    assert bool(warned) == (not expected)
+    away = JobStore(f"redis://127.0.0.1:{free_port()}/0", store.prefix, ttl_s=60)
+    assert run(away, warn_if_jobs_are_volatile(away)) is None  # cannot tell: no warning
 
 
 def test_a_part_counts_once_and_a_job_finishes_once(store):
