@@ -2,12 +2,14 @@
 
 `kubectl kustomize` renders each overlay; core objects are validated against Kubernetes'
 own schemas (kubernetes-validate, strict: no unknown field), the KEDA, RabbitMQ-operator
-and Prometheus-operator objects against their CRDs' published schemas (vendored in
-tests/schemas/crds, read as strictly). Then what the manifests say is checked against
-what shoal does: the queues KEDA watches are the ones app.topology derives for each pool's
-models, every SHOAL_* variable is a setting with a valid value, probes and scrapes hit
-paths the processes serve, grace periods cover the drain, alert rules are
-infra/prometheus/alerts.yaml's.
+(cluster and messaging-topology) and Prometheus-operator objects against their CRDs'
+published schemas (vendored in tests/schemas/crds, read as strictly). Then what the
+manifests say is checked against what shoal does: the queues KEDA watches are the ones
+app.topology derives for each pool's models, every SHOAL_* variable is a setting with a
+valid value, probes and scrapes hit paths the processes serve, grace periods cover the
+drain, alert rules are infra/prometheus/alerts.yaml's, each process's RabbitMQ user may do
+what its code does and no more, Redis takes its password from a Secret, NetworkPolicies
+select real pods and ports, the gateway's HPA scales on a metric the adapter serves.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ import yaml
 
 from app.catalog import load_catalog
 from app.settings import PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
-from app.topology import queue_for
+from app.topology import dead_letter_exchange, queue_for, task_exchange
 from app.worker import pinned_models
 
 K8S = REPO_ROOT / "infra" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 CRD_SCHEMAS = REPO_ROOT / "tests" / "schemas" / "crds"
 KUBERNETES_VERSION = "1.33.0"  # the oldest release the deploy supports
-CORE_GROUPS = {"v1", "apps/v1", "autoscaling/v2", "policy/v1"}
+CORE_GROUPS = {"v1", "apps/v1", "autoscaling/v2", "policy/v1", "networking.k8s.io/v1"}
 NAMESPACE = "shoal"
 SHOAL_IMAGES = {"shoal-gateway", "shoal-worker-cpu", "shoal-worker-cuda"}
 
@@ -130,7 +132,7 @@ def test_every_rendered_object_validates_against_its_schema(overlay: str) -> Non
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ScaledObject",
             "TriggerAuthentication", "RabbitmqCluster", "PodMonitor", "ServiceMonitor",
-            "PrometheusRule"} <= kinds
+            "PrometheusRule", "User", "Permission", "NetworkPolicy", "ConfigMap"} <= kinds
     errors = {f"{o['kind']}/{o['metadata']['name']}": validation_errors(o) for o in objects}
     assert {k: v for k, v in errors.items() if v} == {}
 
@@ -140,6 +142,9 @@ def test_every_rendered_object_validates_against_its_schema(overlay: str) -> Non
     ("ScaledObject", ["spec", "minReplicas"]),
     ("RabbitmqCluster", ["spec", "replica"]),
     ("PodMonitor", ["spec", "podMetricsEndpoints", 0, "paths"]),
+    ("User", ["spec", "tag"]),
+    ("Permission", ["spec", "permissions", "reed"]),
+    ("NetworkPolicy", ["spec", "podSelectors"]),
 ])
 def test_a_misspelt_field_fails_validation(kind: str, path: list[Any]) -> None:
     obj = copy.deepcopy(of_kind(rendered(OVERLAYS[0]), kind)[0])
@@ -202,8 +207,10 @@ def test_keda_watches_exactly_the_queues_of_each_pools_models(overlay: str) -> N
         assert meta["host"] == f"http://{cluster['name']}.{cluster['namespace']}.svc:15672/"
         assert matched_queues(meta["queueName"], settings) == expected, name
         ref = auth[trigger["authenticationRef"]["name"]]
+        # KEDA's own management-only user (checked in test_keda_reads_queues_as_a_user_
+        # that_can_do_nothing_else), not the operator's administrator.
         assert {r["name"] for r in ref["spec"]["secretTargetRef"]} \
-            == {f"{cluster['name']}-default-user"}
+            == {credentials_secret("shoal-keda")}
         assert {r["parameter"] for r in ref["spec"]["secretTargetRef"]} \
             == {"username", "password"}
         # A pool with a pinned model keeps a warm worker; one without scales to zero.
@@ -305,20 +312,22 @@ def test_the_gateway_probes_open_routes_and_drains_within_its_grace(overlay: str
 def test_secrets_are_referenced_not_written(overlay: str) -> None:
     objects = rendered(overlay)
     assert not of_kind(objects, "Secret")
-    cluster = of_kind(objects, "RabbitmqCluster")[0]["metadata"]["name"]
     referenced = set()
-    for deployment in of_kind(objects, "Deployment"):
-        for item in container(deployment).get("env", []):
-            ref = item.get("valueFrom", {}).get("secretKeyRef")
-            if ref:
-                referenced.add(ref["name"])
-        for volume in deployment["spec"]["template"]["spec"].get("volumes", []):
+    for workload in of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet"):
+        for c in workload["spec"]["template"]["spec"]["containers"]:
+            for item in c.get("env", []):
+                ref = item.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    referenced.add(ref["name"])
+        for volume in workload["spec"]["template"]["spec"].get("volumes", []):
             if "secret" in volume:
                 referenced.add(volume["secret"]["secretName"])
-    # The operator creates the first; docs/operations.md tells how to create the others.
-    assert referenced == {f"{cluster}-default-user", "shoal-flower", "shoal-api-keys"}
+    # The messaging-topology operator creates the users' Secrets; docs/operations.md tells
+    # how to create the others.
+    generated = {credentials_secret(u) for u in ("shoal-gateway", "shoal-worker", "shoal-flower")}
+    assert referenced == generated | {"shoal-flower", "shoal-api-keys", "shoal-redis"}
     operations = (REPO_ROOT / "docs" / "operations.md").read_text()
-    for secret in referenced - {f"{cluster}-default-user"}:
+    for secret in referenced - generated:
         assert f"create secret generic {secret}" in operations
     flower = env_values(named(objects, "Deployment", "shoal-flower"))
     assert "SHOAL_FLOWER_PASSWORD" not in flower  # from the Secret, not a literal
@@ -415,3 +424,338 @@ def test_the_prometheus_rule_holds_the_alert_rules_file(overlay: str) -> None:
     [rule] = of_kind(rendered(overlay), "PrometheusRule")
     assert rule["spec"] == sync.prometheus_rule()["spec"], \
         "infra/k8s/base/alerts.yaml is stale: run python infra/k8s/sync_alerts.py"
+
+
+# --- least privilege: RabbitMQ users, Redis's password, NetworkPolicies -------------------
+
+# Which RabbitMQ user (a messaging-topology operator User) each kind of shoal process uses.
+USER_OF_COMPONENT = {"gateway": "shoal-gateway", "worker": "shoal-worker",
+                     "flower": "shoal-flower"}
+
+
+def credentials_secret(user: str) -> str:
+    """The Secret the messaging-topology operator generates for the User `user`."""
+    return f"{user}-user-credentials"
+
+
+def secret_refs(deployment: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """The container's env variables taken from a Secret: name -> (secret, key)."""
+    return {e["name"]: (ref["name"], ref["key"]) for e in container(deployment).get("env", [])
+            if (ref := e.get("valueFrom", {}).get("secretKeyRef"))}
+
+
+def component(deployment: dict[str, Any]) -> str:
+    return deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_shoal_process_uses_the_operators_default_user(overlay: str) -> None:
+    objects = rendered(overlay)
+    cluster = of_kind(objects, "RabbitmqCluster")[0]["metadata"]["name"]
+    default_user = f"{cluster}-default-user"
+    users = {u["metadata"]["name"]: u for u in of_kind(objects, "User")}
+    for user in users.values():
+        assert user["spec"]["rabbitmqClusterReference"] == {"name": cluster}
+        # Generated credentials: no password written anywhere in the repository.
+        assert "importCredentialsSecret" not in user["spec"]
+        assert "administrator" not in user["spec"].get("tags", [])
+    deployments = of_kind(objects, "Deployment")
+    assert {component(d) for d in deployments} == set(USER_OF_COMPONENT)
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        user = USER_OF_COMPONENT[component(deployment)]
+        assert user in users, f"{name}: no User {user}"
+        refs = secret_refs(deployment)
+        secret = credentials_secret(user)
+        assert refs["RABBITMQ_USER"] == (secret, "username"), name
+        assert refs["RABBITMQ_PASSWORD"] == (secret, "password"), name
+        assert default_user not in {s for s, _ in refs.values()}, name
+        env = env_values(deployment)
+        assert env["SHOAL_BROKER_URL"].startswith("amqp://$(RABBITMQ_USER):$(RABBITMQ_PASSWORD)@")
+        # Only Flower reads the management API (its broker tab).
+        assert ("SHOAL_MANAGEMENT_URL" in env) == (component(deployment) == "flower"), name
+        if "SHOAL_MANAGEMENT_URL" in env:
+            assert "$(RABBITMQ_PASSWORD)@" in env["SHOAL_MANAGEMENT_URL"]
+            assert "management" in users[user]["spec"]["tags"]
+    # Nothing else (KEDA's TriggerAuthentication included) names the administrator's Secret.
+    others = [o for o in objects if o["kind"] != "RabbitmqCluster"]
+    assert default_user not in json.dumps(others)
+
+
+def permission_of(objects: tuple[dict[str, Any], ...], user: str) -> dict[str, str]:
+    found = [p for p in of_kind(objects, "Permission")
+             if p["spec"].get("userReference", {}).get("name") == user]
+    assert len(found) == 1, f"{user}: {len(found)} Permissions"
+    cluster = of_kind(objects, "RabbitmqCluster")[0]["metadata"]["name"]
+    assert found[0]["spec"]["rabbitmqClusterReference"] == {"name": cluster}
+    assert found[0]["spec"]["vhost"] == "/"  # the vhost of the broker URLs ("//")
+    return found[0]["spec"]["permissions"]
+
+
+def allowed(permissions: dict[str, str], operation: str, resource: str) -> bool:
+    """RabbitMQ's check: the regex is searched (not anchored) in the name; "" is "^$"."""
+    regex = permissions.get(operation) or "^$"
+    return re.search(regex, resource) is not None
+
+
+def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
+    """Per process, per operation, the resources its code touches, named as the code (and
+    Celery's, for its remote control and events) names them under `settings`."""
+    from app.celery import app as celery_app
+    from app.queues import kombu_queues
+    from gateway.broker import CONTROL_EXCHANGE, Broker
+    from gateway.job_replies import replies_queue
+    from tasks.pool_state import pool_exchange
+
+    prefix = settings.queue_prefix
+    catalog = load_catalog(PACKAGED_CATALOG_DIR)
+    queues = [queue_for(e.id, settings) for e in catalog.select(["*"])]
+    model_queues = {n for q in queues for n in (q.name, q.dead_letter_queue)}
+    exchanges = {task_exchange(prefix), dead_letter_exchange(prefix)}
+    for queue, dead in (kombu_queues(q) for q in queues[:1]):
+        assert {queue.exchange.name, dead.exchange.name} == exchanges
+    gateway = Broker(settings, [])
+    pool, jobs = pool_exchange(prefix), replies_queue(prefix)
+    mailbox = celery_app.control.mailbox
+    control, control_reply = mailbox.exchange.name, mailbox.reply_exchange.name
+    cli = (REPO_ROOT / "app" / "cli.py").read_text()
+    hostname = re.search(r'"--hostname", default="([^"]+)"', cli)
+    assert hostname, "the worker's default --hostname"
+    from celery.utils.nodenames import host_format
+
+    pidbox = mailbox.get_queue(host_format(hostname.group(1), h="shoal-worker-embed-7d9c")).name
+    from app.settings import get_settings
+
+    # Celery's default queue, named by app.celery from the prefix it was imported with.
+    default_queue = prefix + celery_app.conf.task_default_queue.removeprefix(
+        get_settings().queue_prefix)
+    # app.pool_states names a worker's pool-state queue as the gateway does its own
+    # ({prefix}.pool.<uuid hex>): one name stands for both.
+    worker_pool_queue = gateway.pool_queue
+    events = celery_app.conf.event_exchange
+    receiver = celery_app.events.Receiver(celery_app.connection_for_read(), handlers={})
+    flower_reply = mailbox.get_reply_queue().name
+    return {
+        "gateway": {
+            "configure": exchanges | model_queues | {pool, jobs, gateway.reply_to,
+                                                     gateway.pool_queue},
+            "write": {task_exchange(prefix), gateway.pool_queue, CONTROL_EXCHANGE}
+            | model_queues,
+            "read": exchanges | {pool, jobs, gateway.reply_to, gateway.pool_queue},
+        },
+        "worker": {
+            "configure": exchanges | model_queues | {default_queue, pool, worker_pool_queue,
+                                                     control, control_reply, events, pidbox},
+            "write": model_queues | {default_queue, pool, worker_pool_queue, pidbox,
+                                     "amq.default", control_reply, events},
+            "read": exchanges | model_queues | {default_queue, pool, worker_pool_queue,
+                                                control, pidbox},
+        },
+        "flower": {
+            "configure": {events, receiver.queue.name, control, control_reply, flower_reply},
+            "write": {receiver.queue.name, control, flower_reply},
+            "read": {events, receiver.queue.name, control_reply, flower_reply},
+        },
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_rabbitmq_user_may_do_what_its_process_does_and_no_more(overlay: str) -> None:
+    objects = rendered(overlay)
+    prefixes = {env_values(d)["SHOAL_QUEUE_PREFIX"] for d in of_kind(objects, "Deployment")}
+    assert len(prefixes) == 1
+    settings = Settings(queue_prefix=prefixes.pop())
+    required = needs(settings)
+    granted = {c: permission_of(objects, USER_OF_COMPONENT[c]) for c in required}
+    for process, operations in required.items():
+        for operation, resources in operations.items():
+            refused = sorted(r for r in resources if not allowed(granted[process], operation, r))
+            assert refused == [], f"{process} may not {operation} {refused}"
+    everything = {r for ops in required.values() for rs in ops.values() for r in rs}
+    strangers = {"x", "other.tasks", f"other.{settings.queue_prefix}.tasks",
+                 f"{settings.queue_prefix}x.model.a", "amq.topic"}
+    for process, permissions in granted.items():
+        for operation in ("configure", "write", "read"):
+            # Exactly what some process needs, nothing of another prefix or broker user.
+            assert not any(allowed(permissions, operation, r) for r in strangers), \
+                (process, operation)
+            extra = {r for r in everything - required[process][operation]
+                     if allowed(permissions, operation, r)}
+            assert extra == set(), (process, operation)
+    gw, worker, flower = (required[c] for c in ("gateway", "worker", "flower"))
+    # The separations that matter: a gateway cannot take requests nor answer them; a
+    # worker cannot read a gateway's replies; Flower touches nothing of shoal's.
+    model = queue_for("sentence-transformers/all-MiniLM-L6-v2", settings).name
+    assert not allowed(granted["gateway"], "read", model)
+    assert not allowed(granted["gateway"], "write", "amq.default")
+    reply = next(r for r in gw["read"] if ".reply." in r)
+    assert not allowed(granted["worker"], "read", reply)
+    assert not allowed(granted["worker"], "configure", reply)
+    for operation in ("configure", "write", "read"):
+        assert not any(allowed(granted["flower"], operation, r)
+                       for r in (gw[operation] | worker[operation]) - flower[operation])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_reads_queues_as_a_user_that_can_do_nothing_else(overlay: str) -> None:
+    objects = rendered(overlay)
+    [keda] = [u for u in of_kind(objects, "User") if u["metadata"]["name"] == "shoal-keda"]
+    assert keda["spec"]["tags"] == ["management"]  # the management API, its vhosts only
+    permissions = permission_of(objects, "shoal-keda")
+    everything = {r for ops in needs(Settings()).values() for rs in ops.values() for r in rs}
+    for operation in ("configure", "write", "read"):
+        assert permissions[operation] == ""
+        assert not any(allowed(permissions, operation, r) for r in everything)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_requires_a_password_that_the_gateway_takes_from_a_secret(overlay: str) -> None:
+    import redis.connection
+
+    from app.redact import mask_url
+
+    objects = rendered(overlay)
+    [statefulset] = of_kind(objects, "StatefulSet")
+    [server] = statefulset["spec"]["template"]["spec"]["containers"]
+    server_env = {e["name"]: e for e in server["env"]}
+    args = server["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    secret = server_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert (secret["name"], secret["key"]) == ("shoal-redis", "password")
+    # The readiness probe's redis-cli authenticates from the environment.
+    assert "redis-cli" in server["readinessProbe"]["exec"]["command"]
+    assert server_env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == secret
+    for deployment in of_kind(objects, "Deployment"):
+        env = env_values(deployment)
+        # Only the gateway uses Redis (jobs, rate limits); nobody else gets its password.
+        assert ("SHOAL_REDIS_URL" in env) == (component(deployment) == "gateway")
+        if "SHOAL_REDIS_URL" not in env:
+            assert "shoal-redis" not in {s for s, _ in secret_refs(deployment).values()}
+            continue
+        assert secret_refs(deployment)["REDIS_PASSWORD"] == ("shoal-redis", "password")
+        url = env["SHOAL_REDIS_URL"]
+        expanded = url.replace("$(REDIS_PASSWORD)", "0123abcd")
+        assert expanded != url
+        assert redis.connection.parse_url(expanded)["password"] == "0123abcd"
+        assert "0123abcd" not in mask_url(expanded)  # logs and `shoal settings` hide it
+        assert Settings(redis_url=expanded).redis_url == expanded
+
+
+def network_peers(policy: dict[str, Any]) -> list[tuple[dict, list]]:
+    """(peer, ports) of each ingress rule's `from` entries ({} for a rule open to all)."""
+    return [(peer, rule.get("ports", [])) for rule in policy["spec"].get("ingress", [])
+            for peer in rule.get("from", [{}])]
+
+
+def policy_pods(objects: tuple[dict[str, Any], ...], labels: dict[str, str]) -> list[dict]:
+    """Pod templates the labels select, with the RabbitMQ operator's pods: it labels them
+    with its cluster's name and component rabbitmq (as the ServiceMonitor relies on)."""
+    cluster = of_kind(objects, "RabbitmqCluster")[0]["metadata"]["name"]
+    operator_pod = {"metadata": {"labels": {"app.kubernetes.io/name": cluster,
+                                            "app.kubernetes.io/component": "rabbitmq"}},
+                    "spec": {"containers": []}}
+    found = pods_matching(objects, labels)
+    if labels.items() <= operator_pod["metadata"]["labels"].items():
+        found.append(operator_pod)
+    return found
+
+
+def allowed_in(objects: tuple[dict[str, Any], ...], target: str, port: Any) -> set[str]:
+    """The components of shoal pods that some policy lets reach `target`'s pods on `port`."""
+    sources = set()
+    for policy in of_kind(objects, "NetworkPolicy"):
+        selected = policy_pods(objects, policy["spec"]["podSelector"].get("matchLabels", {}))
+        if not any(p["metadata"]["labels"].get("app.kubernetes.io/component") == target
+                   for p in selected):
+            continue
+        for peer, ports in network_peers(policy):
+            if ports and port not in [p["port"] for p in ports]:
+                continue
+            if not peer:
+                sources.add("*")
+            elif "podSelector" in peer and "namespaceSelector" not in peer:
+                for pod in policy_pods(objects, peer["podSelector"]["matchLabels"]):
+                    sources.add(pod["metadata"]["labels"]["app.kubernetes.io/component"])
+            else:
+                sources.add(peer["namespaceSelector"]["matchLabels"]
+                            ["kubernetes.io/metadata.name"])
+    return sources
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_select_real_pods_and_let_only_their_clients_in(overlay: str) -> None:
+    objects = rendered(overlay)
+    policies = of_kind(objects, "NetworkPolicy")
+    # Closed by default: a pod no other policy names takes no connection.
+    [deny] = [p for p in policies if p["spec"]["podSelector"] == {}]
+    assert deny["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in deny["spec"]
+    for policy in policies:
+        name = policy["metadata"]["name"]
+        assert policy["spec"]["policyTypes"] == ["Ingress"], name
+        labels = policy["spec"]["podSelector"].get("matchLabels", {})
+        pods = policy_pods(objects, labels)
+        assert pods, f"{name} selects no pod"
+        for peer, ports in network_peers(policy):
+            if "podSelector" in peer:
+                assert policy_pods(objects, peer["podSelector"]["matchLabels"]), name
+            for port in ports:  # a named port must be one the selected pods declare
+                if isinstance(port["port"], str):
+                    assert all(port["port"] in port_names(p) for p in pods), (name, port)
+    # Every pod but the default is named by a policy of its own.
+    selected = [policy_pods(objects, p["spec"]["podSelector"].get("matchLabels", {}))
+                for p in policies if p is not deny]
+    components = {pod["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for pods in selected for pod in pods}
+    assert components == {"gateway", "worker", "flower", "redis", "rabbitmq"}
+    assert allowed_in(objects, "gateway", "http") == {"*"}  # its Ingress, Prometheus
+    assert allowed_in(objects, "worker", "metrics") == {"monitoring"}
+    assert allowed_in(objects, "redis", "redis") == {"gateway"}
+    assert allowed_in(objects, "flower", "http") == set()  # port-forward only
+    assert allowed_in(objects, "rabbitmq", 5672) == {"gateway", "worker", "flower", "rabbitmq"}
+    assert allowed_in(objects, "rabbitmq", 15672) \
+        == {"flower", "keda", "rabbitmq-system", "rabbitmq"}
+    assert allowed_in(objects, "rabbitmq", 15692) == {"monitoring", "rabbitmq"}
+    # Each RabbitMQ port named is one the Service the operator makes serves.
+    assert {5672, 15672, 15692} <= {p["port"] for peer, ports in network_peers(
+        named(objects, "NetworkPolicy", "shoal-rabbitmq")) for p in ports}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_hpa_scales_on_cpu_and_on_requests_in_flight_the_adapter_serves(
+        overlay: str) -> None:
+    from gateway.metrics import LATENCY
+    from gateway.middleware import route_label
+
+    objects = rendered(overlay)
+    hpa = named(objects, "HorizontalPodAutoscaler", "shoal-gateway")
+    metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
+    assert set(metrics) == {"Resource", "Pods"}
+    assert metrics["Resource"]["resource"]["name"] == "cpu"
+    pods = metrics["Pods"]["pods"]
+    name = pods["metric"]["name"]
+    assert name == "shoal_gateway_requests_in_flight"
+    assert pods["target"]["type"] == "AverageValue"
+    gateway_env = env_values(named(objects, "Deployment", "shoal-gateway"))
+    cap = int(gateway_env.get("SHOAL_GATEWAY_MAX_CONNECTIONS",
+                              Settings.model_fields["gateway_max_connections"].default))
+    assert 0 < float(pods["target"]["averageValue"]) < cap  # scales before it refuses
+    config = yaml.safe_load(named(objects, "ConfigMap", "shoal-prometheus-adapter")
+                            ["data"]["config.yaml"])
+    served = {}
+    for rule in config["rules"]:
+        series = re.match(r"\w+", rule["seriesQuery"]).group(0)
+        served[re.sub(rule["name"]["matches"], rule["name"]["as"], series)] = (series, rule)
+    series, rule = served[name]
+    # A series the gateway exports (the latency histogram's sum), per pod of the namespace.
+    assert series == f"{LATENCY._name}_sum"
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
+                                              "pod": {"resource": "pod"}}
+    query = rule["metricsQuery"]
+    assert query.startswith("sum(rate(<<.Series>>{<<.LabelMatchers>>,")
+    assert query.endswith("by (<<.GroupBy>>)")
+    routes = re.search(r'route=~"([^"]+)"', query).group(1)
+    # Load is the API's requests, not probes and scrapes.
+    for path, counted in [("/v1/embeddings", True), ("/v1/encode/BAAI/bge", True),
+                          ("/v1/jobs/abc", True), ("/healthz", False), ("/readyz", False),
+                          ("/metrics", False)]:
+        assert bool(re.fullmatch(routes, route_label(path))) == counted, path
