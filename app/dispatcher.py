@@ -448,6 +448,7 @@ class Dispatcher:
             deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
             deliveries=deliveries,
             returnable=held.split is None,
+            bulk=annotations.bulk,
             key=held.task_id,
         ))
 
@@ -458,8 +459,10 @@ class Dispatcher:
         entry = self.entries.get(a.model)
         if a.op not in SPLITTABLE or a.items <= 1 or entry is None:
             return None
-        target = min((t for t in (self.part_target_s, lane.limits.latency_target_s)
-                      if t is not None), default=None)
+        bulk_slice = lane.limits.bulk_slice_s if a.bulk and \
+            lane.callers_active(time.monotonic()) else None
+        target = min((t for t in (self.part_target_s, lane.limits.latency_target_s,
+                                  bulk_slice) if t is not None), default=None)
         per_part = items_per_part(a.items, a.longest, a.cost, lane.limits, lane.cost, target)
         if per_part >= a.items:
             return None
@@ -471,7 +474,7 @@ class Dispatcher:
         for part in split_kwargs(kwargs, per_part):
             items, cost, longest = entry.estimate(part)
             parts.append((Annotations(a.model, a.op, items, cost, longest, a.deadline_ms,
-                                      a.sent_ms, a.lora), task_body(part)))
+                                      a.sent_ms, a.lora, bulk=a.bulk), task_body(part)))
         return Split(parts)
 
     def _queue_tick(self) -> None:

@@ -130,6 +130,12 @@ class Settings(BaseSettings):
     batch_max_delay_ms: float = Field(
         0.0, ge=0, description="wait for a fuller batch only while the runtime is busy"
     )
+    bulk_slice_ms: float = Field(
+        50.0, gt=0, allow_inf_nan=False, description="while callers' requests come, a bulk "
+        "job's part runs in batches predicted at most this long, one at a time (issue 29)")
+    bulk_pass_ms: float = Field(
+        1000.0, gt=0, allow_inf_nan=False, description="job parts passed over for callers' "
+        "requests get a batch at least this often")
     hold_horizon_batches: float = Field(
         2.0, gt=0, description="predicted batches of work held beyond the running one"
     )

@@ -91,6 +91,8 @@ def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:
         latency_target_s=(
             profile.latency_target_ms / 1000 if profile.latency_target_ms else None
         ),
+        bulk_pass_s=settings.bulk_pass_ms / 1000,
+        bulk_slice_s=settings.bulk_slice_ms / 1000,
     )
 
 

@@ -1,7 +1,10 @@
 """The batch former: picks the next batch from a worker's backlog.
 
 Rules:
-- the oldest request is always in the next batch, so nothing starves;
+- the oldest request a caller waits for leads the next batch, so nothing starves; a
+  bulk job's part (`Pending.bulk`) leads only when no such request is held, or when
+  it is the parts' turn (the scheduler gives them one every `bulk_pass_s` at least);
+  a batch led by a waited-for request takes no job part (a part would make it longer);
 - only requests of the same group (operation, options that change the
   forward pass, LoRA) run together;
 - requests of that group older than `max_wait_s` join first, oldest first:
@@ -40,6 +43,11 @@ class BatchLimits:
     max_wait_s: float = 0.5  # a request older than this goes into the very next batch
     padded: bool = True  # padded runtimes pay items x longest; unpadded pay real tokens
     latency_target_s: float | None = None  # a batch predicted slower is not grown further
+    # Job parts passed over for requests callers wait for lead a batch at least this often.
+    bulk_pass_s: float = 1.0
+    # While callers wait too, a job's part runs in pieces predicted at most this long: a
+    # caller's request then waits at most about this behind one (app.dispatcher._split).
+    bulk_slice_s: float = 0.05
 
 
 @dataclass(slots=True)
@@ -94,19 +102,21 @@ def take_batch(
     limits: BatchLimits,
     cost_model: CostModel | None = None,
     now: float | None = None,
+    bulk_turn: bool = False,
 ) -> list[Pending]:
     """Remove and return the next batch from `backlog` (kept in arrival order).
 
-    The batch is returned in arrival order, so its first member is the oldest
-    request. Without `now` no request counts as due; without a cost model the
-    latency target is not checked.
+    The batch is returned in arrival order. Without `now` no request counts as due;
+    without a cost model the latency target is not checked. `bulk_turn`: the oldest
+    request leads even if it is a job part.
     """
     if not backlog:
         return []
-    first = backlog[0]
+    first = leader(backlog, bulk_turn)
     forming = _Forming(limits, cost_model)
     forming.add(first)
-    candidates = [p for p in backlog[1:] if p.group == first.group]
+    candidates = [p for p in backlog if p is not first and p.group == first.group
+                  and (first.bulk or not p.bulk)]
     if now is not None:
         candidates = _add_due(forming, candidates, now)
     _fill_closest(forming, candidates)
@@ -114,6 +124,14 @@ def take_batch(
     batch = [p for p in backlog if id(p) in taken]
     backlog[:] = [p for p in backlog if id(p) not in taken]
     return batch
+
+
+def leader(backlog: list[Pending], bulk_turn: bool = False) -> Pending:
+    """The request that leads the next batch: the oldest one a caller waits for, else
+    (or on the parts' turn) the oldest."""
+    if bulk_turn or not backlog[0].bulk:
+        return backlog[0]
+    return next((p for p in backlog if not p.bulk), backlog[0])
 
 
 def _add_due(forming: _Forming, candidates: list[Pending], now: float) -> list[Pending]:

@@ -19,7 +19,8 @@ The rules, each owned by a pure function of `batching/`:
   to end soon (`PIPELINE_LEAD`): small batches back to back would each pay the fixed
   cost of a batch;
   the lane whose oldest held request has waited longest goes next; `take_batch`
-  forms the batch;
+  forms the batch: requests callers wait for before a bulk job's parts, which get a
+  batch at least every `bulk_pass_s` while passed over (`Lane.took` keeps that clock);
 - an idle runtime starts at once; under load it may wait up to the profile's
   `max_delay_s` for a fuller batch (`seconds_to_wait`);
 - a request whose deadline has passed is answered DEADLINE_EXCEEDED; so is a
@@ -51,7 +52,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from batching.cost import CostModel
-from batching.former import BatchLimits, is_full, seconds_to_wait, split_expired, take_batch
+from batching.former import (
+    BatchLimits,
+    is_full,
+    leader,
+    seconds_to_wait,
+    split_expired,
+    take_batch,
+)
 from batching.hold import (
     HoldLimits,
     MeanRequest,
@@ -74,6 +82,9 @@ OVERRUN_REPEAT_MIN_S = 0.25
 # A batch that would join others in flight while under half full starts once they are
 # due to end within this share of its own predicted time.
 PIPELINE_LEAD = 0.5
+# While a request a caller waits for came this recently, a bulk job's parts do not queue a
+# second batch behind one in flight: the next caller would wait for both.
+CALLERS_RECENT_S = 1.0
 # A wait shorter than this is no wait: a timer cannot be that precise, and one set at the
 # rounding error of the clock would fire without time having passed.
 MIN_WAIT_S = 1e-4
@@ -116,6 +127,26 @@ class Lane:
     cold_peers_horizon_s: float | None = None
     backlog: list[Pending] = field(default_factory=list)
     mix: RequestMix = field(default_factory=RequestMix)
+    # Since when job parts held here have been passed over (None: none are, or one ran).
+    bulk_passed_since: float | None = None
+    waited_for_at: float | None = None  # when the last request a caller waits for came
+
+    def callers_active(self, now: float) -> bool:
+        """Whether a request a caller waits for came within CALLERS_RECENT_S: job parts
+        then run in short pieces, one batch at a time (see `_maybe_start`)."""
+        return self.waited_for_at is not None and now - self.waited_for_at < CALLERS_RECENT_S
+
+    def bulk_turn(self, now: float) -> bool:
+        """Whether held job parts have waited their turn (`BatchLimits.bulk_pass_s`)."""
+        since = self.bulk_passed_since
+        return since is not None and now - since >= self.limits.bulk_pass_s
+
+    def took(self, members: list[Pending], now: float) -> None:
+        """A batch was taken from the backlog: start or stop the parts' passed-over clock."""
+        if any(p.bulk for p in members) or not any(p.bulk for p in self.backlog):
+            self.bulk_passed_since = None
+        elif self.bulk_passed_since is None:
+            self.bulk_passed_since = now
 
 
 @dataclass(slots=True)
@@ -181,6 +212,8 @@ class Scheduler:
     def append(self, model: str, pending: Pending) -> None:
         lane = self.lanes[model]
         lane.backlog.append(pending)
+        if not pending.bulk:
+            lane.waited_for_at = pending.received
         lane.mix.add(pending)
         # A part of a split request is never returned, and the parts after its first are
         # no deliveries: left out, the worker only believes its credit larger than it is.
@@ -293,6 +326,14 @@ class Scheduler:
             if wait >= MIN_WAIT_S:
                 return wait
             ahead = self.busy_for(now)  # the batches in flight end first
+            limits = lane.limits
+            if lane.callers_active(now) and leader(lane.backlog, lane.bulk_turn(now)).bulk:
+                # Job parts beside callers: one short batch at a time, so that the next
+                # caller waits for one slice at most.
+                if self.in_flight:
+                    return max(ahead, MIN_WAIT_S)
+                limits = replace(limits, latency_target_s=min(
+                    limits.bulk_slice_s, limits.latency_target_s or math.inf))
             if self.in_flight and not is_full(lane.backlog, lane.limits):
                 # Behind a batch in flight, a small batch now pays a batch's fixed cost
                 # for a few requests, and the next ones would pay it again: it starts
@@ -301,7 +342,8 @@ class Scheduler:
                 lead = PIPELINE_LEAD * lane.cost.predict(BatchShape.of(lane.backlog))
                 if ahead - lead >= MIN_WAIT_S:
                     return ahead - lead
-            members = take_batch(lane.backlog, lane.limits, lane.cost, now)
+            members = take_batch(lane.backlog, limits, lane.cost, now, lane.bulk_turn(now))
+            lane.took(members, now)
             shape = BatchShape.of(members)
             predicted = lane.cost.predict(shape)
             late = [p for p in members

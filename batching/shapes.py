@@ -28,6 +28,9 @@ class Pending:
     # republished after a reconnect, a job part published again after a takeover); the
     # runtime answers a batch by id, so two with one id never run in one batch.
     key: Hashable | None = None
+    # A bulk job's part: it runs when no request a caller waits for is held (or when job
+    # parts were passed over `BatchLimits.bulk_pass_s`).
+    bulk: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,8 @@ H_COALESCED = "shoal_coalesced"
 # fetches them from the blob store before the request is scheduled. Such a request always
 # travels in a message of its own (never coalesced), so the header is its own.
 H_CLAIMS = "shoal_claims"
+# A bulk job's part (1): a worker runs it after the requests callers wait for.
+H_BULK = "shoal_bulk"
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
@@ -77,6 +79,7 @@ class Annotations:
     sent_ms: float | None
     lora: str | None = None
     claims: int = 0  # binary parts carried as claim checks (H_CLAIMS)
+    bulk: bool = False  # a bulk job's part (H_BULK)
 
     def as_headers(self) -> dict[str, Any]:
         headers: dict[str, Any] = {
@@ -94,6 +97,8 @@ class Annotations:
             headers[H_LORA] = self.lora
         if self.claims:
             headers[H_CLAIMS] = self.claims
+        if self.bulk:
+            headers[H_BULK] = 1
         return headers
 
 
@@ -148,6 +153,7 @@ def read_annotations(headers: dict[str, Any]) -> Annotations | None:
             sent_ms=None if headers.get(H_SENT) is None else int(headers[H_SENT]) / 1000,
             lora=headers.get(H_LORA),
             claims=int(headers.get(H_CLAIMS) or 0),
+            bulk=bool(headers.get(H_BULK)),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -194,15 +200,15 @@ class TaskMessage:
 
 
 def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int,
-              claims: int = 0) -> Part:
+              claims: int = 0, bulk: bool = False) -> Part:
     """A request to `entry`'s operation, annotated and due in `timeout_ms`, before it is
     framed: alone (`single_message`) or with others (`coalesce`). `claims`: how many of its
-    binary parts are claim checks (see `tasks.claims`)."""
+    binary parts are claim checks (see `tasks.claims`); `bulk`: a bulk job's part."""
     sent = sent_now_ms()
     annotations = annotate(TASK_OF_OPERATION[entry.operation], kwargs, entry,
                            deadline_ms=int(sent) + timeout_ms, sent_ms=sent)
-    if claims:
-        annotations = replace(annotations, claims=claims)
+    if claims or bulk:
+        annotations = replace(annotations, claims=claims, bulk=bulk)
     return Part(str(uuid.uuid4()), annotations, task_body(kwargs))
 
 

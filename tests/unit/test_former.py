@@ -269,3 +269,25 @@ def test_two_requests_with_one_id_never_share_a_batch():
     assert [p.handle for p in take_batch(backlog, limits, now=10.0)] \
         == ["first", "other", "no-id", "no-id-2"]
     assert [p.handle for p in take_batch(backlog, limits, now=10.0)] == ["copy"]
+
+
+def test_a_request_a_caller_waits_for_goes_before_older_job_parts_of_its_group():
+    limits = BatchLimits(max_tokens=100_000, max_items=8)
+    parts = [Pending(i, "g", 1, 10, 10, received=float(i), bulk=True) for i in range(3)]
+    waited = [Pending(i, "g", 1, 10, 10, received=float(i)) for i in range(3, 5)]
+    backlog = parts + waited
+    # A batch led by a waited-for request takes no part, though the parts are older.
+    assert [p.handle for p in take_batch(backlog, limits, now=10.0)] == [3, 4]
+    assert [p.handle for p in take_batch(backlog, limits, now=10.0)] == [0, 1, 2]
+    assert backlog == []
+
+
+def test_on_the_parts_turn_the_oldest_part_leads_and_may_take_anything_of_its_group():
+    limits = BatchLimits(max_tokens=100_000, max_items=3)
+    backlog = [Pending(0, "g", 1, 10, 10, received=0.0, bulk=True),
+               Pending(1, "g", 1, 10, 10, received=1.0),
+               Pending(2, "h", 1, 10, 10, received=2.0),
+               Pending(3, "g", 1, 10, 10, received=3.0, bulk=True)]
+    batch = take_batch(backlog, limits, now=10.0, bulk_turn=True)
+    assert [p.handle for p in batch] == [0, 1, 3]
+    assert [p.handle for p in backlog] == [2]

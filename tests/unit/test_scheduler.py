@@ -33,7 +33,14 @@ from batching.hold import (
     target_prefetch,
     typical_batch_s,
 )
-from batching.scheduler import PREFETCH_CHANGE_RATIO, Actions, Batch, Lane, Scheduler
+from batching.scheduler import (
+    CALLERS_RECENT_S,
+    PREFETCH_CHANGE_RATIO,
+    Actions,
+    Batch,
+    Lane,
+    Scheduler,
+)
 from batching.shapes import Pending
 
 MODEL = "m"
@@ -765,3 +772,38 @@ def test_batches_in_flight_end_in_order_and_the_time_each_adds_is_learned():
     assert scheduler.finish(0.18, 0.18, second) is second
     assert observed == [pytest.approx(0.1), pytest.approx(0.08)]
     assert scheduler.in_flight == []
+
+
+# --- bulk job parts after the requests callers wait for ----------------------------------
+
+
+def test_job_parts_wait_for_waited_for_requests_but_get_a_batch_every_bulk_pass_s():
+    limits = BatchLimits(max_tokens=100_000, max_items=2, max_wait_s=10.0, bulk_pass_s=1.0)
+    scheduler = Scheduler({MODEL: Lane(MODEL, limits, CostModel(0.1, 0.0))}, HOLD,
+                          lambda _m, _n: 1)
+    for i in range(6):
+        scheduler.append(MODEL, Pending(f"part{i}", "g", 1, 10, 10, received=0.0, bulk=True))
+    ran = []
+    for step in range(25):  # a caller's request always waiting: the parts are passed over
+        now = step / 10
+        scheduler.append(MODEL, Pending(step, "g", 1, 10, 10, received=now))
+        batch = scheduler.tick(now).start
+        assert batch is not None
+        ran.append((now, [p.handle for p in batch.members]))
+        now = (step + 1) / 10
+        scheduler.finish(now, 0.1, batch)
+    part_batches = [t for t, members in ran if any(str(m).startswith("part") for m in members)]
+    # Passed over from the first batch (t=0), a part's turn comes each second after.
+    assert part_batches == [pytest.approx(1.0), pytest.approx(2.1)]
+    assert all(all(not str(m).startswith("part") for m in members) or
+               all(str(m).startswith("part") for m in members) for _, members in ran)
+    # Beside callers a part's batch is one short slice (this cost model: one part).
+    assert [members for t, members in ran if t in part_batches] == [["part0"], ["part1"]]
+    # A second batch of parts never queues behind one in flight while callers are about.
+    first = scheduler.tick(now).start
+    assert first is not None and [p.handle for p in first.members] == ["part2"]
+    assert scheduler.tick(now).start is None
+    scheduler.finish(now + 0.1, 0.1, first)
+    # Once no caller came for CALLERS_RECENT_S, the parts take whole batches.
+    rest = scheduler.tick(now + CALLERS_RECENT_S).start
+    assert rest is not None and [p.handle for p in rest.members] == ["part3", "part4"]
