@@ -4,6 +4,7 @@ import pytest
 from app.catalog import ModelEntry, Source
 from tasks.adapters import ADAPTERS
 from tasks.envelope import (
+    H_BULK,
     H_COALESCED,
     H_DEADLINE,
     H_MODEL,
@@ -93,6 +94,17 @@ def test_a_request_is_the_entrys_operation_due_in_its_timeout():
     assert ann.sent_ms is not None and ann.deadline_ms == int(ann.sent_ms) + 2_000
     assert H_REPLY_BATCH not in single_message(task_part(entry, kwargs, 1), "gw",
                                                reply_batch=False).headers
+
+
+def test_a_bulk_jobs_part_says_so_and_a_callers_request_does_not():
+    entry = _entry()
+    kwargs = {"model": "m", "items": [{"text": "abcdefgh"}]}
+    part = read_annotations(single_message(task_part(entry, kwargs, 1_000, bulk=True),
+                                           "gw").headers)
+    plain = read_annotations(single_message(task_part(entry, kwargs, 1_000), "gw").headers)
+    assert part is not None and part.bulk
+    assert plain is not None and not plain.bulk
+    assert H_BULK not in single_message(task_part(entry, kwargs, 1_000), "gw").headers
 
 
 def test_missing_annotations_read_as_none():
