@@ -18,6 +18,14 @@ bound. `EdgeProtocol` adds, per gateway process (SHOAL_GATEWAY_* settings):
 - connections: over SHOAL_GATEWAY_MAX_CONNECTIONS open ones, a new one is answered
   503 TOO_MANY_CONNECTIONS at once and closed, before anything is parsed.
 
+A refusal that answers is not closed at once: the client is usually still sending
+(the rest of its headers or body, or its request at the cap), and closing a socket
+with unread bytes in its receive buffer sends a TCP reset, which most clients report
+instead of the status they were sent. So after the answer the connection is
+half-closed (the client reads the answer, then EOF) and what still comes is read and
+discarded, until the client's EOF, DRAIN_MAX_BYTES or DRAIN_MAX_S, whichever is first;
+at most DRAIN_MAX_CONNECTIONS drain at once per process, the others close at once.
+
 Timers cost little: one per connection from its opening to its first headers,
 then only for a request whose headers or body span several reads. Every refusal
 is counted in shoal_gateway_edge_refusals_total{reason}, never logged (a hostile
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -39,6 +47,19 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.metrics import EDGE_REFUSALS
 from gateway.middleware import EDGE_ANSWERED
 from tasks.errors import STATUS_OF_CODE, ErrorCode
+
+# A refused client still sending gets this long, and this many bytes, to finish before the
+# close (see the module doc). 1 s: several round trips even on a slow link, for a client
+# to finish a write in progress and read the answer, and short enough that a refused
+# connection gives back its socket soon. 64 KiB: more than the rest of an oversized header
+# (SHOAL_GATEWAY_MAX_HEADER_BYTES is 16 KiB by default) or of a small body in flight, yet
+# little for a hostile client to push (the bytes are discarded as they come: no memory).
+DRAIN_MAX_S = 1.0
+DRAIN_MAX_BYTES = 64 * 1024
+# Under a flood of refusals, each draining connection holds a socket for up to DRAIN_MAX_S:
+# past this many at once in a process, a refusal closes at once as it used to (as it does
+# with DRAIN_MAX_S at 0).
+DRAIN_MAX_CONNECTIONS = 256
 
 _PHRASES = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             503: b"Service Unavailable"}
@@ -92,6 +113,7 @@ class EdgeProtocol(HttpToolsProtocol):
     # Read from the settings by the first connection of a process (or set by `configure`).
     limits: EdgeLimits | None = None
     _responses: dict[str, bytes] = {}
+    draining: ClassVar[int] = 0  # connections of this process draining after a refusal
 
     @classmethod
     def configure(cls, limits: EdgeLimits) -> None:
@@ -111,6 +133,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self._tail = b""  # the last bytes of headers read so far: "\r\n\r\n" may span reads
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._refused = False  # answered (or closed) by the edge: nothing more is parsed
+        self._drain_timer: asyncio.TimerHandle | None = None  # set while draining
+        self._drain_left = 0  # bytes still accepted (and discarded) while draining
 
     # --- connections ------------------------------------------------------------------------
 
@@ -127,18 +152,64 @@ class EdgeProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         self._cancel_body_timer()
+        self._stop_draining()
         super().connection_lost(exc)
 
     def _refuse(self, reason: str, answer: bool = True) -> None:
         EDGE_REFUSALS.labels(reason).inc()
+        self._refused = True
         self._reading_headers = False  # nothing more is counted or fed
-        if answer:
-            self.transport.write(self._responses[reason])
+        self._cancel_header_timer()
+        self._cancel_body_timer()
+        if not answer:
+            self.transport.close()
+            return
+        self.transport.write(self._responses[reason])
+        if EdgeProtocol.draining >= DRAIN_MAX_CONNECTIONS or DRAIN_MAX_S <= 0:
+            self.transport.close()
+            return
+        self._drain()
+
+    # --- draining after a refusal -------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Half-close after the answer, then discard what comes, within the drain bounds."""
+        EdgeProtocol.draining += 1
+        self._drain_left = DRAIN_MAX_BYTES
+        self._drain_timer = self.loop.call_later(DRAIN_MAX_S, self._end_drain)
+        # A keep-alive timer left from an earlier response would cut the drain short.
+        self._unset_keepalive_if_required()
+        # The FIN follows the answer once it is flushed: a client that reads sees the answer,
+        # then EOF. TLS cannot half-close; draining alone still avoids the reset there.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        # uvicorn pauses reading for a body it holds unread or a pipelined request: the
+        # drain must read, or the client's bytes would sit unread until the close (a reset).
+        if self.flow is not None:
+            self.flow.resume_reading()
+
+    def _drain_received(self, data: bytes) -> None:
+        self._drain_left -= len(data)
+        if self._drain_left < 0:
+            self._end_drain()
+
+    def _end_drain(self) -> None:
+        self._stop_draining()
         self.transport.close()
+
+    def _stop_draining(self) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+            EdgeProtocol.draining -= 1
 
     # --- header bytes ---------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # a read already on its way when the drain ended is dropped too
+            if self._drain_timer is not None:
+                self._drain_received(data)
+            return
         # A read over the header budget is fed no further than the end of the headers
         # ("\r\n\r\n"): a body or pipelined requests after it are counted afresh (a loop,
         # not recursion: one read may hold thousands of small pipelined requests).

@@ -25,20 +25,28 @@ class Reply:
     headers: dict[str, str]
 
 
+# int() would take "+100", "1_000", " 100 " or Unicode digits: a deadline is plain ASCII
+# digits, so that every proxy and client in front reads the header as the gateway does.
+_MAX_TIMEOUT_DIGITS = 18  # longer is out of range anyway; int() is not fed unbounded text
+
+
 def timeout_ms(request: Request) -> int:
     settings = request.app.state.settings
-    raw = request.headers.get("x-timeout-ms")
-    if raw is None:
+    values = request.headers.getlist("x-timeout-ms")
+    if not values:
         return settings.default_timeout_ms
-    try:
-        value = int(raw)
-    except ValueError:
-        raise invalid(
-            f"X-Timeout-Ms must be an integer number of milliseconds, got {raw!r}"
-        ) from None
-    if not 1 <= value <= settings.max_timeout_ms:
+    if len(values) > 1:
+        # Which one would win depends on the server and any proxy: refuse rather than guess.
+        raise invalid(f"X-Timeout-Ms was sent {len(values)} times; send it once")
+    # The value as the server hands it over, stripped of nothing more: the spaces and tabs
+    # HTTP allows around a value (RFC 9110 5.5) are already gone (llhttp, uvicorn).
+    raw = values[0]
+    if not (raw.isascii() and raw.isdigit()):
+        raise invalid(f"X-Timeout-Ms must be a whole number of milliseconds in plain "
+                      f"digits (e.g. 5000), got {shown(raw)}")
+    if len(raw) > _MAX_TIMEOUT_DIGITS or not 1 <= int(raw) <= settings.max_timeout_ms:
         raise invalid(f"X-Timeout-Ms must be between 1 and {settings.max_timeout_ms}")
-    return value
+    return int(raw)
 
 
 ROUTE_OF_OPERATION = {

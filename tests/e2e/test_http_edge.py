@@ -2,7 +2,8 @@
 
 Each test runs a gateway of its own (a private queue prefix, short limits in its env):
 oversized headers get 431 and cost it no memory, slow headers and bodies are closed
-within their read timeout, connections over the cap are refused, an aborted upload is
+within their read timeout, connections over the cap are refused (each refusal read by a
+client still sending its request, not lost to a reset), an aborted upload is
 one log line and a metric, and on SIGTERM the requests in flight get their answers
 while new connections are refused and the process exits within the grace.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import signal
 import socket
 from pathlib import Path
@@ -57,6 +59,14 @@ def _read_until_closed(sock: socket.socket) -> bytes:
         data += chunk
 
 
+def _read_clean(sock: socket.socket) -> bytes:
+    """Everything the gateway sends until its EOF; a reset raises (fails the test)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
 def _status_and_body(response: bytes) -> tuple[int, dict]:
     head, body = response.split(b"\r\n\r\n", 1)
     return int(head.split()[1]), orjson.loads(body)
@@ -93,6 +103,17 @@ def test_the_edge_limits_of_a_gateway_process(tmp_path: Path) -> None:
         assert metric_sum(f"{private.url}/metrics", "shoal_gateway_edge_refusals_total") == 9
         assert _rss_bytes(gateway.pid) - rss < 32 * 1024 * 1024
 
+        # A 64 KB header sent slowly, until the answer comes: the client reads its 431
+        # and then EOF, not a reset (the gateway drains what it still sends).
+        with _connect(port) as sock:
+            request = b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 65536
+            for start in range(0, len(request), 1024):
+                sock.sendall(request[start:start + 1024])  # a reset here fails the test
+                if select.select([sock], [], [], 0.005)[0]:  # the wait ends at the answer
+                    break
+            status, body = _status_and_body(_read_clean(sock))
+            assert (status, body["error"]["code"]) == (431, "HEADERS_TOO_LARGE")
+
         # Slow headers: 408 and a close within the timeout (the read times out otherwise).
         with _connect(port) as sock:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
@@ -115,9 +136,14 @@ def test_the_edge_limits_of_a_gateway_process(tmp_path: Path) -> None:
                 sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
                 assert sock.recv(65536).startswith(b"HTTP/1.1 200")
                 held.append(sock)
-            with _connect(port) as sock:
-                status, body = _status_and_body(_read_until_closed(sock))
-                assert (status, body["error"]["code"]) == (503, "TOO_MANY_CONNECTIONS")
+            encode = orjson.dumps(ENCODE)
+            for _ in range(3):  # requests written before any read, as clients do
+                with _connect(port) as sock:
+                    sock.sendall(b"POST /v1/encode/" + MINILM.encode() + b" HTTP/1.1\r\n"
+                                 b"Host: t\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(encode), encode))
+                    status, body = _status_and_body(_read_clean(sock))
+                    assert (status, body["error"]["code"]) == (503, "TOO_MANY_CONNECTIONS")
         finally:
             for sock in held:
                 sock.close()

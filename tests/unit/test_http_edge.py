@@ -2,12 +2,14 @@
 
 The protocol runs in a real uvicorn server (a thread of this process, on a free port)
 serving a small Starlette app behind the gateway's own RequestIdMiddleware; the tests
-speak raw HTTP/1.1 over sockets, as a hostile client would.
+speak raw HTTP/1.1 over sockets, as a hostile client would. The refusals that drain
+are also run on a uvloop server, the loop `shoal gateway` runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -15,11 +17,13 @@ from collections.abc import Iterator
 import orjson
 import pytest
 import uvicorn
+import uvloop
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from gateway import edge
 from gateway.edge import EdgeLimits, EdgeProtocol
 from gateway.metrics import CLIENT_DISCONNECTS, EDGE_REFUSALS, REQUESTS, UNEXPECTED_ERRORS
 from gateway.middleware import RequestIdMiddleware, request_id_of
@@ -52,21 +56,52 @@ class _Server(uvicorn.Server):
         pass
 
 
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
 @pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+def servers() -> Iterator[dict[str, tuple[int, _Server]]]:
+    """One test server per event loop: {loop: (port, server)}."""
     EdgeProtocol.configure(LIMITS)
-    port = free_port()
-    config = uvicorn.Config(_app(), host="127.0.0.1", port=port, http=EdgeProtocol,
-                            loop="asyncio", lifespan="off", log_level="warning",
-                            timeout_keep_alive=5)
-    server = _Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 10, "the test server to start")
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    running: dict[str, tuple[int, _Server]] = {}
+    threads = []
+    for name, new_loop in LOOPS.items():
+        port = free_port()
+        config = uvicorn.Config(_app(), host="127.0.0.1", port=port, http=EdgeProtocol,
+                                loop="none", lifespan="off", log_level="warning",
+                                timeout_keep_alive=5)
+        server = _Server(config)
+
+        def serve(server: _Server = server, new_loop=new_loop) -> None:
+            with asyncio.Runner(loop_factory=new_loop) as runner:
+                runner.run(server.serve())
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        wait_for(lambda server=server: server.started, 10, f"the {name} test server to start")
+        running[name] = (port, server)
+        threads.append(thread)
+    yield running
+    for _, server in running.values():
+        server.should_exit = True
+    for thread in threads:
+        thread.join(10)
     EdgeProtocol.limits = None
+
+
+@pytest.fixture(scope="module")
+def port(servers: dict[str, tuple[int, _Server]]) -> int:
+    return servers["asyncio"][0]
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def server(request: pytest.FixtureRequest,
+           servers: dict[str, tuple[int, _Server]]) -> tuple[int, _Server]:
+    """A test server on each loop, with no connection open or draining from a test before."""
+    port, server = servers[request.param]
+    wait_for(lambda: not server.server_state.connections and EdgeProtocol.draining == 0, 10,
+             "the connections of earlier tests to close")
+    return port, server
 
 
 def _connect(port: int) -> socket.socket:
@@ -264,6 +299,130 @@ def test_connections_over_the_cap_get_503_at_once(port: int) -> None:
             return _read_response(sock)[0] == 200
 
     wait_for(served, 10, "a connection to be served once the others closed")
+
+
+# --- refusals the client can read: half-close and drain -------------------------------------
+
+
+def _send_slowly(sock: socket.socket, data: bytes, until_answered: bool,
+                 piece: int = 1024, gap_s: float = 0.005) -> None:
+    """Send `data` in pieces as a slow client does, with a wait between pieces that ends
+    early when an answer is readable; with `until_answered`, stop sending then (else send
+    it all, as clients that write the whole request before reading do). A send that fails
+    (a reset) fails the test."""
+    for start in range(0, len(data), piece):
+        sock.sendall(data[start:start + piece])
+        readable, _, _ = select.select([sock], [], [], gap_s)
+        if readable and until_answered:
+            return
+
+
+def _eof(sock: socket.socket) -> bool:
+    """True at a clean EOF after the answer; a reset raises (and fails the test)."""
+    return sock.recv(65536) == b""
+
+
+@pytest.fixture
+def long_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tests below are about the answer reaching the client, not the drain's time bound:
+    # a loaded machine must not end a drain before a paced client has sent its request.
+    monkeypatch.setattr(edge, "DRAIN_MAX_S", 30.0)
+
+
+@pytest.mark.parametrize("until_answered", [True, False])
+def test_a_64_kb_header_sent_slowly_reads_its_431_before_the_close(
+        server: tuple[int, _Server], until_answered: bool, long_drain: None) -> None:
+    port, _ = server
+    request = _get("/echo", b"X-Big: " + b"a" * (64 * 1024) + b"\r\n")
+    with _connect(port) as sock:
+        _send_slowly(sock, request, until_answered)
+        status, headers, body = _read_response(sock)
+        assert (status, headers["connection"]) == (431, "close")
+        assert orjson.loads(body)["error"]["code"] == "HEADERS_TOO_LARGE"
+        assert _eof(sock)
+
+
+def test_a_request_at_the_connection_cap_reads_its_503_before_the_close(
+        server: tuple[int, _Server], long_drain: None) -> None:
+    port, _ = server
+    held: list[socket.socket] = []
+    try:
+        for _ in range(LIMITS.max_connections):
+            sock = _connect(port)
+            sock.sendall(_get("/echo"))
+            assert _read_response(sock)[0] == 200
+            held.append(sock)
+        for _ in range(3):  # as a client does: the request written before any read
+            with _connect(port) as over:
+                over.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 20000"
+                             b"\r\n\r\n" + b"x" * 20_000)
+                status, _, body = _read_response(over)
+                assert status == 503
+                assert orjson.loads(body)["error"]["code"] == "TOO_MANY_CONNECTIONS"
+                assert _eof(over)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_slow_body_reads_its_408_while_still_sending(server: tuple[int, _Server],
+                                                      long_drain: None) -> None:
+    port, _ = server
+    with _connect(port) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n"
+                     + b"x" * 40)
+        # Nothing more until the 408 is readable, then the rest of the body regardless.
+        readable, _, _ = select.select([sock], [], [], READ_TIMEOUT_S)
+        assert readable, "no 408 within the read timeout"
+        _send_slowly(sock, b"x" * 60_000, until_answered=False)
+        status, _, body = _read_response(sock)
+        assert status == 408
+        assert "body" in orjson.loads(body)["error"]["message"]
+        assert _eof(sock)
+
+
+def test_the_drain_ends_at_its_byte_bound(server: tuple[int, _Server],
+                                         long_drain: None) -> None:
+    port, _ = server
+    with _connect(port) as sock:
+        sock.sendall(_get("/echo", b"X-Big: " + b"a" * 4096 + b"\r\n"))
+        assert _read_response(sock)[0] == 431
+        assert _eof(sock)
+        wait_for(lambda: EdgeProtocol.draining == 1, 10, "the drain to start")
+        # Past DRAIN_MAX_BYTES the server stops reading and closes: a send then fails.
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for _ in range(4 * edge.DRAIN_MAX_BYTES // 4096 + 1000):
+                sock.sendall(b"a" * 4096)
+                select.select([], [], [], 0.001)  # lets the server's reset reach us
+    wait_for(lambda: EdgeProtocol.draining == 0, 10, "the drain to end")
+
+
+def test_the_drain_ends_at_its_time_bound_and_at_the_clients_close(
+        server: tuple[int, _Server], monkeypatch: pytest.MonkeyPatch) -> None:
+    port, _ = server
+    monkeypatch.setattr(edge, "DRAIN_MAX_S", 0.2)
+    with _connect(port) as sock:  # a client that neither sends nor closes
+        sock.sendall(_get("/echo", b"X-Big: " + b"a" * 4096 + b"\r\n"))
+        assert _read_response(sock)[0] == 431
+        assert _eof(sock)
+        wait_for(lambda: EdgeProtocol.draining == 0, 10, "the drain to time out")
+    monkeypatch.setattr(edge, "DRAIN_MAX_S", 30.0)
+    with _connect(port) as sock:  # a client that closes once it has read the answer
+        sock.sendall(_get("/echo", b"X-Big: " + b"a" * 4096 + b"\r\n"))
+        assert _read_response(sock)[0] == 431
+        wait_for(lambda: EdgeProtocol.draining == 1, 10, "the drain to start")
+    wait_for(lambda: EdgeProtocol.draining == 0, 10, "the drain to end at the client's EOF")
+
+
+def test_past_the_drain_cap_a_refusal_answers_and_closes_at_once(
+        server: tuple[int, _Server], monkeypatch: pytest.MonkeyPatch) -> None:
+    port, _ = server
+    monkeypatch.setattr(edge, "DRAIN_MAX_CONNECTIONS", 0)  # as if 256 were draining
+    with _connect(port) as sock:
+        sock.sendall(_get("/echo", b"X-Big: " + b"a" * 4096 + b"\r\n"))
+        assert _read_response(sock)[0] == 431
+        assert _closed(sock)
+    assert EdgeProtocol.draining == 0
 
 
 # --- the middleware: unexpected errors, disconnects, request ids ---------------------------
