@@ -759,3 +759,48 @@ def test_the_gateway_hpa_scales_on_cpu_and_on_requests_in_flight_the_adapter_ser
                           ("/v1/jobs/abc", True), ("/healthz", False), ("/readyz", False),
                           ("/metrics", False)]:
         assert bool(re.fullmatch(routes, route_label(path))) == counted, path
+
+
+def compose_interpolated(text: str) -> str:
+    """compose's interpolation with every variable set to a placeholder: ${VAR...} -> its
+    name in lower case, "$$" -> "$"."""
+    text = re.sub(r"\$\{(\w+)[^}]*\}", lambda m: m.group(1).lower(), text.replace("$$", "\0"))
+    return text.replace("\0", "$")
+
+
+def test_the_compose_stack_gives_its_processes_the_kubernetes_users_rights() -> None:
+    compose = yaml.safe_load((REPO_ROOT / "infra" / "compose.yaml").read_text())
+    conf = (REPO_ROOT / "infra" / "rabbitmq" / "20-shoal.conf").read_text()
+    mounted = {c["source"]: c["target"] for c in compose["services"]["rabbitmq"]["configs"]}
+    assert mounted["rabbitmq-conf"].startswith("/etc/rabbitmq/conf.d/")
+    assert f"load_definitions = {mounted['rabbitmq-definitions']}" in conf.splitlines()
+    definitions = json.loads(compose_interpolated(
+        compose["configs"]["rabbitmq-definitions"]["content"]))
+    users = {u["name"]: u for u in definitions["users"]}
+    permissions = {p["user"]: p for p in definitions["permissions"]}
+    objects = rendered(OVERLAYS[0])
+    for service, user in USER_OF_COMPONENT.items():
+        # Each process logs in as its own user, whose password comes from infra/.env.
+        env = compose["services"][service]["environment"]
+        url = compose_interpolated(env["SHOAL_BROKER_URL"])
+        assert url.startswith(f"amqp://{user}:") and user in users, service
+        assert users[user]["password"] == url.split(":")[2].split("@")[0] != ""
+        [k8s_user] = [u for u in of_kind(objects, "User") if u["metadata"]["name"] == user]
+        assert users[user]["tags"] == ",".join(k8s_user["spec"].get("tags", []))
+        granted = permissions[user]
+        assert granted["vhost"] == "/"
+        assert {op: granted[op] for op in ("configure", "write", "read")} \
+            == permission_of(objects, user)
+        assert ("SHOAL_REDIS_URL" in env) == (service == "gateway")
+        assert ("SHOAL_MANAGEMENT_URL" in env) == (service == "flower")
+    redis = compose["services"]["redis"]
+    password = "${REDIS_PASSWORD:?set REDIS_PASSWORD in infra/.env}"
+    assert redis["command"][redis["command"].index("--requirepass") + 1] == password
+    assert compose["services"]["gateway"]["environment"]["SHOAL_REDIS_URL"] \
+        == f"redis://:{password}@redis:6379/0"
+    # Every password compose needs is listed in the example, and infra/.env stays local.
+    example = (REPO_ROOT / "infra" / ".env.example").read_text()
+    needed = set(re.findall(r"\$\{(\w+):\?", (REPO_ROOT / "infra" / "compose.yaml").read_text()))
+    assert needed and needed <= set(re.findall(r"^(\w+)=", example, re.M))
+    ignored = subprocess.run(["git", "check-ignore", "-q", "infra/.env"], cwd=REPO_ROOT)
+    assert ignored.returncode == 0
