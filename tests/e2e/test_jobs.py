@@ -128,6 +128,20 @@ def idle(private: PrivateStack, worker: MeteredWorker) -> bool:
     return queue_counts(private.queue)[0] == 0 and worker.metric("shoal_held_messages") == 0
 
 
+def start_slow_job(private: PrivateStack, worker: MeteredWorker, url: str
+                   ) -> tuple[str, float]:
+    """On an idle worker, a bulk job of 30 parts of long texts (slow enough to stop midway),
+    once its first part is done: its id, and the worker's results before it."""
+    wait_for(lambda: idle(private, worker), 60, "the worker to be idle")
+    before = results_ok(worker)
+    r = post_bulk(url, jsonl(texts(32 * 30, words=120)))
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    wait_for(lambda: job(url, job_id)["progress"]["parts_done"] >= 1, TIMEOUT,
+             "a first part to be done")
+    return job_id, before
+
+
 # --- tests -----------------------------------------------------------------------------------
 
 def test_inline_job_answers_202_and_its_result_equals_the_sync_routes(gateway):
@@ -185,13 +199,7 @@ def test_cancel_stops_the_parts_not_yet_run(jobs_stack):
     process, url = start_gateway(private, "gw-cancel", SHOAL_JOB_PART_ITEMS="32",
                                  SHOAL_JOB_PARTS_IN_FLIGHT="2")
     try:
-        wait_for(lambda: idle(private, worker), 60, "the worker to be idle")
-        before = results_ok(worker)
-        r = post_bulk(url, jsonl(texts(32 * 30, words=120)))
-        assert r.status_code == 202, r.text
-        job_id = r.json()["id"]
-        wait_for(lambda: job(url, job_id)["progress"]["parts_done"] >= 1, TIMEOUT,
-                 "a first part to be done")
+        job_id, before = start_slow_job(private, worker, url)
         r = httpx.delete(f"{url}/v1/jobs/{job_id}", timeout=30)
         assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
         published = r.json()["progress"]["parts_published"]
@@ -219,15 +227,9 @@ def test_a_job_whose_redis_record_vanishes_stops_and_deletes_its_files(jobs_stac
     client = redis.Redis.from_url(os.environ.get("SHOAL_REDIS_URL",
                                                  "redis://127.0.0.1:6379/0"))
     try:
-        wait_for(lambda: idle(private, worker), 60, "the worker to be idle")
-        before = results_ok(worker)
-        r = post_bulk(url, jsonl(texts(32 * 30, words=120)))
-        assert r.status_code == 202, r.text
-        job_id = r.json()["id"]
+        job_id, before = start_slow_job(private, worker, url)
         uploads = list(Path(os.environ["SHOAL_BLOB_URL"]).glob(f"jobs/*-{job_id}/input.jsonl"))
         assert len(uploads) == 1
-        wait_for(lambda: job(url, job_id)["progress"]["parts_done"] >= 1, TIMEOUT,
-                 "a first part to be done")
         # What a Redis restarted empty does to the job: every key of it gone at once.
         keys = list(client.scan_iter(f"{private.prefix}:job:{job_id}*"))
         with client.pipeline(transaction=True) as pipe:
