@@ -32,10 +32,12 @@ run: install services
 
 test: install services sglang
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench: install services
 	$(BIN)/python -m bench.e2e --start-stack

@@ -1,5 +1,6 @@
-"""shoal's process wiring: settings, catalog, queue topology, the Celery app and the CLI.
+"""shoal's processes: the worker (`app.worker`) and the `shoal` command.
 
-Kept import-light: the gateway imports `app.settings`, `app.catalog` and
-`app.topology`; only `app.celery` (the Celery app) pulls in Celery.
+Everything the processes share (settings, catalog, queue topology, the Celery app) is
+the contract below, in `tasks/`; nothing under `tasks/`, `batching/`, `runtimes/` or
+`gateway/` imports this package.
 """

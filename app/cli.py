@@ -17,7 +17,7 @@ def _gateway(args: argparse.Namespace) -> int:
     PROMETHEUS_MULTIPROC_DIR, set here before they start and removed when they have stopped."""
     import uvicorn
 
-    from app.settings import get_settings
+    from tasks.settings import get_settings
 
     settings = get_settings()
     workers = args.workers or settings.gateway_workers
@@ -80,8 +80,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _settings(_: argparse.Namespace) -> int:
-    from app.redact import masked_settings
-    from app.settings import get_settings
+    from tasks.redact import masked_settings
+    from tasks.settings import get_settings
 
     # Passwords in URLs and key material as ***: this output ends up in tickets and logs.
     print(json.dumps(masked_settings(get_settings().model_dump(mode="json")), indent=2))
@@ -89,9 +89,9 @@ def _settings(_: argparse.Namespace) -> int:
 
 
 def _queues(_: argparse.Namespace) -> int:
-    from app.catalog import load_catalog
-    from app.settings import get_settings
-    from app.topology import queue_for
+    from tasks.catalog import load_catalog
+    from tasks.settings import get_settings
+    from tasks.topology import queue_for
 
     settings = get_settings()
     for entry in load_catalog(settings.catalog_dir).select(settings.models):
@@ -104,8 +104,8 @@ def _blobs_sweep(args: argparse.Namespace) -> int:
     """Delete claim blobs older than --older-than (default SHOAL_BLOB_TTL_S): those of
     requests that were dead-lettered or lost. Gateways do this every
     SHOAL_BLOB_SWEEP_INTERVAL_S; this is for a cron job or a fleet without gateways."""
-    from app.settings import get_settings
     from tasks.blobs import CLAIMS, blob_store
+    from tasks.settings import get_settings
 
     settings = get_settings()
     older_than = settings.blob_ttl_s if args.older_than is None else args.older_than

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.broker_urls import split_urls
+from tasks.broker_urls import split_urls
 
 
 def flower_password(path: Path) -> tuple[str, bool]:
@@ -61,7 +61,7 @@ def flower_env(settings: Any, address: str, port: int) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.settings import get_settings
+    from tasks.settings import get_settings
 
     settings = get_settings()
     env = flower_env(settings, args.address, args.port)

@@ -17,7 +17,7 @@ from gateway.api_keys import KeyEntry, KeyFileError, hash_key, new_key, parse_ke
 def _keys_file(args: argparse.Namespace) -> Path | None:
     if args.file:
         return Path(args.file)
-    from app.settings import get_settings
+    from tasks.settings import get_settings
 
     return get_settings().api_keys_file
 

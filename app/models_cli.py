@@ -8,15 +8,15 @@ from pathlib import Path
 
 import yaml
 
-from app.catalog import CatalogError, ModelEntry, load_catalog, load_entry
 from tasks.adapters import ADAPTERS
+from tasks.catalog import CatalogError, ModelEntry, load_catalog, load_entry
 
 
 def _catalog_dir(args: argparse.Namespace) -> Path:
     """The user's folder (--catalog-dir, else SHOAL_CATALOG_DIR), else the packaged one."""
     if args.catalog_dir:
         return Path(args.catalog_dir)
-    from app.settings import get_settings
+    from tasks.settings import get_settings
 
     return get_settings().catalog_dir
 

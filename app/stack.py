@@ -186,8 +186,8 @@ def queue_counts(name: str, broker_url: str) -> tuple[int, int]:
 
 def prefix_queues(prefix: str, models: Iterable[str]) -> list[str]:
     """Every durable queue a stack on `prefix` serving `models` declares."""
-    from app.settings import Settings
-    from app.topology import queue_for
+    from tasks.settings import Settings
+    from tasks.topology import queue_for
 
     settings = Settings(queue_prefix=prefix)
     # Celery's own default queue, and the jobs' reply queue every gateway declares.

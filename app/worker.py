@@ -32,7 +32,6 @@ from celery import bootsteps
 from celery.worker import control
 from kombu import Consumer
 
-from app.catalog import BatchProfile, ModelEntry, load_catalog
 from app.deadletters import DeadLetterAnswerer
 from app.dispatcher import Dispatcher
 from app.metrics import (
@@ -44,19 +43,20 @@ from app.metrics import (
     START_FAILURES,
 )
 from app.pool_states import PoolStates
-from app.queues import kombu_queues
-from app.settings import Settings, get_settings
 from app.shutdown import GracefulShutdown
-from app.topology import queue_for
 from app.worker_health import WorkerHealth, serve
-from batching.cost import CostModel
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
+from batching.latency_model import CostModel
 from batching.scheduler import Lane
 from runtimes.footprint import physical_memory_bytes
 from runtimes.pool import Pool
 from runtimes.precision import device_kind
 from runtimes.process import ProcessRuntime
+from tasks.catalog import BatchProfile, ModelEntry, load_catalog
+from tasks.queues import kombu_queues
+from tasks.settings import Settings, get_settings
+from tasks.topology import queue_for
 
 log = logging.getLogger(__name__)
 

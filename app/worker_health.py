@@ -32,7 +32,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
-from app.broker_metrics import BrokerLink, worker_link
+from tasks.broker_metrics import BrokerLink, worker_link
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Celery's consumer reconnects with kombu's `ensure_connection` defaults: it sleep
 minute comes back up to 30 s after it. Here a round (every URL of SHOAL_BROKER_URL
 once, kombu's failover cycle; no sleep between the URLs of a round) is followed by at
 most SHOAL_BROKER_RECONNECT_MAX_S of sleep. The connection's state goes to
-`app.broker_metrics.worker_link()`.
+`tasks.broker_metrics.worker_link()`.
 
 `app.celery` names this class in `worker_consumer`; only a worker loads it.
 """
@@ -19,9 +19,9 @@ from typing import Any
 from amqp.exceptions import ResourceLocked
 from celery.worker.consumer import Consumer
 
-from app.broker_metrics import worker_link
-from app.broker_urls import endpoint, split_urls
-from app.settings import get_settings
+from tasks.broker_metrics import worker_link
+from tasks.broker_urls import endpoint, split_urls
+from tasks.settings import get_settings
 
 # The first sleep of a back-off, if the bound allows it: a node that restarts takes
 # seconds, so hammering it every few ms gains nothing.

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from batching.cost import CostModel
+from batching.latency_model import CostModel
 from batching.shapes import BatchShape, Pending, batch_tokens, padded_tokens
 
 

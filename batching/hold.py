@@ -26,8 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batching.cost import CostModel
 from batching.former import BatchLimits, is_due, take_batch
+from batching.latency_model import CostModel
 from batching.shapes import BatchShape, Pending
 
 FIT_SLACK = 0.01  # of a request

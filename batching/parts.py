@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from batching.cost import CostModel
 from batching.former import BatchLimits
+from batching.latency_model import CostModel
 from batching.shapes import BatchShape
 
 MIN_PART_OVERHEADS = 4.0

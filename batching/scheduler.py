@@ -51,7 +51,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from batching.cost import CostModel
 from batching.former import (
     BatchLimits,
     is_full,
@@ -68,6 +67,7 @@ from batching.hold import (
     overflow,
     prefetch_for,
 )
+from batching.latency_model import CostModel
 from batching.shapes import BatchShape, Pending
 
 # Re-consuming to change prefetch costs two round trips: only for real changes.

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 
 import aio_pika
 
-from app.settings import get_settings
-from app.topology import model_queue
+from tasks.settings import get_settings
+from tasks.topology import model_queue
 
 
 @dataclass

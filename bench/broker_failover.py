@@ -357,9 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from app.settings import Settings
     from app.stack import Stack, free_port, http_status, wait_for
-    from app.topology import queue_for
+    from tasks.settings import Settings
+    from tasks.topology import queue_for
 
     args = parse_args(argv)
     if (why := Cluster.available()) is not None:

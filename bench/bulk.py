@@ -292,11 +292,11 @@ def run_job_cli(url: str, body: bytes, folder: Path) -> tuple[np.ndarray, JobTim
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from app.settings import get_settings
     from bench.cpu import cpu_snapshot, process_kind, process_label
     from bench.e2e import machine_info
     from bench.mix import make_texts
     from bench.stack import bench_stack
+    from tasks.settings import get_settings
 
     texts = make_texts(args.texts, seed=0)
     body = ndjson(texts)

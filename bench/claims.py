@@ -418,12 +418,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import uvloop
     from tqdm import tqdm
 
-    from app.settings import get_settings
     from app.stack import Stack, free_port
     from bench.e2e import machine_info
     from bench.load import prepare
     from bench.mix import make_texts
     from bench.stack import bench_stack
+    from tasks.settings import get_settings
     from tests.tiny_clip import build_tiny_clip
 
     plan = schedule(args.rounds, args.modes)

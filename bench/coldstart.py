@@ -99,8 +99,8 @@ def e2e_table(first: Mapping[str, Any], cold: Sequence[Mapping[str, Any]],
 
 
 def runtime_coldstarts(repeats: int, bar: Any) -> list[dict[str, float]]:
-    from app.settings import PACKAGED_CATALOG_DIR
     from runtimes.process import ProcessRuntime
+    from tasks.settings import PACKAGED_CATALOG_DIR
 
     samples = []
     for i in range(repeats):
@@ -148,7 +148,6 @@ def _encode(url: str, text: str) -> dict[str, Any]:
 
 def e2e_coldstarts(repeats: int, pause: float, bar: Any) -> dict[str, Any]:
     from app.celery import app as celery_app
-    from app.settings import Settings, get_settings
     from app.stack import (
         Stack,
         delete_queues,
@@ -158,7 +157,8 @@ def e2e_coldstarts(repeats: int, pause: float, bar: Any) -> dict[str, Any]:
         queue_counts,
         wait_for,
     )
-    from app.topology import queue_for
+    from tasks.settings import Settings, get_settings
+    from tasks.topology import queue_for
 
     prefix = f"shoal-bench-cold-{os.getpid()}"
     broker_url = os.environ.get("SHOAL_BROKER_URL") or get_settings().broker_url

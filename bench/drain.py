@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from app.settings import Settings, get_settings
-    from app.topology import queue_for
+    from tasks.settings import Settings, get_settings
+    from tasks.topology import queue_for
 
     prefix = f"shoal-bench-drain-{os.getpid()}"
     broker_url = get_settings().broker_url

@@ -29,11 +29,11 @@ import statistics
 import sys
 import time
 
-from app.settings import DEFAULT_MODEL
 from app.stack import Stack, free_port, http_status, wait_for
 from bench.cpu import cpu_snapshot
 from bench.rawhttp import Connection
 from bench.stack import bench_stack
+from tasks.settings import DEFAULT_MODEL
 
 PLAIN = ("import uvicorn; uvicorn.run('gateway.app:create_app', factory=True, "
          "host='127.0.0.1', port={port}, loop='uvloop', http='httptools', "
@@ -137,8 +137,8 @@ def protocol_only(rounds: int, count: int = 5000) -> None:
     import uvloop
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from app.settings import get_settings
     from gateway.edge import EdgeLimits, EdgeProtocol
+    from tasks.settings import get_settings
 
     EdgeProtocol.configure(EdgeLimits.from_settings(get_settings()))
     request = _requests(DEFAULT_MODEL)["POST /v1/encode"]

@@ -114,10 +114,10 @@ class InProcess:
 
 
 def in_process(catalog: Path, texts: list[str], reps: int) -> dict[str, InProcess]:
-    from app.catalog import Catalog
     from runtimes.base import Request
     from runtimes.host import ModelHost
-    from tasks.cost import estimate_request
+    from tasks.catalog import Catalog
+    from tasks.token_estimate import estimate_request
 
     entries = Catalog.from_dir(catalog).require([f.model for f in FAMILIES])
     host = ModelHost()

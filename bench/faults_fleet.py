@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.settings import REPO_ROOT, Settings
 from app.stack import (
     Process,
     Stack,
@@ -37,7 +36,8 @@ from app.stack import (
     queue_counts,
     wait_for,
 )
-from app.topology import queue_for
+from tasks.settings import REPO_ROOT, Settings
+from tasks.topology import queue_for
 
 FLEET_SCRIPT = REPO_ROOT / "infra" / "netns-fleet.sh"
 FLEET_BROKER_URL = "amqp://shoal:shoal@10.77.0.1:5690//"

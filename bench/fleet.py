@@ -48,16 +48,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.catalog import load_catalog
-from app.settings import Settings, get_settings
-from app.topology import queue_for
 from bench.e2e import machine_info
 from bench.knee import Point, SweepPolicy, find_knee, next_load
 from bench.mix import make_requests
 from bench.stack import BenchStack, bench_stack
 from gateway.broker import Broker
+from tasks.catalog import load_catalog
 from tasks.envelope import task_part
 from tasks.served import read_served
+from tasks.settings import Settings, get_settings
+from tasks.topology import queue_for
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # One simulated device: 40 ms per batch plus 0.2 ms per padded token, and

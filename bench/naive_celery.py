@@ -19,9 +19,9 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_process_init
 
-from app.catalog import load_catalog
-from app.queues import model_kombu_queue
-from app.settings import get_settings
+from tasks.catalog import load_catalog
+from tasks.queues import model_kombu_queue
+from tasks.settings import get_settings
 
 settings = get_settings()
 app = Celery("naive", broker=settings.broker_url, backend="rpc://")

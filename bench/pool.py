@@ -73,17 +73,17 @@ from typing import Any
 
 import yaml
 
-from app.catalog import load_catalog
-from app.settings import PACKAGED_CATALOG_DIR, Settings, get_settings
 from app.stack import Stack, delete_queues, free_port, prefix_queues, queue_counts, wait_for
-from app.topology import queue_for
 from bench.e2e import machine_info
 from bench.mix import make_requests
 from bench.output import emit
 from gateway.broker import Broker
+from tasks.catalog import load_catalog
 from tasks.envelope import task_part
 from tasks.errors import ShoalError
 from tasks.served import read_served
+from tasks.settings import PACKAGED_CATALOG_DIR, Settings, get_settings
+from tasks.topology import queue_for
 
 # Twelve models the sim serves with one operation (encode, dense vectors), most popular
 # first by default; `--models` picks others.

@@ -29,7 +29,6 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from app.settings import DEFAULT_MODEL, Settings
 from app.stack import (
     Stack,
     delete_queues,
@@ -39,7 +38,8 @@ from app.stack import (
     queue_counts,
     wait_for,
 )
-from app.topology import queue_for
+from tasks.settings import DEFAULT_MODEL, Settings
+from tasks.topology import queue_for
 
 POOLS = {"pinned": DEFAULT_MODEL, "lazy": ""}  # SHOAL_PIN of each
 

@@ -100,8 +100,8 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
     same queue); `prefix` is the queue prefix (default: one per benchmark process);
     `gateway_workers` the gateway's processes (default: SHOAL_GATEWAY_WORKERS, else 1),
     all connected (a reply queue each) before it is ready."""
-    from app.settings import Settings, get_settings
-    from app.topology import queue_for
+    from tasks.settings import Settings, get_settings
+    from tasks.topology import queue_for
 
     port = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="shoal-bench-"))

@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.env = dict(item.split("=", 1) for item in args.env)
 
-    from app.catalog import BatchProfile, Catalog
-    from app.settings import get_settings
     from bench.mix import make_requests
+    from tasks.catalog import BatchProfile, Catalog
+    from tasks.settings import get_settings
 
     args.catalog_dir = args.catalog_dir or get_settings().catalog_dir
     catalog = Catalog.from_dir(args.catalog_dir)

@@ -14,8 +14,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.catalog import load_catalog
-from app.settings import Settings, get_settings
 from gateway.auth import install_auth
 from gateway.broker import Broker
 from gateway.claims import sweep_forever
@@ -31,7 +29,9 @@ from gateway.jobs import cancel_job, create_job, get_job, get_result
 from gateway.metrics import metrics
 from gateway.middleware import RequestIdMiddleware
 from gateway.native import classify, encode, extract, score
+from tasks.catalog import load_catalog
 from tasks.errors import ErrorCode, ShoalError
+from tasks.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Retry-After over the key's requests or tokens per minute (`gateway.rate_limit`);
 created it: another key gets 404 JOB_NOT_FOUND for it, as for no job (`gateway.jobs`).
 
 Tokens per minute count the request body at `CHARS_PER_TOKEN` bytes per token,
-the rule the gateway's own cost estimate uses for text (`tasks.cost`), charged
+the rule the gateway's own cost estimate uses for text (`tasks.token_estimate`), charged
 when the request arrives (from Content-Length; a body without one as its bytes
 arrive), before anything is queued, so a key cannot overspend by sending many
 requests at once. Generated tokens are not counted; a raw image counts its bytes.

@@ -18,8 +18,8 @@ from gateway.auth import AUTH_REFUSALS, STATE_KEY
 from gateway.codecs import encode_response, is_msgpack
 from gateway.errors import ApiError
 from gateway.rate_limit import TOKENS, RateLimiter, retry_after_header
-from tasks.cost import CHARS_PER_TOKEN
 from tasks.errors import ErrorCode
+from tasks.token_estimate import CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 

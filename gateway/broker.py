@@ -79,10 +79,6 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import DeliveryError, PublishError
 from pamqp.commands import Basic
 
-from app.broker_metrics import gateway_link
-from app.broker_urls import split_urls
-from app.settings import Settings
-from app.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 from gateway.errors import ApiError
 from gateway.failover import FailoverConnection, connect_failover
 from gateway.metrics import (
@@ -92,6 +88,8 @@ from gateway.metrics import (
     REQUESTS_PER_MESSAGE,
 )
 from gateway.pool import PoolView
+from tasks.broker_metrics import gateway_link
+from tasks.broker_urls import split_urls
 from tasks.envelope import (
     CONTENT_ENCODING,
     CONTENT_TYPE,
@@ -104,6 +102,8 @@ from tasks.envelope import (
 )
 from tasks.errors import ErrorCode
 from tasks.pool_state import pool_exchange
+from tasks.settings import Settings
+from tasks.topology import DEAD_LETTER_ARGUMENTS, dead_letter_exchange, queue_for, task_exchange
 
 log = logging.getLogger(__name__)
 

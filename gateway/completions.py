@@ -18,7 +18,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.catalog import ModelEntry
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
 from gateway.lora import openai_model
@@ -26,6 +25,7 @@ from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
 from gateway.streaming import ChunkFormat, stream_generation
 from gateway.submit import Reply, call_model, check_items
 from tasks.adapters import GENERATE
+from tasks.catalog import ModelEntry
 from tasks.render import names
 from tasks.served import time_to_first_token_ms
 

@@ -123,7 +123,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if EdgeProtocol.limits is None:
-            from app.settings import get_settings
+            from tasks.settings import get_settings
 
             EdgeProtocol.configure(EdgeLimits.from_settings(get_settings()))
         self._limits: EdgeLimits = EdgeProtocol.limits  # type: ignore[assignment]

@@ -23,7 +23,7 @@ import aio_pika
 from aio_pika.robust_connection import RobustConnection
 from yarl import URL
 
-from app.broker_urls import endpoint
+from tasks.broker_urls import endpoint
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.catalog import ModelEntry
 from gateway.codecs import encode_response
 from gateway.errors import ApiError
 from gateway.pool import worker_rows
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 
 

@@ -30,15 +30,15 @@ from typing import Any
 
 import msgpack
 
-from app.catalog import ModelEntry
-from app.settings import Settings
 from gateway.bulk import PartReader, gather
 from gateway.claims import check_out, upload_first
 from gateway.errors import ApiError
 from gateway.job_replies import part_id, replies_queue
 from gateway.job_store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
+from tasks.catalog import ModelEntry
 from tasks.envelope import task_part
 from tasks.errors import ErrorCode
+from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -314,7 +314,7 @@ class JobStore:
 async def warn_if_jobs_are_volatile(store: JobStore) -> list[str] | None:
     """At a gateway's start: a warning when Redis would lose every job with a restart
     (what it keeps, or None when it will not say, is returned for tests)."""
-    from app.redact import mask_url
+    from tasks.redact import mask_url
 
     where = mask_url(store.redis_url)
     try:

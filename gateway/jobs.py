@@ -30,7 +30,6 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from app.catalog import ModelEntry
 from gateway.auth import caller_key, check_model_allowed
 from gateway.bulk import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
 from gateway.codecs import check_body_size, encode_response, media_type, read_body
@@ -38,6 +37,7 @@ from gateway.errors import ApiError, invalid
 from gateway.job_store import CANCELLED, Job, JobStore, view
 from gateway.native import body_limit, checked_kwargs, read_native
 from gateway.submit import ROUTE_OF_OPERATION, served_model
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tasks.render import names, shown
 

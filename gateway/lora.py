@@ -14,9 +14,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.catalog import ModelEntry
 from gateway.errors import invalid
 from gateway.submit import served_model
+from tasks.catalog import ModelEntry
 
 
 def split_model_name(name: str, served: Container[str]) -> tuple[str, str | None]:

@@ -14,11 +14,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.catalog import ModelEntry
 from gateway.codecs import encode_response, read_body
 from gateway.errors import invalid
 from gateway.submit import Reply, call_model, check_items, served_model, wire_items
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, IMAGE, MULTIVECTOR, SCORE
+from tasks.catalog import ModelEntry
 from tasks.render import names
 from tasks.results import embedding_rows, multivector_rows, ranked
 from tasks.schema import ParsedRequest

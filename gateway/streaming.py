@@ -27,9 +27,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from app.catalog import ModelEntry
 from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
 from gateway.submit import timeout_ms
+from tasks.catalog import ModelEntry
 from tasks.envelope import PROGRESS, SUCCESS, task_part
 from tasks.errors import ShoalError
 

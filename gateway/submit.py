@@ -8,10 +8,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.catalog import ModelEntry
 from gateway.auth import check_model_allowed, models_visible
 from gateway.claims import check_out, submit_claimed
 from gateway.errors import ApiError, invalid
+from tasks.catalog import ModelEntry
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
 from tasks.render import shown

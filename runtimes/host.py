@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from app.catalog import ModelEntry
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.pool import keys_of, lora_key
@@ -32,6 +31,7 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.device_time import Span, device_clock
 from runtimes.pytorch.emulated import emulation_stamp
 from runtimes.sources import resolve_source
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tasks.served import stamp_batch
 

@@ -16,7 +16,7 @@ from tasks.precision import PRECISIONS, Precision
 if TYPE_CHECKING:
     import torch
 
-    from app.catalog import ModelEntry
+    from tasks.catalog import ModelEntry
 
 
 def device_kind(device: str) -> str:

@@ -84,13 +84,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from app.catalog import load_catalog
 from runtimes.base import Delta, OnDeltas, Outcome, Request
 from runtimes.children import OutputTail, describe_exit
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.pool import LORA_SEPARATOR, keys_of, lora_key
 from runtimes.protocol import PROBE_ID, FrameTooLarge, ProtocolError, encode_frame, recv_frame
 from runtimes.sources import resolve_source
+from tasks.catalog import load_catalog
 from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)

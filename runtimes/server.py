@@ -69,7 +69,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.catalog import Catalog, load_catalog
 from runtimes.base import Delta, Request
 from runtimes.pipeline import (
     EXIT_FATAL,
@@ -86,6 +85,7 @@ from runtimes.protocol import (
     encode_frame,
     recv_frame,
 )
+from tasks.catalog import Catalog, load_catalog
 
 if TYPE_CHECKING:
     from runtimes.host import ModelHost

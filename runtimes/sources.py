@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from app.catalog import Source
+from tasks.catalog import Source
 
 
 class SourceError(RuntimeError):

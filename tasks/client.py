@@ -31,8 +31,8 @@ from typing import Any
 
 from celery.result import AsyncResult
 
-from app.celery import app
 from tasks import errors  # noqa: F401  (lets AsyncResult.get() re-raise ShoalError)
+from tasks.celery_app import app
 from tasks.envelope import PROGRESS
 from tasks.names import CLASSIFY, ENCODE, EXTRACT, GENERATE, SCORE
 from tasks.results import embedding_rows, multivector_rows, ranked

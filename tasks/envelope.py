@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from tasks.cost import Estimate
 from tasks.names import OPERATION_OF_TASK, TASK_OF_OPERATION
+from tasks.token_estimate import Estimate
 
 CONTENT_TYPE = "application/x-msgpack"
 CONTENT_ENCODING = "binary"
@@ -103,7 +103,7 @@ class Annotations:
 
 
 class EstimatingEntry(Protocol):
-    """What annotating needs of a catalog entry: `app.catalog.ModelEntry` (tasks does not
+    """What annotating needs of a catalog entry: `tasks.catalog.ModelEntry` (tasks does not
     import app, which Celery clients may not have configured)."""
 
     @property

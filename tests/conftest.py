@@ -141,8 +141,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def queue_name(model: str) -> str:
-    from app.settings import Settings
-    from app.topology import queue_for
+    from tasks.settings import Settings
+    from tasks.topology import queue_for
 
     return queue_for(model, Settings()).name
 

@@ -135,8 +135,8 @@ class PrivateStack:
 def private_stack(log_dir: Path, label: str, model: str) -> Iterator[PrivateStack]:
     """A stack of the test's own for `model`; on the way out its processes' logs are
     printed if the test failed, its processes stopped and its queues deleted."""
-    from app.settings import Settings
-    from app.topology import queue_for
+    from tasks.settings import Settings
+    from tasks.topology import queue_for
 
     prefix = f"shoal-{label}-{uuid.uuid4().hex[:8]}"
     private = PrivateStack(prefix, queue_for(model, Settings(queue_prefix=prefix)).name,

@@ -28,9 +28,9 @@ from transformers import (
     XLMRobertaForTokenClassification,
 )
 
-from app.catalog import ModelEntry
 from runtimes.base import Outcome, Request
 from runtimes.host import ModelHost
+from tasks.catalog import ModelEntry
 from tests.tiny_models import MINILM_DIR
 
 NER_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC")

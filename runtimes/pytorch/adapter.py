@@ -17,9 +17,9 @@ from abc import ABC, abstractmethod
 from io import BytesIO
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from app.catalog import ModelEntry
 from runtimes.precision import torch_dtype
 from tasks.adapters import GENERATE, SCORE, TEXT
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class Adapter(ABC):
-    # Whether this family serves LoRA adapters (`app.catalog.LORA_ADAPTERS` says the same
+    # Whether this family serves LoRA adapters (`tasks.catalog.LORA_ADAPTERS` says the same
     # for the catalog); one that does sets `loras` to the LoraSet of its model.
     supports_lora: ClassVar[bool] = False
     loras: LoraSet | None = None

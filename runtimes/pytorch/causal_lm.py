@@ -43,7 +43,6 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from app.catalog import ModelEntry
 from runtimes.base import CANCELLED
 from runtimes.deltas import sendable
 from runtimes.prompts import bos_id, check_prompt, prompt_ids
@@ -51,6 +50,7 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model, pad_id
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import length_chunks, max_length, pad
+from tasks.catalog import ModelEntry
 from tasks.schema import GenerateOptions, Item, ParsedRequest
 
 STOP = "stop"

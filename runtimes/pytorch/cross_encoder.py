@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from app.catalog import ModelEntry
 from runtimes.pytorch.sequence_classification import ClassifierAdapter, Tokens
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest, invalid
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from transformers import AutoModel
 
-from app.catalog import ModelEntry
 from runtimes.pytorch import emulated
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
@@ -34,6 +33,7 @@ from runtimes.pytorch.text import (
     to_device,
 )
 from runtimes.pytorch.vectors import dense_result, normalize_rows
+from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
 
 

@@ -25,10 +25,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.cross_encoder import CrossEncoderAdapter
 from runtimes.pytorch.dense import DenseAdapter
+from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest
 
 ALLOW_ENV = "SHOAL_ALLOW_TEST_ADAPTERS"

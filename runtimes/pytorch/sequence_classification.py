@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import DEFAULT_HYPOTHESIS, ClassifyOptions, ParsedRequest, invalid
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForMaskedLM
 
-from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.files import encoder_ref, model_file
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
+from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
 
 # Each forward pass holds (tokens x vocabulary) float logits; this caps them at

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForTokenClassification
 
-from app.catalog import ModelEntry
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
+from tasks.catalog import ModelEntry
 from tasks.schema import ExtractOptions, ParsedRequest
 
 OUTSIDE = "O"  # the tag of tokens outside any entity, dropped from results

@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.catalog import ModelEntry, load_catalog
 from runtimes.base import CANCELLED, Delta, Load, OnDeltas, Outcome, Request, failed
 from runtimes.deltas import sendable
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.prompts import bos_id, check_prompt, prompt_ids
 from runtimes.sglang.server import ServerConfig, ServerStartError, SGLangServer
 from runtimes.sources import resolve_source
+from tasks.catalog import ModelEntry, load_catalog
 from tasks.errors import ErrorCode, ShoalError
 from tasks.served import stamp_batch
 

@@ -1,7 +1,7 @@
 """How long a simulated device takes: the cost constants the sim runtime sleeps by.
 
 A batch takes a + b*T + c*T*L seconds (T padded tokens, L longest item; the
-model of `batching.cost`), so a device is three constants per model. They are
+model of `batching.latency_model`), so a device is three constants per model. They are
 chosen, first match wins:
 
 1. explicit constants `(a_ms, b_us, c_ns)` (SHOAL_SIM_COST_*): an experiment
@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.catalog import BatchProfile, ModelEntry
-from batching.cost import CostModel
+from batching.latency_model import CostModel
+from tasks.catalog import BatchProfile, ModelEntry
 
 
 @dataclass(frozen=True, slots=True)

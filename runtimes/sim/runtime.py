@@ -5,7 +5,7 @@ hold-back behaviour) need workers whose batches take realistic time, which a
 small machine cannot give with real models. `SimRuntime` checks each request
 exactly as the real runtime does (`ModelEntry.parse`, plus the model-independent
 checks of the adapters), sleeps once per batch for the latency the scheduler's
-own formula (`batching.cost`) predicts on the simulated device, and answers with results
+own formula (`batching.latency_model`) predicts on the simulated device, and answers with results
 of the right shape: deterministic pseudo-random numbers, never a model's.
 Every result carries `"simulated"` (the device and its constants, see
 `tasks.served`), which the gateway turns into an `X-Simulated` header, so no
@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from app.catalog import BatchProfile, ModelEntry
-from batching.cost import BatchShape, CostModel
+from batching.latency_model import BatchShape, CostModel
 from runtimes.base import OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.pool import keys_of, lora_key
 from runtimes.process import LoadFailed, RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
+from tasks.catalog import BatchProfile, ModelEntry
 from tasks.errors import ErrorCode
 from tasks.schema import ParsedRequest, invalid
 from tasks.served import stamp_batch

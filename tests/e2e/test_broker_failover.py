@@ -23,8 +23,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.settings import Settings
-from app.topology import queue_for
 from bench.broker_failover import (
     Cluster,
     Load,
@@ -33,6 +31,8 @@ from bench.broker_failover import (
     stack_env,
     summarize,
 )
+from tasks.settings import Settings
+from tasks.topology import queue_for
 from tests.conftest import TINY_CLS
 from tests.stack import Process, Stack, free_port, http_status, metric_sum, wait_for
 

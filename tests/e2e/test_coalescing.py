@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
-from app.catalog import load_catalog
 from app.replies import Delivery, Replier
-from app.settings import get_settings
+from tasks.catalog import load_catalog
 from tasks.envelope import (
     CONTENT_ENCODING,
     CONTENT_TYPE,
@@ -26,6 +25,7 @@ from tasks.envelope import (
     read_coalesced,
     task_part,
 )
+from tasks.settings import get_settings
 from tests.conftest import MINILM, RESTART, queue_name
 from tests.stack import BROKER_URL, free_port, metric_sum, queue_counts, wait_for
 

@@ -18,11 +18,11 @@ import pytest
 import yaml
 from kombu import Connection, Exchange, Producer
 
-from app.catalog import ModelEntry
-from app.settings import Settings
 from app.stack import prefix_queues
-from app.topology import queue_for
+from tasks.catalog import ModelEntry
 from tasks.pool_state import encode_state, pool_exchange
+from tasks.settings import Settings
+from tasks.topology import queue_for
 from tests.conftest import MINILM, TINY_CLS
 from tests.stack import (
     BROKER_URL,

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.settings import Settings
 from bench.stack import gateway_workers_of, reply_queues
+from tasks.settings import Settings
 from tests.conftest import MINILM
 from tests.stack import (
     Process,

@@ -11,9 +11,9 @@ import msgpack
 import pytest
 from kombu import Connection, Producer
 
-from app.queues import kombu_queues
-from app.settings import Settings
-from app.topology import queue_for
+from tasks.queues import kombu_queues
+from tasks.settings import Settings
+from tasks.topology import queue_for
 from tests.conftest import DLQ, FAULTY, queue_name
 from tests.stack import BROKER_URL, free_port, queue_counts, wait_for
 

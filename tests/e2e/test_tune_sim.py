@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from app.catalog import load_entry
 from app.cli import main
-from app.settings import REPO_ROOT
+from tasks.catalog import load_entry
+from tasks.settings import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import DEFAULT_MODEL, Settings
-from app.topology import queue_for
+from tasks.settings import DEFAULT_MODEL, Settings
+from tasks.topology import queue_for
 from tests.stack import REPO, delete_queues, queue_counts, wait_for
 
 pytestmark = pytest.mark.slow
@@ -107,7 +107,7 @@ def test_the_wheel_holds_every_package_and_the_catalog(installed: Installed):
     names = zipfile.ZipFile(installed.wheel).namelist()
     missing = [p for p in _source_packages() if f"{p}/__init__.py" not in names]
     assert missing == [], "add them to [tool.setuptools] packages in pyproject.toml"
-    assert sorted(n.split("/")[-1] for n in names if n.startswith("app/models/")) == SHIPPED
+    assert sorted(n.split("/")[-1] for n in names if n.startswith("tasks/models/")) == SHIPPED
 
 
 def test_models_list_runs_from_the_installed_wheel(installed: Installed):
@@ -117,7 +117,7 @@ def test_models_list_runs_from_the_installed_wheel(installed: Installed):
     assert len(rows) == len(SHIPPED)
     where = installed.run(installed.bin / "python", "-c",
                           "import app, app.cli, tasks, gateway, batching, runtimes\n"
-                          "from app.settings import PACKAGED_CATALOG_DIR\n"
+                          "from tasks.settings import PACKAGED_CATALOG_DIR\n"
                           "for m in (app, app.cli, tasks, gateway, batching, runtimes):\n"
                           "    print(m.__file__)\n"
                           "print(PACKAGED_CATALOG_DIR)").splitlines()

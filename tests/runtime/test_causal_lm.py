@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.catalog import ModelEntry
 from runtimes.base import Outcome, Request
 from runtimes.host import ModelHost
 from runtimes.pytorch.causal_lm import CausalLMAdapter, Row
+from tasks.catalog import ModelEntry
 from tasks.schema import GenerateOptions
 from tests.tiny_lm import CONTEXT, build_tiny_gpt2, build_tiny_llama
 

@@ -15,9 +15,9 @@ import torch
 from PIL import Image, ImageOps
 from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
-from app.catalog import ModelEntry
 from runtimes.base import Outcome, Request
 from runtimes.host import ModelHost
+from tasks.catalog import ModelEntry
 from tasks.results import embedding_rows
 from tests.tiny_clip import (
     CLIP_MAX_TOKENS,

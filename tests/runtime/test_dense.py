@@ -78,8 +78,8 @@ def test_chunking_by_padded_tokens_keeps_results(tmp_path):
 
 @pytest.fixture(scope="module")
 def host() -> ModelHost:
-    from app.catalog import load_entry
-    from app.settings import REPO_ROOT
+    from tasks.catalog import load_entry
+    from tasks.settings import REPO_ROOT
 
     host = ModelHost()
     host.load([load_entry(REPO_ROOT / "models" / "all-minilm-l6-v2.yaml")])

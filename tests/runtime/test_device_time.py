@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from app.catalog import ModelEntry
 from runtimes.base import Request
 from runtimes.host import ModelHost
 from runtimes.pytorch.device_time import DeviceClock, device_clock, watch_forward
+from tasks.catalog import ModelEntry
 from tasks.served import batch_device_ms
 from tests.tiny_models import build_tiny_sentence_transformer
 

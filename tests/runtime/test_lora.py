@@ -21,12 +21,12 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.catalog import LORA_ADAPTERS, ModelEntry
 from runtimes.base import Outcome, Request
 from runtimes.host import ModelHost
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.causal_lm import Row
 from tasks.adapters import ADAPTERS
+from tasks.catalog import LORA_ADAPTERS, ModelEntry
 from tasks.schema import GenerateOptions
 from tests.tiny_lm import build_tiny_gpt2, build_tiny_llama
 from tests.tiny_lora import (

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertModel
 
-from app.catalog import ModelEntry
 from runtimes.base import Request
 from runtimes.host import ModelHost
+from tasks.catalog import ModelEntry
 from tasks.results import multivector_rows
 from tests.tiny_encoders import (
     build_tiny_colbert_st,

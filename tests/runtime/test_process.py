@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import yaml
 
-from app.catalog import Catalog
 from runtimes import protocol, server
 from runtimes.base import Outcome, Request
 from runtimes.host import ModelHost
 from runtimes.process import ProcessRuntime, RuntimeClosed, RuntimeStartError, RuntimeUnhealthy
 from runtimes.pytorch.faulty import EVERY_BATCH_ENV, AdapterRefused
+from tasks.catalog import Catalog
 from tests.tiny_classifiers import build_tiny_cross_encoder
 from tests.tiny_models import build_tiny_sentence_transformer
 

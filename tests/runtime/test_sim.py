@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.catalog import BatchProfile, ModelEntry
-from app.settings import Settings
-from batching.cost import BatchShape
+from batching.latency_model import BatchShape
 from runtimes.base import Request
 from runtimes.process import RuntimeClosed
 from runtimes.sim import DEVICE_KINDS, SimRuntime, sim_constants
-from tasks.cost import estimate_request
+from tasks.catalog import BatchProfile, ModelEntry
 from tasks.errors import ErrorCode
 from tasks.results import embedding_rows, multivector_rows, row_width
+from tasks.settings import Settings
+from tasks.token_estimate import estimate_request
 
 REPO = Path(__file__).resolve().parents[2]
 PNG = base64.b64decode(

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-from app.catalog import ModelEntry
 from runtimes.base import Request
 from runtimes.host import ModelHost
+from tasks.catalog import ModelEntry
 from tests.tiny_encoders import build_tiny_splade
 
 MODEL = "test/tiny-splade"

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.catalog import ModelEntry
 from runtimes.base import Request
 from runtimes.host import ModelHost
+from tasks.catalog import ModelEntry
 from tasks.split import merge_results, split_kwargs
 from tests.tiny_classifiers import (
     build_tiny_cross_encoder,

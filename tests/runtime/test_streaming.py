@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
-from app.catalog import ModelEntry
 from runtimes.base import CANCELLED, Delta, Outcome, Request
 from runtimes.deltas import held_back
 from runtimes.host import ModelHost
 from runtimes.process import ProcessRuntime
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tests.tiny_lm import build_tiny_llama
 

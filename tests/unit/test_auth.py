@@ -16,8 +16,6 @@ import pytest
 import yaml
 
 from app.flower_cli import flower_env, flower_password
-from app.redact import guest_off_loopback, mask_url, masked_settings
-from app.settings import Settings
 from gateway import api_keys
 from gateway.api_keys import (
     ApiKey,
@@ -31,6 +29,8 @@ from gateway.api_keys import (
 )
 from gateway.auth_middleware import KeySource, bearer_key
 from gateway.rate_limit import LOCAL_DECISIONS, REQUESTS, TOKENS, RateLimiter
+from tasks.redact import guest_off_loopback, mask_url, masked_settings
+from tasks.settings import Settings
 from tests.stack import free_port
 
 REDIS_URL = os.environ.get("SHOAL_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -327,7 +327,7 @@ def test_passwords_in_urls_are_masked_each_of_several_brokers_too():
 
 def test_shoal_settings_shows_no_password(capsys, monkeypatch):
     from app.cli import main
-    from app.settings import get_settings
+    from tasks.settings import get_settings
 
     monkeypatch.setenv("SHOAL_BROKER_URL", "amqp://shoal:brokerpw@127.0.0.1:5672//")
     monkeypatch.setenv("SHOAL_MANAGEMENT_URL", "http://shoal:mgmtpw@127.0.0.1:15672/api/")

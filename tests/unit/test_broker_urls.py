@@ -11,11 +11,11 @@ from kombu import Connection
 from prometheus_client import REGISTRY
 from yarl import URL
 
-from app.broker_metrics import BrokerLink
-from app.broker_urls import celery_broker_url, endpoint, split_urls
-from app.settings import Settings
 from app.worker_reconnect import ReconnectingConsumer, reconnect_intervals
 from gateway.failover import FailoverConnection
+from tasks.broker_metrics import BrokerLink
+from tasks.broker_urls import celery_broker_url, endpoint, split_urls
+from tasks.settings import Settings
 
 A = "amqp://guest:guest@127.0.0.1:5681//"
 B = "amqp://guest:guest@127.0.0.1:5682//"
@@ -87,7 +87,7 @@ def test_the_worker_consumer_drops_celerys_native_delayed_delivery():
 
 
 def test_the_celery_app_fails_over_and_never_gives_up():
-    from app.celery import app
+    from tasks.celery_app import app
 
     assert app.conf.broker_connection_max_retries is None
     assert app.conf.broker_failover_strategy == "round-robin"

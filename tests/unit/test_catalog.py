@@ -1,9 +1,9 @@
 import pytest
 
-from app.catalog import LORA_ADAPTERS, Catalog, CatalogError, load_catalog, load_entry
-from app.settings import DEFAULT_MODEL, PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
 from tasks.adapters import ADAPTERS
+from tasks.catalog import LORA_ADAPTERS, Catalog, CatalogError, load_catalog, load_entry
 from tasks.errors import ErrorCode, ShoalError
+from tasks.settings import DEFAULT_MODEL, PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
 
 
 def test_shipped_catalog_is_valid():
@@ -72,7 +72,7 @@ def test_every_shipped_entry_is_valid_and_ids_are_unique():
 
 
 def test_a_source_checkout_reads_the_top_level_models_folder():
-    # A wheel installs it as app/models instead (tests/e2e/test_wheel.py).
+    # A wheel installs it as tasks/models instead (tests/e2e/test_wheel.py).
     assert PACKAGED_CATALOG_DIR == REPO_ROOT / "models"
     assert Settings.model_fields["catalog_dir"].default == PACKAGED_CATALOG_DIR
     assert load_catalog(PACKAGED_CATALOG_DIR).get(DEFAULT_MODEL) is not None

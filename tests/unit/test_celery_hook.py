@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from app.catalog import load_catalog
-from app.celery import _annotate_shoal_task, settings
-from tasks.cost import DEFAULT_MAX_TOKENS
+from tasks.catalog import load_catalog
+from tasks.celery_app import _annotate_shoal_task, settings
 from tasks.envelope import read_annotations
 from tasks.names import ENCODE, SCORE
+from tasks.token_estimate import DEFAULT_MAX_TOKENS
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from app import cli
-from app.settings import REPO_ROOT, Settings
+from tasks.settings import REPO_ROOT, Settings
 
 INFRA = REPO_ROOT / "infra"
 DOCKER = INFRA / "docker"
@@ -209,7 +209,7 @@ def test_every_shoal_variable_the_images_and_compose_set_is_a_setting():
     assert {"SHOAL_WORKER_METRICS_HOST", "SHOAL_BROKER_URL", "SHOAL_HOST"} <= named
     fields = set(Settings.model_fields)
     unknown = sorted(name for name in named if name.removeprefix("SHOAL_").lower() not in fields)
-    assert unknown == [], f"not settings of app.settings.Settings: {unknown}"
+    assert unknown == [], f"not settings of tasks.settings.Settings: {unknown}"
 
 
 @pytest.mark.parametrize("name", ["gateway", "worker", "flower"])

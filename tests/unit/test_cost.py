@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batching.cost import BatchShape, CostModel
 from batching.former import Pending
+from batching.latency_model import BatchShape, CostModel
 
 TRUTH = (0.01, 1e-4, 1e-7)
 

@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from app.catalog import ModelEntry, Source
 from tasks.adapters import ADAPTERS
+from tasks.catalog import ModelEntry, Source
 from tasks.envelope import (
     H_BULK,
     H_COALESCED,

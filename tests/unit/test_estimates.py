@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.catalog import ModelEntry, Source
-from tasks.cost import DEFAULT_MAX_TOKENS, estimate_request
+from tasks.catalog import ModelEntry, Source
+from tasks.token_estimate import DEFAULT_MAX_TOKENS, estimate_request
 
 
 def test_encode_counts_text_tokens_and_a_fixed_cost_per_image():

@@ -2,7 +2,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batching.cost import BatchShape, CostModel
 from batching.former import (
     BatchLimits,
     Pending,
@@ -14,6 +13,7 @@ from batching.former import (
     split_expired,
     take_batch,
 )
+from batching.latency_model import BatchShape, CostModel
 
 pendings = st.lists(
     st.builds(

@@ -29,8 +29,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.settings import Settings
 from tasks.errors import ErrorCode
+from tasks.settings import Settings
 from tests.conftest import LLAMA, MINILM, NER, NLI, RERANKER, SENTIMENT
 
 # Generating a nested body costs hypothesis ~10 ms, posting it ~2 ms: each example is

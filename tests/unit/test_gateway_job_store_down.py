@@ -7,7 +7,7 @@ import socket
 
 from starlette.testclient import TestClient
 
-from app.settings import Settings
+from tasks.settings import Settings
 
 
 def _closed_port() -> int:

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from app.catalog import ModelEntry
-from app.settings import Settings
 from gateway.lora import split_model_name
+from tasks.catalog import ModelEntry
+from tasks.settings import Settings
 
 SERVED = {"BAAI/bge-small-en-v1.5", "org/model:v2", "org/model", "plain"}
 

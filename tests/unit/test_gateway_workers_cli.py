@@ -6,7 +6,7 @@ import pydantic
 import pytest
 
 from app.cli import main
-from app.settings import Settings
+from tasks.settings import Settings
 
 
 @pytest.mark.parametrize("workers", ["0", "-1", "two"])

@@ -1,6 +1,5 @@
 import pytest
 
-from batching.cost import CostModel
 from batching.former import BatchLimits, take_batch
 from batching.hold import (
     HoldLimits,
@@ -16,6 +15,7 @@ from batching.hold import (
     target_prefetch,
     typical_batch_s,
 )
+from batching.latency_model import CostModel
 from batching.shapes import Pending
 
 MODEL = CostModel(0.01, 1e-4, 0.0)  # a batch of 4 x 100 padded tokens: 50 ms

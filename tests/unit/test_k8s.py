@@ -5,7 +5,7 @@ own schemas (kubernetes-validate, strict: no unknown field), the KEDA, RabbitMQ-
 (cluster and messaging-topology) and Prometheus-operator objects against their CRDs'
 published schemas (vendored in tests/schemas/crds, read as strictly). Then what the
 manifests say is checked against what shoal does: the queues KEDA watches are the ones
-app.topology derives for each pool's models, every SHOAL_* variable is a setting with a
+tasks.topology derives for each pool's models, every SHOAL_* variable is a setting with a
 valid value, probes and scrapes hit paths the processes serve, grace periods cover the
 drain, alert rules are infra/prometheus/alerts.yaml's, each process's RabbitMQ user may do
 what its code does and no more, Redis takes its password from a Secret, NetworkPolicies
@@ -28,10 +28,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from app.catalog import load_catalog
-from app.settings import PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
-from app.topology import dead_letter_exchange, queue_for, task_exchange
 from app.worker import pinned_models
+from tasks.catalog import load_catalog
+from tasks.settings import PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
+from tasks.topology import dead_letter_exchange, queue_for, task_exchange
 
 K8S = REPO_ROOT / "infra" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
@@ -502,10 +502,10 @@ def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
     """Per process, per operation, the resources its code touches, named as the code (and
     Celery's, for its remote control and events) names them under `settings`."""
     from app.celery import app as celery_app
-    from app.queues import kombu_queues
     from gateway.broker import CONTROL_EXCHANGE, Broker
     from gateway.job_replies import replies_queue
     from tasks.pool_state import pool_exchange
+    from tasks.queues import kombu_queues
 
     prefix = settings.queue_prefix
     catalog = load_catalog(PACKAGED_CATALOG_DIR)
@@ -524,7 +524,7 @@ def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
     from celery.utils.nodenames import host_format
 
     pidbox = mailbox.get_queue(host_format(hostname.group(1), h="shoal-worker-embed-7d9c")).name
-    from app.settings import get_settings
+    from tasks.settings import get_settings
 
     # Celery's default queue, named by app.celery from the prefix it was imported with.
     default_queue = prefix + celery_app.conf.task_default_queue.removeprefix(
@@ -612,7 +612,7 @@ def test_keda_reads_queues_as_a_user_that_can_do_nothing_else(overlay: str) -> N
 def test_redis_requires_a_password_that_the_gateway_takes_from_a_secret(overlay: str) -> None:
     import redis.connection
 
-    from app.redact import mask_url
+    from tasks.redact import mask_url
 
     objects = rendered(overlay)
     [statefulset] = of_kind(objects, "StatefulSet")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.cli import main
-from app.settings import REPO_ROOT
+from tasks.settings import REPO_ROOT
 
 CATALOG = str(REPO_ROOT / "models")
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"

@@ -29,7 +29,7 @@ RULES = Path(REPO) / "infra" / "prometheus" / "alerts.yaml"
 # The modules that define shoal's Prometheus metrics (grep for Counter(, Gauge(,
 # Histogram(, Summary( under app/ gateway/ runtimes/ batching/ tasks/). The broker-link
 # metrics are made by calling worker_link() and gateway_link().
-METRIC_MODULES = ("app.metrics", "app.broker_metrics", "gateway.metrics", "gateway.auth",
+METRIC_MODULES = ("app.metrics", "tasks.broker_metrics", "gateway.metrics", "gateway.auth",
                   "gateway.rate_limit")
 
 # RabbitMQ's rabbitmq_prometheus plugin (port 15692), scraped at
@@ -48,7 +48,7 @@ import json, sys
 from prometheus_client import REGISTRY
 for name in {modules!r}:
     __import__(name)
-from app.broker_metrics import gateway_link, worker_link
+from tasks.broker_metrics import gateway_link, worker_link
 worker_link(); gateway_link()
 families = [[f.name, f.type] for f in REGISTRY.collect()]
 heavy = sorted(m for m in ("torch", "transformers", "celery.worker") if m in sys.modules)

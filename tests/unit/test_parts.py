@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from batching.cost import CostModel
 from batching.former import BatchLimits
+from batching.latency_model import CostModel
 from batching.parts import items_per_part
 
 LIMITS = BatchLimits(max_tokens=4096, max_items=64)

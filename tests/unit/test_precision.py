@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.catalog import ModelEntry
-from app.settings import Settings
 from runtimes.precision import default_precision, device_kind, resolve_precision
+from tasks.catalog import ModelEntry
 from tasks.precision import CPU_PRECISIONS, PRECISIONS
+from tasks.settings import Settings
 
 
 def _entry(**profiles: dict[str, Any]) -> ModelEntry:

@@ -23,7 +23,6 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from batching.cost import BatchShape, CostModel
 from batching.former import BatchLimits, batch_tokens, is_due, take_batch
 from batching.hold import (
     HoldLimits,
@@ -33,6 +32,7 @@ from batching.hold import (
     target_prefetch,
     typical_batch_s,
 )
+from batching.latency_model import BatchShape, CostModel
 from batching.scheduler import (
     CALLERS_RECENT_S,
     PREFETCH_CHANGE_RATIO,

@@ -1,4 +1,4 @@
-from app.topology import model_queue, model_slug
+from tasks.topology import model_queue, model_slug
 
 
 def test_queue_name_rule():

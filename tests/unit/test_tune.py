@@ -62,7 +62,7 @@ def test_write_profile_keeps_comments_and_other_keys(tmp_path):
     write_profile(path, "cpu", {"max_items": 32, "measured": "shoal tune ... on today"})
     text = path.read_text()
     assert "# why this model" in text and "# the hub id" in text
-    from app.catalog import load_entry
+    from tasks.catalog import load_entry
 
     entry = load_entry(path)
     assert entry.profile("cpu").max_items == 32 and entry.profile("l4").max_items == 128

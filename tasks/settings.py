@@ -15,15 +15,15 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from tasks.precision import Precision
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-_APP_DIR = Path(__file__).resolve().parent
+_TASKS_DIR = Path(__file__).resolve().parent
 # The source checkout; only tests and benchmarks use it: an installed shoal has none.
-REPO_ROOT = _APP_DIR.parent
+REPO_ROOT = _TASKS_DIR.parent
 
 
 def _packaged_catalog_dir() -> Path:
-    # A wheel installs the top-level models/ as app/models (pyproject's package-dir); a
-    # source checkout or an editable install has no app/models and reads models/ itself.
-    installed = _APP_DIR / "models"
+    # A wheel installs the top-level models/ as tasks/models (pyproject's package-dir); a
+    # source checkout or an editable install has no tasks/models and reads models/ itself.
+    installed = _TASKS_DIR / "models"
     return installed if installed.is_dir() else REPO_ROOT / "models"
 
 
@@ -205,7 +205,7 @@ class Settings(BaseSettings):
 
     # --- broker failover ---
     # SHOAL_BROKER_URL takes several `;`-separated URLs (nodes of one cluster), Celery's own
-    # failover convention: every process tries them in turn (app.broker_urls).
+    # failover convention: every process tries them in turn (tasks.broker_urls).
     broker_reconnect_max_s: float = Field(
         1.0, gt=0, le=60, allow_inf_nan=False, description="worker and gateway: the most "
         "seconds between attempts to reconnect to the broker (Celery's own back-off grows "
@@ -287,7 +287,7 @@ class Settings(BaseSettings):
     def _no_guest_off_loopback(self) -> Settings:
         # RabbitMQ's well-known guest:guest is for one machine only (RabbitMQ itself refuses
         # it from elsewhere): a fleet across hosts needs a user of its own.
-        from app.redact import guest_off_loopback
+        from tasks.redact import guest_off_loopback
 
         for name in ("broker_url", "management_url"):
             host = guest_off_loopback(getattr(self, name))

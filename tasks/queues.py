@@ -1,7 +1,7 @@
 """kombu declarations of the model queues (the worker's and Celery clients' side).
 
 The gateway declares the same queues with aio-pika from the same
-`app.topology` arguments, so whichever process starts first wins and the
+`tasks.topology` arguments, so whichever process starts first wins and the
 others' declarations are no-ops.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from kombu import Exchange, Queue
 
-from app.settings import Settings
-from app.topology import DEAD_LETTER_ARGUMENTS, ModelQueue, queue_for
+from tasks.settings import Settings
+from tasks.topology import DEAD_LETTER_ARGUMENTS, ModelQueue, queue_for
 
 
 def kombu_queues(mq: ModelQueue) -> tuple[Queue, Queue]:

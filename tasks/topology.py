@@ -69,7 +69,7 @@ DEAD_LETTER_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
 
 
 def queue_for(model_id: str, settings: Any) -> ModelQueue:
-    """The queue of `model_id` under the given `app.settings.Settings`."""
+    """The queue of `model_id` under the given `tasks.settings.Settings`."""
     return model_queue(
         model_id,
         prefix=settings.queue_prefix,

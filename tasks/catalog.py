@@ -26,9 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.settings import PACKAGED_CATALOG_DIR
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
-from tasks.cost import DEFAULT_IMAGE_TOKENS, DEFAULT_MAX_TOKENS, Estimate, estimate_request
 from tasks.errors import ErrorCode, ShoalError
 from tasks.precision import CPU_PRECISIONS, Precision
 from tasks.schema import (
@@ -37,6 +35,13 @@ from tasks.schema import (
     parse_encode,
     parse_options,
     parse_request,
+)
+from tasks.settings import PACKAGED_CATALOG_DIR
+from tasks.token_estimate import (
+    DEFAULT_IMAGE_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    Estimate,
+    estimate_request,
 )
 
 
