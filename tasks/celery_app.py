@@ -5,7 +5,7 @@ finds it there); importing this module loads no worker code.
 
 msgpack and JSON only (never pickle), the rpc result backend (results go to
 the caller's `reply_to`), publisher confirms for clients (a worker confirms
-its results asynchronously instead, see app.replies), task events off unless
+its results asynchronously instead, see app.worker.replies), task events off unless
 SHOAL_TASK_EVENTS or `-E` (Flower turns them on when it starts). shoal tasks are
 routed to the queue of the model named in their kwargs.
 """
@@ -44,14 +44,14 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     # Failover: a worker never gives up on its broker (kombu's default is 100 attempts,
     # then the worker exits); it tries each URL in turn, at most
-    # SHOAL_BROKER_RECONNECT_MAX_S apart (app.worker_reconnect, its consumer class).
+    # SHOAL_BROKER_RECONNECT_MAX_S apart (app.worker.reconnect, its consumer class).
     broker_failover_strategy="round-robin",
     broker_connection_max_retries=None,
     broker_connection_timeout=settings.broker_connect_timeout_s,
     # A Celery client's publish retries on the next URL: enough retries to go round.
     task_publish_retry_policy={"max_retries": 3 + len(split_urls(settings.broker_url)),
                                "interval_start": 0, "interval_step": 0.2, "interval_max": 1},
-    worker_consumer="app.worker_reconnect:ReconnectingConsumer",
+    worker_consumer="app.worker.reconnect:ReconnectingConsumer",
     # On a cluster (several URLs), Celery's default queue must be replicated too: a durable
     # classic queue is unavailable while its node is down, and a worker that cannot
     # declare it stops. One URL keeps it classic, as before (a queue cannot change type:

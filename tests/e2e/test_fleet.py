@@ -74,7 +74,7 @@ def test_worker_restart_while_requests_are_queued_loses_nothing(stack, how):
     if how == signal.SIGKILL:
         assert state["done_at_kill"] < len(texts), "the worker finished before it was killed"
     else:
-        # SIGTERM drains (app.shutdown): the first worker finishes what runs, which may be
+        # SIGTERM drains (app.worker.shutdown): the first worker finishes what runs, which may be
         # everything it had started, hands the rest back, and exits 0, not forced.
         assert state["exit_code"] == 0, state
     assert sorted(done) == list(range(len(texts)))  # each answered exactly once

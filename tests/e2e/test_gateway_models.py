@@ -18,7 +18,7 @@ import pytest
 import yaml
 from kombu import Connection, Exchange, Producer
 
-from app.stack import prefix_queues
+from app.tuning.stack import prefix_queues
 from tasks.catalog import ModelEntry
 from tasks.pool_state import encode_state, pool_exchange
 from tasks.settings import Settings
@@ -236,7 +236,7 @@ def test_openai_client_names_a_lora_as_base_colon_lora(tmp_path):
         models = _models(url)
         assert models[LORA_BASE]["loras"] == ["legal", "medical"]
         assert models[f"{LORA_BASE}:legal"]["parent"] == LORA_BASE
-        # The worker's own pool state (app.pool_states) reaches /v1/models.
+        # The worker's own pool state (app.worker.pool_states) reaches /v1/models.
         rows = wait_for(lambda: _workers(url, LORA_BASE), 30, "the worker's pool state")
         assert rows[0]["worker"].startswith("lora-sim@")
         assert rows[0]["state"] in ("resident", "loading", "cold")

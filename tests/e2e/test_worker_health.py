@@ -1,4 +1,4 @@
-"""A real worker's probes (app.worker_health) through its life: starting, ready, its broker
+"""A real worker's probes (app.worker.health) through its life: starting, ready, its broker
 lost and back, draining after SIGTERM.
 
 The worker reaches RabbitMQ through a TCP relay of the test's own, so the test decides

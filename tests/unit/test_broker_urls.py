@@ -11,7 +11,7 @@ from kombu import Connection
 from prometheus_client import REGISTRY
 from yarl import URL
 
-from app.worker_reconnect import ReconnectingConsumer, reconnect_intervals
+from app.worker.reconnect import ReconnectingConsumer, reconnect_intervals
 from gateway.failover import FailoverConnection
 from tasks.broker_metrics import BrokerLink
 from tasks.broker_urls import celery_broker_url, endpoint, split_urls
@@ -91,7 +91,7 @@ def test_the_celery_app_fails_over_and_never_gives_up():
 
     assert app.conf.broker_connection_max_retries is None
     assert app.conf.broker_failover_strategy == "round-robin"
-    assert app.conf.worker_consumer == "app.worker_reconnect:ReconnectingConsumer"
+    assert app.conf.worker_consumer == "app.worker.reconnect:ReconnectingConsumer"
 
 
 def _sample(name: str) -> float:
@@ -131,7 +131,7 @@ def test_the_gateway_connection_goes_round_the_urls():
 
 
 def test_failed_attempts_are_logged_once_in_a_while_not_each_time():
-    from app.worker_reconnect import _quieted
+    from app.worker.reconnect import _quieted
 
     logged: list[float] = []
     quiet = _quieted(lambda exc, interval: logged.append(interval))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.claims import ClaimFetcher, Fetched
-from app.dispatcher import Held, Split
-from app.replies import Delivery
+from app.worker.claims import ClaimFetcher, Fetched
+from app.worker.dispatcher import Held, Split
+from app.worker.replies import Delivery
 from gateway.broker import _coalescible, _Outgoing
 from gateway.claims import check_out
 from tasks.blobs import CLAIMS, BlobStore

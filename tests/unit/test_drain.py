@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from celery.worker import state as worker_state
 
-from app.dispatcher import Held, plan_returns
-from app.replies import Delivery
-from app.shutdown import GracefulShutdown
+from app.worker.dispatcher import Held, plan_returns
+from app.worker.replies import Delivery
+from app.worker.shutdown import GracefulShutdown
 from tasks.envelope import Annotations
 from tests.stack import wait_for
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.feeder import Feeder, Waiting, room
+from app.worker.feeder import Feeder, Waiting, room
 from runtimes.base import Load
 
 

@@ -28,7 +28,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from app.worker import pinned_models
+from app.worker.model_queues import pinned_models
 from tasks.catalog import load_catalog
 from tasks.settings import PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
 from tasks.topology import dead_letter_exchange, queue_for, task_exchange
@@ -258,7 +258,7 @@ def probe_target(deployment: dict[str, Any], probe: str) -> tuple[str, int]:
 def worker_serves(path: str) -> bool:
     from wsgiref.util import setup_testing_defaults
 
-    from app.worker_health import WorkerHealth
+    from app.worker.health import WorkerHealth
 
     environ: dict[str, Any] = {"PATH_INFO": path}
     setup_testing_defaults(environ)
@@ -529,7 +529,7 @@ def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
     # Celery's default queue, named by app.celery from the prefix it was imported with.
     default_queue = prefix + celery_app.conf.task_default_queue.removeprefix(
         get_settings().queue_prefix)
-    # app.pool_states names a worker's pool-state queue as the gateway does its own
+    # app.worker.pool_states names a worker's pool-state queue as the gateway does its own
     # ({prefix}.pool.<uuid hex>): one name stands for both.
     worker_pool_queue = gateway.pool_queue
     events = celery_app.conf.event_exchange

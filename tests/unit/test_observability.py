@@ -29,7 +29,7 @@ RULES = Path(REPO) / "infra" / "prometheus" / "alerts.yaml"
 # The modules that define shoal's Prometheus metrics (grep for Counter(, Gauge(,
 # Histogram(, Summary( under app/ gateway/ runtimes/ batching/ tasks/). The broker-link
 # metrics are made by calling worker_link() and gateway_link().
-METRIC_MODULES = ("app.metrics", "tasks.broker_metrics", "gateway.metrics", "gateway.auth",
+METRIC_MODULES = ("app.worker.metrics", "tasks.broker_metrics", "gateway.metrics", "gateway.auth",
                   "gateway.rate_limit")
 
 # RabbitMQ's rabbitmq_prometheus plugin (port 15692), scraped at

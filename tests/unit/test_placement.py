@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.placement import Placement
+from app.worker.placement import Placement
 from runtimes.pool import Pool
 from tasks.pool_state import COLD, LOADING, RESIDENT
 

@@ -1,9 +1,9 @@
-"""The device-busy fraction a worker's pool state carries (app/pool_states.py)."""
+"""The device-busy fraction a worker's pool state carries (app/worker/pool_states.py)."""
 
 from __future__ import annotations
 
-from app import pool_states
-from app.pool_states import PoolStates
+from app.worker import pool_states
+from app.worker.pool_states import PoolStates
 
 
 def test_each_state_says_the_busy_fraction_since_the_last(monkeypatch):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.dispatcher import Held, plan_returns
-from app.replies import Delivery
+from app.worker.dispatcher import Held, plan_returns
+from app.worker.replies import Delivery
 from tasks.envelope import H_REPLY_BATCH, Annotations
 
 

@@ -1,4 +1,4 @@
-"""The worker's probes (app.worker_health): readiness and liveness from the state the worker
+"""The worker's probes (app.worker.health): readiness and liveness from the state the worker
 reports, served with /metrics by a real HTTP server on a free port."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import app.metrics  # noqa: F401 (shoal's worker metrics, in the default registry)
-from app.stack import free_port
-from app.worker_health import WorkerHealth, serve
+import app.worker.metrics  # noqa: F401 (shoal's worker metrics, in the default registry)
+from app.tuning.stack import free_port
+from app.worker.health import WorkerHealth, serve
 
 STALL_S = 30.0
 
@@ -213,7 +213,7 @@ def test_a_taken_port_costs_only_a_warning_and_port_0_serves_nothing(health, cap
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with caplog.at_level(logging.WARNING, logger="app.worker_health"):
+        with caplog.at_level(logging.WARNING, logger="app.worker.health"):
             assert serve("127.0.0.1", port, health.app) is None
     assert f"port {port}" in caplog.text and "not served" in caplog.text
     assert serve("127.0.0.1", 0, health.app) is None

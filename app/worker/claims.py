@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from app import metrics
+from app.worker import metrics
 from tasks.blobs import BlobMissing, blob_store
 from tasks.claims import Claimed, claims_in, verify
 from tasks.envelope import decode_body

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from app import metrics
+from app.worker import metrics
 from runtimes.base import Runtime
 from runtimes.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
 from tasks.pool_state import COLD, LOADING, RESIDENT

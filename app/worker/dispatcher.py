@@ -17,13 +17,13 @@ counts, Flower events and metrics.
 A message from a shoal gateway may carry several requests (coalesced, see
 `tasks.envelope.coalesce`). Each is held, scheduled, answered and shown in
 Flower on its own; the message is acked once all of them are settled
-(`app.replies.Delivery`). Requests of it that the scheduler gives back go
+(`app.worker.replies.Delivery`). Requests of it that the scheduler gives back go
 back whole (reject + requeue) when nothing else of the message has been
 settled, else they are republished as a message of their own before the
 original is acked: a message cannot be requeued in part.
 
 A request for a model that is not loaded waits in its lane (which starts no batch)
-while `app.placement` loads the model beside the other models' batches; when the
+while `app.worker.placement` loads the model beside the other models' batches; when the
 load ends the lane runs, or its requests are answered MODEL_UNAVAILABLE. Each
 model queue's consumer has a RabbitMQ consumer priority (`x-priority`) that says
 whether the model is loaded here, so the broker gives a model's traffic to the
@@ -36,7 +36,7 @@ pass (SHOAL_LORA_MIXED_BATCHES=false batches each LoRA apart, to compare).
 
 Streaming: a generate request whose kwargs say `stream: true` has its output
 published as it is made, as Celery PROGRESS states on its `reply_to` before its
-result (`app.replies.Replier.progress`). The runtime's thread queues each step's
+result (`app.worker.replies.Replier.progress`). The runtime's thread queues each step's
 deltas and wakes the loop, which publishes them in order, and always before the
 batch's results. A request revoked by its caller (Celery's `revoke`, or
 `shoal_cancel`, which a gateway sends when an HTTP stream's client leaves) is
@@ -44,17 +44,17 @@ answered CANCELLED if it has not started, and stops at its next token if it runs
 
 A model whose runtime batches continuously (SGLang, `Runtime.continuous`) gets no
 batches from the scheduler: its requests are handed to the runtime one by one as
-it has room (`app.feeder`), each answered when it ends.
+it has room (`app.worker.feeder`), each answered when it ends.
 
 A request whose images were claim-checked (header `shoal_claims`, see
-`tasks.claims`) enters the scheduler only once `app.claims` has fetched and
+`tasks.claims`) enters the scheduler only once `app.worker.claims` has fetched and
 checked its blobs, on threads of its own; the bytes stay on its `Held` (its
 body keeps the claims, so a request given back carries no bytes) and are put
 in place when the batch's bodies are decoded. A blob that never comes fails
 that request alone (BLOB_MISSING, BLOB_CORRUPT). Its blobs are deleted once its
 message is acked.
 
-Draining for a shutdown (`begin_drain`, see `app.shutdown`): the model queues'
+Draining for a shutdown (`begin_drain`, see `app.worker.shutdown`): the model queues'
 consumers are cancelled, every request that has not started is handed back at
 once (requeued whole, or republished when its message is partly settled or a
 requeue would bring it near the delivery limit), and what runs goes on: the
@@ -82,11 +82,11 @@ from typing import Any
 
 from celery.worker import state as worker_state
 
-from app import metrics
-from app.claims import ClaimFetcher, Fetched
-from app.feeder import Feeder, Waiting
-from app.placement import Placement
-from app.replies import Delivery, Replier
+from app.worker import metrics
+from app.worker.claims import ClaimFetcher, Fetched
+from app.worker.feeder import Feeder, Waiting
+from app.worker.placement import Placement
+from app.worker.replies import Delivery, Replier
 from batching.former import batch_tokens
 from batching.hold import HoldLimits
 from batching.parts import items_per_part

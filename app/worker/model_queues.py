@@ -3,12 +3,12 @@
 Each model the worker may serve (SHOAL_MODELS: ids or catalog globs) gets its
 queue consumed on its own channel with its own prefetch (per-consumer QoS;
 quorum queues refuse global QoS) and a consumer priority that says whether the
-model is loaded here (`app.dispatcher`); so does its dead-letter queue, whose
+model is loaded here (`app.worker.dispatcher`); so does its dead-letter queue, whose
 messages are answered with an error. The model runtime is its own process,
 started when the step is built with the pinned models (SHOAL_PIN) loaded:
 before the consumer opens its broker connection, whose heartbeats would
 otherwise go unanswered while the weights load. Other models load on their
-first request (`app.placement`). It survives broker reconnects.
+first request (`app.worker.placement`). It survives broker reconnects.
 
 Operators see and steer the pool with Celery's remote control:
 `celery -A app inspect shoal_models`, `celery -A app control shoal_load MODEL`,
@@ -16,7 +16,7 @@ Operators see and steer the pool with Celery's remote control:
 message each worker publishes (`tasks.pool_state`).
 
 SIGTERM (or SIGINT) drains the worker before Celery's warm shutdown
-(`app.shutdown`): it stops consuming, hands back what has not started, and
+(`app.worker.shutdown`): it stops consuming, hands back what has not started, and
 finishes, publishes and acks what runs, within SHOAL_SHUTDOWN_GRACE_S.
 """
 
@@ -32,9 +32,10 @@ from celery import bootsteps
 from celery.worker import control
 from kombu import Consumer
 
-from app.deadletters import DeadLetterAnswerer
-from app.dispatcher import Dispatcher
-from app.metrics import (
+from app.worker.deadletters import DeadLetterAnswerer
+from app.worker.dispatcher import Dispatcher
+from app.worker.health import WorkerHealth, serve
+from app.worker.metrics import (
     DRAINING,
     POISON_ISOLATED,
     RUNTIME_RESTARTS,
@@ -42,9 +43,8 @@ from app.metrics import (
     SPARE_PROMOTIONS,
     START_FAILURES,
 )
-from app.pool_states import PoolStates
-from app.shutdown import GracefulShutdown
-from app.worker_health import WorkerHealth, serve
+from app.worker.pool_states import PoolStates
+from app.worker.shutdown import GracefulShutdown
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
 from batching.latency_model import CostModel
@@ -136,7 +136,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
         self.settings = settings = get_settings()
-        # Results are confirmed asynchronously (app.replies); events need no
+        # Results are confirmed asynchronously (app.worker.replies); events need no
         # confirms. Celery's blocking per-publish confirms stay on for clients.
         options = dict(c.app.conf.broker_transport_options or {})
         options.pop("confirm_publish", None)
@@ -273,7 +273,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.graceful.attach(c.hub)
         self.health.consuming(c.hub)
 
-    # --- draining for a shutdown (on the loop; see app.shutdown) --------------------------
+    # --- draining for a shutdown (on the loop; see app.worker.shutdown) --------------------------
 
     def _begin_drain(self) -> None:
         self.health.draining()

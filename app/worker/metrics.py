@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker (served on its /metrics by `app.worker_health`)."""
+"""Prometheus metrics of a worker (served on its /metrics by `app.worker.health`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ the rest here, in arrival order, without decoding them. What waits here the
 broker could give to another worker instead, so a request that has waited
 `return_after_s` while a peer consumes the same queue goes back (requeued, as
 the scheduler's returns); one whose deadline passes here is answered
-DEADLINE_EXCEEDED. This module decides; `app.dispatcher` applies.
+DEADLINE_EXCEEDED. This module decides; `app.worker.dispatcher` applies.
 
 Pure logic: no broker, no runtime, no clock of its own.
 """
