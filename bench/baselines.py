@@ -12,7 +12,7 @@
 5. a plain aio-pika publish -> consume -> reply loop (`bench.amqp_loop`), the
    broker's practical limit on this machine.
 
-Every HTTP level is N closed-loop clients (`bench.load.run_load`). The peer
+Every HTTP level is N closed-loop clients (`app.tuning.load.run_load`). The peer
 server users pick instead (Infinity) is measured by `bench.peers`
 (`make bench-peers` installs it in a venv of its own).
 """
@@ -28,12 +28,12 @@ from typing import Any
 
 import uvloop
 
+from app.tuning.bench_stack import bench_stack
+from app.tuning.inproc import inproc_throughput, machine_info, medians
+from app.tuning.load import prepare, run_load
+from app.tuning.mix import make_texts
 from bench.amqp_loop import run_loop
-from bench.e2e import inproc_throughput, machine_info, medians
-from bench.load import prepare, run_load
-from bench.mix import make_texts
-from bench.output import emit
-from bench.stack import bench_stack
+from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 NAIVE_WORKER = [sys.executable, "-m", "celery", "-A", "bench.naive_celery", "worker",

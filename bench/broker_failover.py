@@ -357,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from app.stack import Stack, free_port, http_status, wait_for
+    from app.tuning.stack import Stack, free_port, http_status, wait_for
     from tasks.settings import Settings
     from tasks.topology import queue_for
 

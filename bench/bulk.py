@@ -3,9 +3,9 @@
     .venv/bin/python -m bench.bulk [--texts 100000] [--rounds 1] [--via http|cli]
         [--ceiling-texts 4000] [--batches 16,32,64,128] [--json bench/out/bulk.json]
 
-One stack (`bench.stack.bench_stack`: gateway + one worker serving the packaged MiniLM, a
+One stack (`app.tuning.bench_stack.bench_stack`: gateway + one worker serving the packaged MiniLM, a
 queue prefix of its own, the blob store in a temporary folder, jobs' state in the local
-Redis). The input: --texts sentences of 5-15 words (`bench.mix.make_texts`), one
+Redis). The input: --texts sentences of 5-15 words (`app.tuning.mix.make_texts`), one
 `{"text": ...}` per line (NDJSON).
 
 The job, --via http (default): `POST /v1/jobs?operation=encode&model=M` with the file,
@@ -292,10 +292,10 @@ def run_job_cli(url: str, body: bytes, folder: Path) -> tuple[np.ndarray, JobTim
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from bench.cpu import cpu_snapshot, process_kind, process_label
-    from bench.e2e import machine_info
-    from bench.mix import make_texts
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.cpu import cpu_snapshot, process_kind, process_label
+    from app.tuning.inproc import machine_info
+    from app.tuning.mix import make_texts
     from tasks.settings import get_settings
 
     texts = make_texts(args.texts, seed=0)
@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.e2e import int_list
+    from bench.lib.args import int_list
 
     parser = argparse.ArgumentParser(prog="python -m bench.bulk", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -383,7 +383,7 @@ def command(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.output import emit
+    from bench.lib.output import emit
 
     args = parse_args(argv)
     data = run(args)

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.bulk_interference [--texts 20000] [--clients 2]
         [--duration 20] [--rounds 1] [--env NAME=VALUE]
 
-One stack (`bench.stack.bench_stack`: gateway + one worker serving the packaged MiniLM on
+One stack (`app.tuning.bench_stack.bench_stack`: gateway + one worker serving the packaged MiniLM on
 this CPU). Per round, three phases, each on the idle stack:
 
 1. **callers alone**: `--clients` closed-loop clients, one short text per request, for
@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-from bench.load import LoadResult, prepare, run_load
-from bench.mix import make_texts
-from bench.stack import bench_stack
+from app.tuning.bench_stack import bench_stack
+from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.mix import make_texts
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 POLL_S = 0.2

@@ -5,7 +5,7 @@
         [--modes inline,claim,text] [--json bench/out/claims.json]
         [--plot docs/bench/claims.png]
 
-One stack (`bench.stack.bench_stack`, a queue prefix of its own): one worker serving the
+One stack (`app.tuning.bench_stack.bench_stack`, a queue prefix of its own): one worker serving the
 packaged MiniLM and a tiny random CLIP (`tests.tiny_clip`, built into a temporary folder
 with a catalog entry), behind two gateways that differ only in SHOAL_CLAIM_CHECK_BYTES:
 - claim-checked: the default (256 KiB), so an image goes to the blob store
@@ -15,9 +15,9 @@ with a catalog entry), behind two gateways that differ only in SHOAL_CLAIM_CHECK
 Both feed the same worker, so every phase measures the same processes and warm models;
 only the gateway that takes the load changes (the other sits idle).
 
-Load, per phase: open-loop Poisson arrivals (`bench.load.open_loop`) at --rate requests/s
+Load, per phase: open-loop Poisson arrivals (`app.tuning.load.open_loop`) at --rate requests/s
 in all, as two independent streams: texts at (1 - share) x rate, one sentence each
-(`bench.mix.make_texts`) to MiniLM's /v1/encode as JSON; images at share x rate, one image
+(`app.tuning.mix.make_texts`) to MiniLM's /v1/encode as JSON; images at share x rate, one image
 each to the CLIP's /v1/encode as a msgpack body carrying the raw bytes. Each image is an
 uncompressed PNG of random pixels of about --image-bytes (a real image of that size whose
 decoding is cheap: what is measured is the bytes that travel, not a decoder). The
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.load import LoadResult, Prepared
+from app.tuning.load import LoadResult, Prepared
 from bench.peers import median, ratio
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -131,9 +131,9 @@ def memory_peaks(samples: Sequence[Sample], before: Sample) -> dict[str, int | N
 
 def cores_by_process(result: LoadResult) -> dict[str, float]:
     """CPU cores (CPU seconds per second) of each kind of process over the window, from
-    bench.load's ms per completed request: labels lose their pid, so both gateways and
+    app.tuning.load's ms per completed request: labels lose their pid, so both gateways and
     every runtime add up under one name each."""
-    from bench.cpu import process_kind
+    from app.tuning.cpu import process_kind
 
     out: dict[str, float] = {}
     for label, ms in result.cpu_ms_per_request.items():
@@ -267,7 +267,7 @@ class BrokerMemory:
 
     def sample(self, api: bool = True) -> Sample:
         """The figures now: RSS always, the management API's when `api`."""
-        from bench.stack import management_get
+        from app.tuning.bench_stack import management_get
 
         rss = [r for pid in self.broker_pids if (r := _rss(pid)) is not None]
         mem_used = queue_memory = message_bytes = None
@@ -333,7 +333,7 @@ def image_requests(url: str, images: Sequence[bytes]) -> list[Prepared]:
     bytes raw, as a client that cares about 4 MB would send them)."""
     import msgpack
 
-    from bench.rawhttp import Connection
+    from app.tuning.rawhttp import Connection
 
     connection = Connection(url)
     return [Prepared(connection.request_bytes(f"/v1/encode/{CLIP_ID}",
@@ -346,7 +346,7 @@ async def load_phase(url: str, texts: Sequence[Prepared], images: Sequence[Prepa
                      args: argparse.Namespace, seed: int, with_images: bool,
                      cpu_pids: Sequence[int]) -> tuple[LoadResult, LoadResult | None]:
     """The texts' and (when `with_images`) the images' open loops, side by side."""
-    from bench.load import open_loop
+    from app.tuning.load import open_loop
 
     # The same text stream (rate and seed) with images or without: the images are the
     # only difference between phases of a round.
@@ -364,7 +364,7 @@ async def load_phase(url: str, texts: Sequence[Prepared], images: Sequence[Prepa
 
 
 def _gateway_ready(url: str, stack: Any) -> None:
-    from app.stack import http_status, wait_for
+    from app.tuning.stack import http_status, wait_for
 
     wait_for(lambda: http_status(f"{url}/readyz") == 200, 120, "the inline gateway",
              interval=0.2, give_up=stack.exited)
@@ -397,7 +397,7 @@ def send_once(url: str, request: Prepared, timeout: float = 60.0) -> None:
     """One prepared request, answered 200 or SystemExit: before measuring, each gateway
     takes an image (the CLIP's first batch, the blob store's first use stay out of the
     phases, and a broken image path stops the run here rather than as errors later)."""
-    from bench.rawhttp import Connection
+    from app.tuning.rawhttp import Connection
 
     async def once() -> tuple[int, bytes]:
         connection = Connection(url)
@@ -418,11 +418,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import uvloop
     from tqdm import tqdm
 
-    from app.stack import Stack, free_port
-    from bench.e2e import machine_info
-    from bench.load import prepare
-    from bench.mix import make_texts
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.inproc import machine_info
+    from app.tuning.load import prepare
+    from app.tuning.mix import make_texts
+    from app.tuning.stack import Stack, free_port
     from tasks.settings import get_settings
     from tests.tiny_clip import build_tiny_clip
 
@@ -581,7 +581,7 @@ def command(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.output import emit
+    from bench.lib.output import emit
 
     args = parse_args(argv)
     data = run(args)

@@ -148,7 +148,7 @@ def _encode(url: str, text: str) -> dict[str, Any]:
 
 def e2e_coldstarts(repeats: int, pause: float, bar: Any) -> dict[str, Any]:
     from app.celery import app as celery_app
-    from app.stack import (
+    from app.tuning.stack import (
         Stack,
         delete_queues,
         free_port,
@@ -234,7 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from bench.e2e import machine_info
+    from app.tuning.inproc import machine_info
 
     args = parse_args(argv)
     for key, value in OFFLINE_ENV.items():

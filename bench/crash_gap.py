@@ -4,7 +4,7 @@
         [--json out.json]
 
 Per mode (SHOAL_RUNTIME_SPARE=1, =0): a private stack (gateway + one worker serving
-the packaged MiniLM, `bench.stack`), `--concurrency` clients each sending one
+the packaged MiniLM, `app.tuning.bench_stack`), `--concurrency` clients each sending one
 unique short text at a time (closed loop, keep-alive), and `--kills` times a
 SIGKILL of the worker's serving runtime process (the oldest `runtimes.server`
 child of the worker: a spare always starts after the child it would replace). Before
@@ -43,8 +43,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.output import emit
-from bench.stack import bench_stack
+from app.tuning.bench_stack import bench_stack
+from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 BEFORE_S, GAP_AFTER_S, P99_AFTER_S = 1.0, 30.0, 5.0

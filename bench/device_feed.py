@@ -4,7 +4,7 @@
         [--clients 64,16 --texts 1,16] [--duration 10] [--rounds 3] [--json PATH]
 
 Starts a private stack (gateway + worker + its runtime process, on this machine's
-RabbitMQ; `bench.stack`) serving all-MiniLM-L6-v2 with SHOAL_EMULATE_DEVICE=<profile> in
+RabbitMQ; `app.tuning.bench_stack`) serving all-MiniLM-L6-v2 with SHOAL_EMULATE_DEVICE=<profile> in
 the worker's environment: every CPU step of the real path runs (HTTP, JSON, publish,
 broker, consume, batch forming, frames, decode, tokenize, pad, pool, results, replies),
 and only the model's forward is a GIL-free wait of the profile's device time
@@ -17,7 +17,7 @@ default 64 x 1 and 16 x 16), after `--warmup` s, over `--duration` s, `--rounds`
 - device busy: the worker's `shoal_device_busy_seconds_total` (read from its /metrics at
   the window's ends) ÷ wall time, and device ms per batch (÷ `shoal_batch_seconds_count`);
 - CPU µs per text of each process kind (gateway, worker, runtime, RabbitMQ; /proc
-  utime+stime over the window, `bench.cpu`), and the load generator's;
+  utime+stime over the window, `app.tuning.cpu`), and the load generator's;
 - the CPU side's time per batch: the larger of the runtime process's CPU per batch (its
   steps run one after another) and the whole stack's CPU per batch ÷ the machine's cores
   (they share them); and device ms per batch ÷ that (the "device/CPU" column). Above 1,
@@ -51,12 +51,13 @@ from typing import Any
 
 import uvloop
 
-from bench.cpu import process_kind
-from bench.e2e import int_list, machine_info
-from bench.load import LoadResult, prepare, run_load
-from bench.mix import make_texts
-from bench.output import emit
-from bench.stack import bench_stack
+from app.tuning.bench_stack import bench_stack
+from app.tuning.cpu import process_kind
+from app.tuning.inproc import machine_info
+from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.mix import make_texts
+from bench.lib.args import int_list
+from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PROFILE = "h100-conservative/minilm"  # issue 26's H100-class MiniLM: 0.25 ms + 0.2 us
@@ -280,7 +281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from app.stack import free_port
+    from app.tuning.stack import free_port
     from runtimes.pytorch.emulated import ENV, PROFILES, parse_profile
 
     if args.profile == "list":

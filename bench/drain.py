@@ -42,9 +42,9 @@ from typing import Any
 import msgpack
 from kombu import Connection, Producer
 
-from app.stack import Process, Stack, delete_queues, free_port, prefix_queues, queue_counts
-from app.stack import wait_for as _wait_for
-from bench.output import emit
+from app.tuning.stack import Process, Stack, delete_queues, free_port, prefix_queues, queue_counts
+from app.tuning.stack import wait_for as _wait_for
+from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TEXTS_RUN = "shoal_batch_items_sum"  # texts a worker ran (requests split in parts count once)

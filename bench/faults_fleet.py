@@ -8,7 +8,7 @@ address only: nothing shares a localhost, and each worker has a blob folder of
 its own. Without `netns` (the 3-node broker cluster, whose nodes listen on
 127.0.0.1) the same processes run on this machine's loopback.
 
-The processes are `app.stack` processes (each in its own session, a log file
+The processes are `app.tuning.stack` processes (each in its own session, a log file
 each); the stack uses a queue prefix of its own, deleted at the end.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.stack import (
+from app.tuning.stack import (
     Process,
     Stack,
     delete_queues,

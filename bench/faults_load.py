@@ -56,7 +56,7 @@ class Shot:
 
 def unique_texts(count: int, seed: int) -> list[str]:
     """`count` different sentences (a number first: two random sentences may repeat)."""
-    from bench.mix import make_text
+    from app.tuning.mix import make_text
 
     rng = random.Random(seed)
     return [f"{i} {make_text(rng, rng.randint(6, 14))}" for i in range(count)]

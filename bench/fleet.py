@@ -13,7 +13,7 @@ asyncio client publishes shoal task messages (the gateway's own `Broker`)
 and awaits the replies, so the gateway's CPU does not cap the fleet.
 
 Scaling: N workers share one queue; closed-loop clients are raised until
-p99 passes `--p99-factor` x its low-load value (bench.knee); the knee's
+p99 passes `--p99-factor` x its low-load value (app.tuning.knee); the knee's
 throughput for N workers is compared with N x the one-worker knee.
 
 Pull vs push: the same N workers and the same heavy-tailed request mix
@@ -48,10 +48,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import machine_info
-from bench.knee import Point, SweepPolicy, find_knee, next_load
-from bench.mix import make_requests
-from bench.stack import BenchStack, bench_stack
+from app.tuning.bench_stack import BenchStack, bench_stack
+from app.tuning.inproc import machine_info
+from app.tuning.knee import Point, SweepPolicy, find_knee, next_load
+from app.tuning.mix import make_requests
 from gateway.broker import Broker
 from tasks.catalog import load_catalog
 from tasks.envelope import task_part
@@ -243,7 +243,7 @@ def _prefixes(stacks: list[BenchStack]) -> list[str]:
 
 async def _sweep(publisher: Publisher, requests: list[list[str]], workers: int,
                  args: argparse.Namespace) -> tuple[list[dict[str, Any]], Any]:
-    """Closed-loop clients raised geometrically until past the knee (bench.knee)."""
+    """Closed-loop clients raised geometrically until past the knee (app.tuning.knee)."""
     policy = SweepPolicy(start=max(1, workers), growth=2.0, max_load=args.max_clients,
                          p99_factor=args.p99_factor)
     points: list[Point] = []
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.png and args.experiment == "pull-vs-push":
         plot_pull_vs_push(args.png, data)
     elif args.png:
-        from bench.plot import plot_fleet
+        from bench.lib.plot import plot_fleet
 
         plot_fleet(args.png, data)
     return 0

@@ -2,10 +2,10 @@
 
     .venv/bin/python -m bench.gateways --rounds 3 --duration 8 [--gateways 1,2] [--json out.json]
 
-Each level is a fresh private stack (`bench.stack.bench_stack`): a shoal worker
+Each level is a fresh private stack (`app.tuning.bench_stack.bench_stack`): a shoal worker
 with the sim runtime at zero cost (so the model costs nothing and the pipeline
 is what is measured), a gateway of N processes, `--clients` closed-loop
-clients each sending one text per request (`bench.load.run_load`). The levels
+clients each sending one text per request (`app.tuning.load.run_load`). The levels
 alternate within a round and their order flips every round, so drift over the
 run (a warming broker, a noisy neighbour) falls on every level alike.
 
@@ -44,7 +44,7 @@ def schedule(rounds: int, levels: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def cpu_roles(cpu_ms: dict[str, float], gateway_pids: Sequence[int]) -> dict[str, Any]:
-    """bench.cpu's per-process CPU ms/request, by role: each gateway process (in
+    """app.tuning.cpu's per-process CPU ms/request, by role: each gateway process (in
     `gateway_pids` order), the supervisor, worker (+ runtime), broker, total."""
     roles: dict[str, Any] = {"gateway_processes": [0.0] * len(gateway_pids),
                              "gateway_supervisor": 0.0, "worker": 0.0, "broker": 0.0,
@@ -72,8 +72,8 @@ def measure(gateways: int, round_: int, texts: list[str], args: argparse.Namespa
             ) -> dict[str, Any]:
     import uvloop
 
-    from bench.load import prepare, run_load
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.load import prepare, run_load
 
     # A prefix per stack: the next stack never sees this one's reply queues.
     prefix = f"shoal-bench-gw-{os.getpid()}-{round_}-{gateways}"
@@ -166,7 +166,7 @@ def _cpu_model() -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from bench.mix import make_texts
+    from app.tuning.mix import make_texts
 
     texts = make_texts(200)
     plan = schedule(args.rounds, args.gateways)
@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.output import emit
+    from bench.lib.output import emit
 
     args = parse_args(argv)
     data = run(args)

@@ -27,11 +27,11 @@ import httpx
 import uvloop
 from tqdm import tqdm
 
-from bench.e2e import machine_info
-from bench.load import LoadResult, prepare, run_load
-from bench.mix import make_texts
-from bench.output import emit
-from bench.stack import bench_stack
+from app.tuning.bench_stack import bench_stack
+from app.tuning.inproc import machine_info
+from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.mix import make_texts
+from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 

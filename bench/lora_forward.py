@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.mix import make_texts
-from bench.output import emit
+from app.tuning.mix import make_texts
+from bench.lib.output import emit
 
 
 def build_loras(base: str, out: Path, count: int, rank: int) -> dict[str, Path]:

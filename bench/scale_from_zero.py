@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from app.stack import (
+from app.tuning.stack import (
     Stack,
     delete_queues,
     free_port,

@@ -12,9 +12,9 @@ hidden 64 (head_dim 16, the smallest SGLang's CPU attention takes); 128 gives a 
 less of an edge case and is still far too small for the forward pass to matter next to
 SGLang's per-step scheduling, so what is measured is per-token overhead, which is the point.
 
-shoal: a private stack (`bench.stack.bench_stack`: gateway -> RabbitMQ -> one worker, on a
-queue prefix of its own) whose catalog has one entry, `runtime: sglang`; the worker starts
-the model's SGLang server (`runtimes.sglang`). Requests go to the gateway's
+shoal: a private stack (`app.tuning.bench_stack.bench_stack`: gateway -> RabbitMQ -> one
+worker, on a queue prefix of its own) whose catalog has one entry, `runtime: sglang`; the
+worker starts the model's SGLang server (`runtimes.sglang`). Requests go to the gateway's
 `/v1/completions` with the prompt's text.
 
 bare SGLang: that very server, asked directly on its OpenAI `/v1/completions`, with the
@@ -29,7 +29,7 @@ shoal's gateway, worker and RabbitMQ sit idle (their CPU is measured too).
 `--native` also measures SGLang's native `/generate` (the API shoal's runtime calls, with
 the same body), for reference.
 
-Both get the same prompts (`bench.mix.make_texts`, kept when greedy SGLang makes exactly
+Both get the same prompts (`app.tuning.mix.make_texts`, kept when greedy SGLang makes exactly
 `--max-tokens` tokens, none of them special, each adding text), greedy (temperature 0),
 `stream: true` with `stream_options.include_usage`, and every stream's length is checked
 (usage.completion_tokens must be `--max-tokens`, else it is an error). Every prompt is
@@ -491,7 +491,7 @@ def group_of(leader: int) -> list[int]:
 def sglang_server_of(worker: int) -> tuple[int, int]:
     """(pid, port) of the SGLang server a shoal worker started (its child running
     runtimes/sglang/launch.py)."""
-    from bench.stack import _children
+    from app.tuning.bench_stack import _children
 
     for child in _children(worker):
         argv = _cmdline(child).split(b"\0")
@@ -515,7 +515,7 @@ def process_name(pid: int) -> str:
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:
-    from bench.cpu import cpu_seconds as one
+    from app.tuning.cpu import cpu_seconds as one
 
     total = 0.0
     for pid in pids:
@@ -569,7 +569,7 @@ def candidate_prompts(model_dir: Path, count: int) -> tuple[Any, list[Prompt]]:
     """(the tokenizer, `count` prompts with the ids shoal's runtime would send)."""
     from transformers import AutoTokenizer
 
-    from bench.mix import make_texts
+    from app.tuning.mix import make_texts
     from runtimes.prompts import bos_id, prompt_ids
     from tasks.schema import Item
 
@@ -896,8 +896,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import uvloop
     from tqdm import tqdm
 
-    from bench.e2e import machine_info
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.inproc import machine_info
     from runtimes.sglang.server import missing_python_message, sglang_python
 
     if not sglang_python().exists():
@@ -1073,7 +1073,7 @@ def command(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.output import emit
+    from bench.lib.output import emit
 
     args = parse_args(argv)
     data = run(args)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.stack import prefix_queues
+from app.tuning.stack import prefix_queues
 from tests.stack import REPO, Stack, delete_queues, free_port, http_status, queue_counts, wait_for
 from tests.tiny_models import build_tiny_sentence_transformer
 

@@ -1,4 +1,4 @@
-"""The test session's view of `app.stack`: the test broker, and processes run from this tree.
+"""The test session's view of `app.tuning.stack`: the test broker, and processes run from this tree.
 
 Every test session gets its own queue prefix (tests/conftest.py), so it never
 touches the queues of a stack a developer is running, and deletes its queues
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import stack
-from app.stack import Process, free_port, http_status, wait_for
+from app.tuning import stack
+from app.tuning.stack import Process, free_port, http_status, wait_for
 
 __all__ = [
     "BROKER_URL",

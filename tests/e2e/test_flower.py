@@ -23,7 +23,7 @@ import pytest
 from celery import Celery
 from kombu import Connection, Exchange, Producer, Queue
 
-from app import stack as app_stack
+from app.tuning import stack as app_stack
 from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, single_message, task_part
 from tasks.settings import get_settings
 from tests.conftest import MAIN_WORKER, MINILM, TINY_CLS, queue_name

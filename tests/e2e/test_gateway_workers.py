@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stack import gateway_workers_of, reply_queues
+from app.tuning.bench_stack import gateway_workers_of, reply_queues
 from tasks.settings import Settings
 from tests.conftest import MINILM
 from tests.stack import (

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from kombu import Connection, Exchange, Queue
 
-from app.stack import prefix_queues
+from app.tuning.stack import prefix_queues
 from tasks.pool_state import COLD, RESIDENT, decode_state, pool_exchange
 from tests.conftest import MINILM
 from tests.stack import (

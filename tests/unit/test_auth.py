@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.flower_cli import flower_env, flower_password
+from app.cli.flower import flower_env, flower_password
 from gateway import api_keys
 from gateway.api_keys import (
     ApiKey,

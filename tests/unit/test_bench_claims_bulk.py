@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
+from app.tuning.load import LoadResult
 from bench import bulk, claims
-from bench.load import LoadResult
 
 # --------------------------------------------------------------------------- claims
 
@@ -243,7 +243,7 @@ def test_a_connection_idle_near_the_servers_keep_alive_timeout_is_replaced() -> 
     import asyncio
     import contextlib
 
-    from bench import rawhttp
+    from app.tuning import rawhttp
 
     async def scenario() -> int:
         connections = 0

@@ -1,4 +1,4 @@
-"""bench.load and `shoal bench` against a tiny in-test HTTP server (no shoal stack).
+"""app.tuning.load and `shoal bench` against a tiny in-test HTTP server (no shoal stack).
 
 The server answers every POST with a fixed body and the headers the gateway
 sets (X-Batch-Requests, X-Simulated), after `delay` seconds; paths under
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.load import prepare, run_load
-from bench.mix import make_requests
+from app.cli import bench as cli
+from app.tuning.load import prepare, run_load
+from app.tuning.mix import make_requests
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""bench.knee on synthetic load curves: the knee, its reason, and when a sweep stops."""
+"""app.tuning.knee on synthetic load curves: the knee, its reason, and when a sweep stops."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.knee import Point, SweepPolicy, find_knee, grow, next_load
+from app.tuning.knee import Point, SweepPolicy, find_knee, grow, next_load
 
 
 def curve(*rows: tuple[float, float, float | None]) -> list[Point]:

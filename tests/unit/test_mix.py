@@ -1,4 +1,4 @@
-"""bench.mix: distribution specs, bounds, determinism and the heavy tail."""
+"""app.tuning.mix: distribution specs, bounds, determinism and the heavy tail."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from bench.mix import VOCABULARY, describe, make_requests, parse_dist, summarize
+from app.tuning.mix import VOCABULARY, describe, make_requests, parse_dist, summarize
 
 
 def draws(spec: str, n: int = 4000, seed: int = 1) -> list[int]:

@@ -116,10 +116,10 @@ def test_missing_peer_venv_says_how_to_install(tmp_path: Path) -> None:
 
 
 def test_closed_loop_calls_counts_results_and_errors_like_the_raw_loop() -> None:
-    """bench.load.closed_loop_calls (the --client openai path) with an in-memory call."""
+    """app.tuning.load.closed_loop_calls (the --client openai path) with an in-memory call."""
     import asyncio
 
-    from bench.load import closed_loop_calls
+    from app.tuning.load import closed_loop_calls
 
     seen: list[list[str]] = []
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.knee import Knee, Point
-from bench.tune import better, coordinate_search, fit_cost, write_profile
+from app.tuning.knee import Knee, Point
+from app.tuning.tune import better, coordinate_search, fit_cost, write_profile
 
 
 def knee_at(throughput: float, p99_ms: float, load: float) -> Knee:
-    """A knee (bench.knee) at `load` clients; the tuner reads only its point."""
+    """A knee (app.tuning.knee) at `load` clients; the tuner reads only its point."""
     point = Point(load, throughput, p99_ms / 2, p99_ms)
     return Knee(point, 0, p99_ms, 2 * p99_ms, True, "synthetic")
 
@@ -70,7 +70,7 @@ def test_write_profile_keeps_comments_and_other_keys(tmp_path):
 
 
 def test_repeated_sweeps_count_by_their_median_knee():
-    from bench.tune import median_knee
+    from app.tuning.tune import median_knee
 
     knees = [knee_at(90, 100, 8), knee_at(140, 90, 16), knee_at(100, 95, 8)]
     assert median_knee(knees) == knee_at(100, 95, 8)

@@ -1,4 +1,4 @@
-"""A private shoal stack (gateway + workers, `app.stack`) for one benchmark run.
+"""A private shoal stack (gateway + workers, `app.tuning.stack`) for one benchmark run.
 
 It uses its own queue prefix and port, so a stack started with `make run`
 is neither measured nor disturbed, and it stops everything on exit.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from app.stack import (
+from app.tuning.stack import (
     Stack,
     delete_queues,
     free_port,

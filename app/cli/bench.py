@@ -5,9 +5,9 @@
     shoal bench --url http://127.0.0.1:8080 --loads 1,4,16,64 --duration 10
 
 Each load level runs `--warmup` uncounted seconds, then `--duration` measured
-ones (bench/load.py says what is counted). `--sweep` raises the load
+ones (app/tuning/load.py says what is counted). `--sweep` raises the load
 geometrically from `--start` until p99 passes `--p99-factor` x the p99 at the
-lowest load, throughput stops growing, or `--max-load` (bench/knee.py); the
+lowest load, throughput stops growing, or `--max-load` (app/tuning/knee.py); the
 knee is the highest throughput before that. Results from a simulated runtime
 (responses with X-Simulated) are marked SIMULATED everywhere: they show how
 the stack batches and queues, not what a model costs.
@@ -25,9 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.knee import Knee, SweepPolicy, find_knee, next_load
-from bench.load import BodyFn, LoadResult, Prepared, items_body, prepare, run_load
-from bench.mix import MixSummary, describe, make_requests, summarize
+from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
+from app.tuning.load import BodyFn, LoadResult, Prepared, items_body, prepare, run_load
+from app.tuning.mix import MixSummary, describe, make_requests, summarize
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_QUERY = "which animal sits near the river"
@@ -181,7 +181,7 @@ def dense_model_ref(model: str, env: dict[str, str]) -> str:
 
 def measure_inproc(model: str, env: dict[str, str],
                    requests: list[list[str]]) -> dict[str, Any]:
-    from bench.e2e import inproc_throughput, medians
+    from app.tuning.inproc import inproc_throughput, medians
 
     texts = [t for r in requests for t in r][:INPROC_TEXTS]
     passes = inproc_throughput(texts, INPROC_BATCHES, 3, dense_model_ref(model, env))
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if not args.start_stack:
         return run(args, argv, args.url.rstrip("/"), path, body, requests, mix, inproc)
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
 
     print("starting a private stack...", file=sys.stderr)
     probe = (path, json.dumps(body(requests[0][:1])).encode())
@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, argv: list[str], url: str, path: str, body: BodyFn,
         requests: list[list[str]], mix: MixSummary, inproc: dict[str, Any] | None) -> int:
-    from bench.e2e import gateway_ready, machine_info
+    from app.tuning.inproc import machine_info
+    from app.tuning.stack import gateway_ready
 
     why = gateway_ready(url)
     if why is not None:
@@ -383,7 +384,7 @@ def run(args: argparse.Namespace, argv: list[str], url: str, path: str, body: Bo
         }
         args.json.write_text(json.dumps(raw, indent=2, default=str) + "\n")
     if args.png and levels:
-        from bench.plot import plot_sweep
+        from app.tuning.plot import plot_sweep
 
         plot_sweep(args.png, levels, model=args.model, mode=args.mode,
                    knee_load=knee.point.load if knee else None,

@@ -1,20 +1,6 @@
-"""`shoal tune MODEL --device KIND`: find a model's batching knee and write it to its catalog file.
-
-    shoal tune sentence-transformers/all-MiniLM-L6-v2 --device cpu
-
-1. Calibrates the cost model: times the model in process (`ModelHost`, the
-   runtime's own code) on batches of the benchmark mix, and fits
-   latency = a + b*T (+ c*T*L) by least squares, T and L in the *estimated*
-   tokens the scheduler plans with.
-2. Searches the batching parameters against the live stack (private gateway +
-   worker, restarted per setting): token budget, max items, max delay and hold
-   horizon, one parameter at a time over its candidate values (coordinate
-   search from the current profile). Each setting is measured by a closed-loop
-   sweep (bench.load / bench.knee): its knee is the most throughput before
-   p99 passes `--p99-factor` x its low-load value. The best knee wins; within
-   `--tie` of the best, the lower p99 wins.
-3. Writes the winner into `models/<file>.yaml` under `profiles.<device>`
-   (comments and order kept), with a `measured` line saying what it came from.
+"""The tuner behind `shoal tune` (app/cli/tune.py says what it does, step by step):
+calibrate the cost model in process, search the batching parameters against a live
+private stack one at a time, and write the winner into a catalog file.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.knee import Knee, SweepPolicy, find_knee, next_load
+from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
 
 # What the search varies: the catalog profile field, the worker setting that overrides it,
 # and the candidate values tried.
@@ -180,8 +166,8 @@ def measure_live(model: str, setting: dict[str, float], args: argparse.Namespace
     """The knee of a closed-loop sweep against a fresh stack running `setting`."""
     import uvloop
 
-    from bench.load import items_body, prepare, run_load
-    from bench.stack import bench_stack
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.load import items_body, prepare, run_load
 
     env = {**args.env, "SHOAL_CATALOG_DIR": str(args.catalog_dir)}
     env.update({PARAMETERS[name][0]: f"{value:g}" for name, value in setting.items()})
@@ -207,85 +193,3 @@ def measure_live(model: str, setting: dict[str, float], args: argparse.Namespace
     print(f"  {label}: knee {p.throughput:.0f} req/s, p99 {p.p99_ms:.0f} ms at {p.load:g} "
           "clients", file=sys.stderr)
     return knee
-
-
-def _grid(args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
-    grid = {name: values for name, (_, values) in PARAMETERS.items()}
-    for item in args.grid:
-        name, _, values = item.partition("=")
-        if name not in PARAMETERS:
-            raise SystemExit(f"--grid: unknown parameter {name!r}; known: {list(PARAMETERS)}")
-        grid[name] = tuple(float(v) for v in values.split(","))
-    return grid
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model")
-    parser.add_argument("--device", required=True, help="the profile to write: cpu, l4, h100...")
-    parser.add_argument("--catalog-dir", type=Path, help="default: SHOAL_CATALOG_DIR")
-    parser.add_argument("--grid", action="append", default=[], metavar="NAME=V1,V2",
-                        help=f"candidate values of one of {list(PARAMETERS)}")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="settings for the private stack (e.g. SHOAL_RUNTIME=sim)")
-    parser.add_argument("--mix-items", default="uniform:1:4")
-    parser.add_argument("--mix-words", default="uniform:5:15")
-    parser.add_argument("--start", type=float, default=1)
-    parser.add_argument("--growth", type=float, default=2.0)
-    parser.add_argument("--max-clients", type=float, default=64)
-    parser.add_argument("--duration", type=float, default=6.0)
-    parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--p99-factor", type=float, default=2.0)
-    parser.add_argument("--tie", type=float, default=0.02)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="sweeps per setting, the median knee counts (a noisy host "
-                        "needs 3 or more)")
-    parser.add_argument("--no-calibrate", action="store_true",
-                        help="keep the profile's cost constants (e.g. for a sim runtime)")
-    parser.add_argument("--dry-run", action="store_true", help="print, do not write")
-    args = parser.parse_args(argv)
-    args.env = dict(item.split("=", 1) for item in args.env)
-
-    from bench.mix import make_requests
-    from tasks.catalog import BatchProfile, Catalog
-    from tasks.settings import get_settings
-
-    args.catalog_dir = args.catalog_dir or get_settings().catalog_dir
-    catalog = Catalog.from_dir(args.catalog_dir)
-    entry = catalog.get(args.model)
-    if entry is None:
-        print(f"{args.model!r} is not in {args.catalog_dir}", file=sys.stderr)
-        return 2
-    if entry.operation != "encode":
-        print(f"shoal tune drives /v1/encode; {args.model} serves {entry.operation}",
-              file=sys.stderr)
-        return 2
-    requests = make_requests(300, args.mix_items, args.mix_words)
-    profile = entry.profile(args.device) or BatchProfile()
-    cost = (profile.cost_a_ms, profile.cost_b_us, profile.cost_c_ns)
-    if not args.no_calibrate:
-        cost = fit_cost(calibrate(entry, requests))
-        print(f"cost fit: a={cost[0]:.2f} ms, b={cost[1]:.2f} us/token", file=sys.stderr)
-    start = {"max_tokens": float(profile.max_tokens), "max_items": float(profile.max_items),
-             "max_delay_ms": profile.max_delay_ms,
-             "hold_horizon_batches": profile.hold_horizon_batches or 2.0}
-    def measure(setting: dict[str, float]) -> Knee | None:
-        knees = [measure_live(args.model, setting, args, requests) for _ in range(args.repeats)]
-        return median_knee(knees)
-
-    best, knee, history = coordinate_search(start, _grid(args), measure, args.tie)
-    tuned = {
-        "max_tokens": int(best["max_tokens"]), "max_items": int(best["max_items"]),
-        "max_delay_ms": best["max_delay_ms"],
-        "hold_horizon_batches": best["hold_horizon_batches"],
-        "cost_a_ms": round(cost[0], 3), "cost_b_us": round(cost[1], 3),
-        "cost_c_ns": round(cost[2], 3), "measured": measured_line(knee, args, cost),
-    }
-    print(f"{len(history)} settings measured; best: {tuned}")
-    if not args.dry_run:
-        path = catalog.origin(args.model)
-        assert path is not None
-        write_profile(path, args.device, tuned)
-        print(f"wrote profiles.{args.device} to {path}")
-    return 0

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from app import flower_cli, jobs_cli, keys_cli, models_cli
+from app.cli import flower, jobs, keys, models
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -115,20 +115,20 @@ def _blobs_sweep(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from bench.cli import main as bench_main
+    from app.cli.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def _tune(argv: list[str]) -> int:
-    from bench.tune import main as tune_main
+    from app.cli.tune import main as tune_main
 
     return tune_main(argv)
 
 
-# Commands whose arguments belong to their own parser in bench/ (imported only when used).
-_DELEGATED = {"bench": (_bench, "load a gateway, find the knee (bench/cli.py)"),
-              "tune": (_tune, "tune a model's batching profile (bench/tune.py)")}
+# Commands whose arguments belong to their own parser (imported only when used).
+_DELEGATED = {"bench": (_bench, "load a gateway, find the knee (app/cli/bench.py)"),
+              "tune": (_tune, "tune a model's batching profile (app/cli/tune.py)")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
-    models_cli.add_parser(sub)
-    keys_cli.add_parser(sub)
-    flower_cli.add_parser(sub)
-    jobs_cli.add_parsers(sub)
+    models.add_parser(sub)
+    keys.add_parser(sub)
+    flower.add_parser(sub)
+    jobs.add_parsers(sub)
     blobs = sub.add_parser("blobs", help="the blob store (claim checks)")
     blobs_sub = blobs.add_subparsers(dest="blobs_command", required=True)
     sweep = blobs_sub.add_parser("sweep", help="delete orphaned claim blobs")

@@ -1,4 +1,4 @@
-"""Closed- and open-loop HTTP load against one endpoint, with bench.rawhttp.
+"""Closed- and open-loop HTTP load against one endpoint, with app.tuning.rawhttp.
 
 Closed loop (N clients, each sending its next request when the last one
 answers) measures what a fixed set of callers gets, but it slows itself down
@@ -22,7 +22,7 @@ Counting, for both modes, over the measured window [warm-up end, end):
 - latency percentiles and errors: requests *started* (closed) or *scheduled*
   (open) inside the window, awaited after it ends (up to the timeout), so
   slow responses under overload are not left out of the tail;
-- CPU (`cpu_pids`, bench.cpu): each process's CPU over the window, per
+- CPU (`cpu_pids`, app.tuning.cpu): each process's CPU over the window, per
   request completed in it.
 """
 
@@ -43,9 +43,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from bench.cpu import CpuUse, cpu_over
-from bench.knee import Point
-from bench.rawhttp import Connection, HttpError
+from app.tuning.cpu import CpuUse, cpu_over
+from app.tuning.knee import Point
+from app.tuning.rawhttp import Connection, HttpError
 
 BodyFn = Callable[[list[str]], dict[str, Any]]
 CallFn = Callable[[list[str]], Awaitable[object]]  # one request through a client library
@@ -111,7 +111,7 @@ class LoadResult:
         return (self.errors + self.dropped) / self.attempted if self.attempted else 0.0
 
     def point(self) -> Point:
-        """This level as a point of the load curve (bench.knee)."""
+        """This level as a point of the load curve (app.tuning.knee)."""
         return Point(self.offered, self.req_per_s, self.p50_ms, self.p99_ms, self.error_rate)
 
 

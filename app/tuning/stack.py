@@ -64,6 +64,17 @@ def http_status(url: str, timeout: float = 2.0) -> int:
         return exc.code
 
 
+def gateway_ready(url: str, timeout: float = 5.0) -> str | None:
+    """None if GET /readyz answers 200, else why not."""
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=timeout):
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 class Process:
     """A child process in its own session, its output in `log_dir/<name>.log`."""
 
