@@ -31,7 +31,6 @@ import base64
 import contextlib
 import itertools
 import json
-import math
 import os
 import random
 import socket
@@ -46,6 +45,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from app.tuning.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "infra" / "rabbitmq-cluster.sh"
@@ -298,11 +299,8 @@ def summarize(requests: list[Request], fault_at: float, window_s: float) -> dict
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
     # Nearest rank: the smallest value with at least q% of the values at or below it.
-    k = max(0, min(len(values) - 1, math.ceil(q / 100 * len(values)) - 1))
-    return values[k]
+    return percentile(values, q, method="inverted_cdf")
 
 
 async def stop_leader_under_load(cluster: Cluster, url: str, model: str, queue: str,

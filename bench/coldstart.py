@@ -34,7 +34,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +41,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from app.tuning.stats import median
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -57,11 +58,6 @@ def logged_loads(log: str, model: str = MINILM) -> list[float]:
     return [float(m["s"]) for m in LOADED_LINE.finditer(log) if m["key"] == model]
 
 
-def p50(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def _num(value: float | None, fmt: str = ".0f") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -73,7 +69,7 @@ def runtime_table(samples: Sequence[Mapping[str, float]]) -> str:
     lines = ["| what | p50 ms | samples ms |", "|---|---:|---|"]
     for key, label in keys:
         values = [s[key] for s in samples]
-        lines.append(f"| {label} | {_num(p50(values))} | "
+        lines.append(f"| {label} | {_num(median(values))} | "
                      f"{', '.join(_num(v) for v in values)} |")
     return "\n".join(lines)
 
@@ -87,9 +83,9 @@ def e2e_table(first: Mapping[str, Any], cold: Sequence[Mapping[str, Any]],
     lines.append("| first, fresh worker | " + " | ".join(_num(first.get(k)) for k, _ in keys)
                  + " |")
     lines.append(f"| after shoal_unload, p50 of {len(cold)} | " + " | ".join(
-        _num(p50([c.get(k) for c in cold])) for k, _ in keys) + " |")
+        _num(median([c.get(k) for c in cold])) for k, _ in keys) + " |")
     lines.append(f"| the next one (warm), p50 of {len(warm)} | " + " | ".join(
-        _num(p50([w.get(k) for w in warm])) for k, _ in keys) + " |")
+        _num(median([w.get(k) for w in warm])) for k, _ in keys) + " |")
     samples = ", ".join(f"{_num(c.get('latency_ms'))}/{_num(c.get('queue_ms'))}" for c in cold)
     lines += ["", f"after shoal_unload, each (latency/queue ms): {samples}"]
     return "\n".join(lines)

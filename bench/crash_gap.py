@@ -44,6 +44,7 @@ from typing import Any
 from tqdm import tqdm
 
 from app.tuning.bench_stack import bench_stack
+from app.tuning.stats import percentile
 from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -149,11 +150,9 @@ def longest_gap(answers: list[tuple[float, float, int]], start: float, end: floa
     return max(b - a for a, b in itertools.pairwise(edges))
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def rank_above(values: list[float], q: float) -> float | None:
+    """The q-th quantile (q from 0 to 1), the rank above where it falls between two."""
+    return percentile(values, q * 100, method="higher")
 
 
 def kill_figures(answers: list[tuple[float, float, int]], killed: float,
@@ -167,7 +166,7 @@ def kill_figures(answers: list[tuple[float, float, int]], killed: float,
               if killed - BEFORE_S <= sent <= min(killed + P99_AFTER_S, end)]
     errors = Counter(str(status) for sent, _, status in answers
                      if status != 200 and killed - BEFORE_S <= sent <= end)
-    return {"gap_s": gap, "p99_s": percentile(during, 0.99), "requests": len(during),
+    return {"gap_s": gap, "p99_s": rank_above(during, 0.99), "requests": len(during),
             "errors": sum(errors.values()), "error_statuses": dict(errors)}
 
 
@@ -212,8 +211,8 @@ def run_mode(spare: bool, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]
     for kill, after in itertools.zip_longest(kills, kills[1:]):
         kill.update(kill_figures(answers, kill["killed_at"],
                                  None if after is None else after["killed_at"]))
-    return {"spare": spare, "kills": kills, "steady_p50_s": percentile(steady, 0.5),
-            "steady_p99_s": percentile(steady, 0.99), "requests": len(answers),
+    return {"spare": spare, "kills": kills, "steady_p50_s": rank_above(steady, 0.5),
+            "steady_p99_s": rank_above(steady, 0.99), "requests": len(answers),
             "errors": sum(1 for *_, status in answers if status != 200),
             "error_statuses": dict(Counter(str(s) for *_, s in answers if s != 200))}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import shlex
 import sys
 from dataclasses import asdict
@@ -27,6 +26,7 @@ import uvloop
 
 from app.tuning.inproc import inproc_throughput, machine_info, medians
 from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.markdown import fmt
 from app.tuning.mix import make_texts
 from app.tuning.stack import gateway_ready
 from bench.lib.args import int_list
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
 
 
 # --------------------------------------------------------------------------- report
-
-
-def fmt(value: float | None, spec: str = ".1f") -> str:
-    return "n/a" if value is None or math.isnan(value) else format(value, spec)
 
 
 def pct(value: float, ceiling: float | None) -> str:

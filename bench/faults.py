@@ -63,8 +63,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from app.tuning.stats import median
 from bench.faults_fleet import MODEL, Fleet, alive, fleet, fleet_stack, netns_unavailable
-from bench.faults_load import Load, median_or_none, summarize, verify
+from bench.faults_load import Load, summarize, verify
 
 DEFAULT_JSON = Path("bench/out/faults.json")
 CLUSTER_SCRIPT = Path(__file__).resolve().parent.parent / "infra" / "rabbitmq-cluster.sh"
@@ -321,11 +322,11 @@ def table(scenario: str, rows: list[dict[str, Any]]) -> str:
     if len(rows) > 1:
         keys = ("p99_before_ms", "p99_during_ms", "max_gap_s", "recover_s", "detect_s",
                 "rejoin_s")
-        median = {k: median_or_none([r.get(k) for r in rows]) for k in keys}
+        medians = {k: median([r.get(k) for r in rows]) for k in keys}
         total = {k: sum(r[k] or 0 for r in rows)
                  for k in ("sent", "in_flight_at_fault", "answered", "retryable", "lost",
                            "twice", "dup_replies")}
-        merged = {**total, **median, "held_by_cut": sum(r.get("held_by_cut") or 0 for r in rows),
+        merged = {**total, **medians, "held_by_cut": sum(r.get("held_by_cut") or 0 for r in rows),
                   "held_answered_by_other": sum(r.get("held_answered_by_other") or 0
                                                 for r in rows)}
         lines.append("| " + " | ".join(cells(merged, "all (sum; median of times)")) + " |")

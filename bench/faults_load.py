@@ -20,7 +20,6 @@ import contextlib
 import itertools
 import math
 import random
-import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -230,8 +229,3 @@ def verify(shots: Sequence[Shot], batch: int = 64) -> dict[str, Any]:
                 mismatched.append(shot.index)
     return {"checked": len(answered), "mismatched": len(mismatched),
             "mismatched_indexes": mismatched[:20], "lowest_cosine": lowest}
-
-
-def median_or_none(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None

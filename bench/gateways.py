@@ -31,6 +31,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from app.tuning.stats import median
+
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 ZERO_COST_SIM = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "0", "SHOAL_SIM_COST_B_US": "0",
                  "SHOAL_SIM_COST_C_NS": "0"}
@@ -89,11 +91,6 @@ def measure(gateways: int, round_: int, texts: list[str], args: argparse.Namespa
             "cpu": cpu_roles(level.cpu_ms_per_request, gateway_pids)}
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def summarise(runs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per gateway count: the median over rounds of each figure, and the req/s range."""
     summary = {}
@@ -104,16 +101,16 @@ def summarise(runs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             "rounds": len(mine),
             "req_per_s": statistics.median(rates), "req_per_s_min": min(rates),
             "req_per_s_max": max(rates),
-            "p50_ms": _median([run["p50_ms"] for run in mine]),
-            "p99_ms": _median([run["p99_ms"] for run in mine]),
+            "p50_ms": median([run["p50_ms"] for run in mine]),
+            "p99_ms": median([run["p99_ms"] for run in mine]),
             "errors": sum(run["errors"] for run in mine),
-            "batch_requests": _median([run["median_batch_requests"] for run in mine]),
+            "batch_requests": median([run["median_batch_requests"] for run in mine]),
             "cpu_gateway_processes": [
-                _median([run["cpu"]["gateway_processes"][i] for run in mine])
+                median([run["cpu"]["gateway_processes"][i] for run in mine])
                 for i in range(n)],
-            **{f"cpu_{role}": _median([run["cpu"][role] for run in mine])
+            **{f"cpu_{role}": median([run["cpu"][role] for run in mine])
                for role in ("gateway", "gateway_supervisor", "worker", "broker", "total")},
-            "cpu_client": _median([run["client_cpu_ms_per_request"] for run in mine]),
+            "cpu_client": median([run["client_cpu_ms_per_request"] for run in mine]),
         }
     return summary
 

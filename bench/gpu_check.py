@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.tuning.stats import percentile
 from tasks.served import batch_device_ms
 
 # Shapes of the models measured beside MiniLM (their config.json on the hub).
@@ -71,11 +72,10 @@ def texts(n: int, seed: int, words: tuple[int, int] = (5, 40)) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+def percentile_ms(seconds: list[float], q: float) -> float:
+    """The q-th percentile (the closest rank) of latencies in seconds, in ms; NaN without any."""
+    value = percentile(seconds, q, method="nearest")
+    return float("nan") if value is None else value * 1000
 
 
 @dataclass
@@ -178,8 +178,8 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
         runs = len(latencies)
         rows.append(Row("in-process", model, precision, f"batch {size}",
                         texts_per_s=runs * size / wall, tokens_per_s=runs * real / wall,
-                        device_busy=busy / wall, p50_ms=percentile(latencies, 50) * 1000,
-                        p99_ms=percentile(latencies, 99) * 1000))
+                        device_busy=busy / wall, p50_ms=percentile_ms(latencies, 50),
+                        p99_ms=percentile_ms(latencies, 99)))
     parity_texts = texts(256, seed=99)
     outcomes = host.run_batch(model, [Request("p", "encode", {
         "items": [{"text": t} for t in parity_texts], "options": {"normalize": True}})])
@@ -328,8 +328,8 @@ def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
                             f"{clients} clients x {per_request} texts{again}",
                             texts_per_s=counted[0] / wall, tokens_per_s=counted[1] / wall,
                             device_busy=former.busy_since(warm) / wall,
-                            p50_ms=percentile(latencies, 50) * 1000,
-                            p99_ms=percentile(latencies, 99) * 1000))
+                            p50_ms=percentile_ms(latencies, 50),
+                            p99_ms=percentile_ms(latencies, 99)))
     finally:
         runtime.close()
     return rows

@@ -51,6 +51,8 @@ from typing import Any
 
 import yaml
 
+from app.tuning.stats import median, ratio
+
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PACKAGED_ENTRY = Path(__file__).resolve().parent.parent / "models" / "all-minilm-l6-v2.yaml"
 CASES = ("none", "mixed", "split", "base_rows")
@@ -89,15 +91,6 @@ def schedule(rounds: int, cases: Sequence[str] = CASES) -> list[tuple[int, str]]
     """(round, case) in run order: every case once a round, the order rotated by one
     each round so no case always runs first (or right after another)."""
     return [(r, cases[(r + k) % len(cases)]) for r in range(rounds) for k in range(len(cases))]
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 METRICS = {

@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from app.tuning.stats import median, ratio
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
@@ -81,15 +82,6 @@ def schedule(rounds: int, levels: Sequence[int]) -> list[tuple[int, int, str]]:
 def openai_body(texts: list[str]) -> dict[str, Any]:
     """The OpenAI embeddings body, the same bytes for both servers."""
     return {"model": MINILM, "input": texts}
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 METRICS = {  # summary key -> how to read it from one run

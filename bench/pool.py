@@ -76,8 +76,9 @@ import yaml
 from app.tuning.inproc import machine_info
 from app.tuning.mix import make_requests
 from app.tuning.stack import Stack, delete_queues, free_port, prefix_queues, queue_counts, wait_for
+from app.tuning.stats import median, percentile
 from bench.lib.output import emit
-from gateway.broker import Broker
+from gateway.broker.link import Broker
 from tasks.catalog import load_catalog
 from tasks.envelope import task_part
 from tasks.errors import ShoalError
@@ -184,22 +185,6 @@ def counter_delta(before: dict[tuple[str, tuple], float], after: dict[tuple[str,
             continue
         total += value - before.get(key, 0.0)
     return total
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as numpy's default), None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q / 100
-    low = math.floor(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
-
-
-def median_or_none(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 def schedule(rounds: int, names: Sequence[str] = DEPLOYMENTS) -> list[tuple[int, str]]:
@@ -687,7 +672,7 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     out = {}
     for name in dict.fromkeys(r["deployment"] for r in rows):
         mine = [r for r in rows if r["deployment"] == name]
-        out[name] = {k: median_or_none([_value(r, k) for r in mine]) for k in keys}
+        out[name] = {k: median([_value(r, k) for r in mine]) for k in keys}
         out[name]["rounds"] = len(mine)
     return out
 
@@ -706,7 +691,7 @@ def ratios(rows: list[dict[str, Any]], base: str = "partition") -> dict[str, dic
             for tier, _, _ in TIERS:
                 if other and row[tier]["p99_ms"] and other[tier]["p99_ms"]:
                     per[tier].append(row[tier]["p99_ms"] / other[tier]["p99_ms"])
-        out[name] = {t: {"rounds": v, "median": median_or_none(v)} for t, v in per.items()}
+        out[name] = {t: {"rounds": v, "median": median(v)} for t, v in per.items()}
     return out
 
 

@@ -72,7 +72,6 @@ import bisect
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,6 +84,7 @@ from typing import Any
 
 import orjson
 
+from app.tuning.stats import median, percentile
 from bench.peers import parse_levels
 
 MODEL_ID = "bench/sglang-llama"
@@ -253,17 +253,6 @@ def check(stream: Stream, expected_tokens: int) -> str | None:
     return None
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile, linear between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def phase_stats(streams: Sequence[Stream], start: float, end: float,
                 counts: Sequence[Sequence[int]]) -> dict[str, Any]:
     """One phase's numbers over the window [start, end) (see the module doc); `counts[i]`
@@ -304,11 +293,6 @@ def schedule(rounds: int, levels: Sequence[int],
     return [(r, clients, system)
             for r in range(rounds) for clients in levels
             for system in (systems if r % 2 == 0 else systems[::-1])]
-
-
-def median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -514,13 +498,15 @@ def process_name(pid: int) -> str:
     return Path(argv[0].decode(errors="replace")).name if argv and argv[0] else str(pid)
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    from app.tuning.cpu import cpu_seconds as one
+def group_cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds of a group of processes (app.tuning.cpu.cpu_seconds of each; one gone
+    counts nothing)."""
+    from app.tuning.cpu import cpu_seconds
 
     total = 0.0
     for pid in pids:
         with contextlib.suppress(OSError):
-            total += one(pid)
+            total += cpu_seconds(pid)
     return total
 
 
@@ -528,9 +514,9 @@ async def cores_over(start: float, end: float,
                      groups: Mapping[str, Sequence[int]]) -> dict[str, float]:
     """CPU seconds per second of each group of processes between two perf_counter times."""
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
-    before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+    before = {name: group_cpu_seconds(pids) for name, pids in groups.items()}
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
-    return {name: (cpu_seconds(pids) - before[name]) / (end - start)
+    return {name: (group_cpu_seconds(pids) - before[name]) / (end - start)
             for name, pids in groups.items()}
 
 
@@ -887,9 +873,10 @@ def profile_report(out: Path, seconds: float, rate: int = 200) -> dict[str, Any]
 
 
 def idle_cores(groups: Mapping[str, Sequence[int]], seconds: float = 5.0) -> dict[str, float]:
-    before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+    before = {name: group_cpu_seconds(pids) for name, pids in groups.items()}
     time.sleep(seconds)
-    return {name: (cpu_seconds(pids) - before[name]) / seconds for name, pids in groups.items()}
+    return {name: (group_cpu_seconds(pids) - before[name]) / seconds
+            for name, pids in groups.items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
 from app.tuning.load import BodyFn, LoadResult, Prepared, items_body, prepare, run_load
+from app.tuning.markdown import fmt
 from app.tuning.mix import MixSummary, describe, make_requests, summarize
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -193,10 +194,6 @@ def measure_inproc(model: str, env: dict[str, str],
 # --------------------------------------------------------------------------- report
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "n/a" if value is None or math.isnan(value) else format(value, spec)
-
-
 def simulated_banner(levels: list[LoadResult]) -> str | None:
     devices = sorted({r.simulated_device or "true" for r in levels if r.simulated})
     if not devices:
@@ -217,10 +214,10 @@ def table(levels: list[LoadResult], knee: Knee | None,
         load = f"{r.offered:g}"
         if knee is not None and r.offered == knee.point.load:
             load = f"**{load}** (knee)"
-        cells = [load, f"{r.req_per_s:.1f}", f"{r.items_per_s:.1f}", _fmt(r.p50_ms),
-                 _fmt(r.p90_ms), _fmt(r.p99_ms), str(r.errors)]
+        cells = [load, f"{r.req_per_s:.1f}", f"{r.items_per_s:.1f}", fmt(r.p50_ms),
+                 fmt(r.p90_ms), fmt(r.p99_ms), str(r.errors)]
         cells += [str(r.dropped)] if open_loop else []
-        cells += [_fmt(r.median_batch_requests, "g")]
+        cells += [fmt(r.median_batch_requests, "g")]
         cells += [f"{100 * r.items_per_s / inproc_best:.0f}%"] if inproc_best else []
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -235,8 +232,8 @@ def knee_line(knee: Knee | None, levels: list[LoadResult]) -> str:
     else:
         unit = "client" if level.offered == 1 else "clients"
     return (f"Knee: {level.offered:g} {unit}: {level.req_per_s:.1f} req/s, "
-            f"{level.items_per_s:.1f} items/s, p50 {_fmt(level.p50_ms)} ms, "
-            f"p99 {_fmt(level.p99_ms)} ms. Why: {knee.reason}.")
+            f"{level.items_per_s:.1f} items/s, p50 {fmt(level.p50_ms)} ms, "
+            f"p99 {fmt(level.p99_ms)} ms. Why: {knee.reason}.")
 
 
 def report(meta: dict[str, Any], mix: MixSummary, levels: list[LoadResult], knee: Knee | None,
@@ -307,7 +304,7 @@ def sweep(args: argparse.Namespace, endpoint: str,
                 max_connections=args.max_connections, seed=args.seed + len(levels)))
             levels.append(level)
             bar.update(1)
-            bar.set_postfix_str(f"{level.req_per_s:.1f} req/s, p99 {_fmt(level.p99_ms)} ms, "
+            bar.set_postfix_str(f"{level.req_per_s:.1f} req/s, p99 {fmt(level.p99_ms)} ms, "
                                 f"{level.errors + level.dropped} errors")
     return levels, stop
 

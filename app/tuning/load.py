@@ -46,6 +46,7 @@ import numpy as np
 from app.tuning.cpu import CpuUse, cpu_over
 from app.tuning.knee import Point
 from app.tuning.rawhttp import Connection, HttpError
+from app.tuning.stats import percentile
 
 BodyFn = Callable[[list[str]], dict[str, Any]]
 CallFn = Callable[[list[str]], Awaitable[object]]  # one request through a client library
@@ -288,10 +289,6 @@ async def open_loop(endpoint: str, requests: Sequence[Prepared], rate: float, *,
     return _result("open", rate, duration, tally, len(opened), await meter)
 
 
-def _percentile(values: np.ndarray | None, q: float) -> float | None:
-    return float(np.percentile(values, q)) if values is not None else None
-
-
 def _result(mode: str, offered: float, duration: float, tally: _Tally,
             connections: int, cpu: CpuUse) -> LoadResult:
     lat = np.array(tally.latencies_ms) if tally.latencies_ms else None
@@ -304,9 +301,9 @@ def _result(mode: str, offered: float, duration: float, tally: _Tally,
         items=tally.completed_items,
         req_per_s=tally.completed / duration,
         items_per_s=tally.completed_items / duration,
-        p50_ms=_percentile(lat, 50),
-        p90_ms=_percentile(lat, 90),
-        p99_ms=_percentile(lat, 99),
+        p50_ms=percentile(lat, 50),
+        p90_ms=percentile(lat, 90),
+        p99_ms=percentile(lat, 99),
         errors=sum(tally.errors.values()),
         error_kinds=dict(tally.errors),
         dropped=tally.dropped,

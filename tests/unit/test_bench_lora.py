@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.coldstart import logged_loads, p50
+from app.tuning.stats import median as p50
+from bench.coldstart import logged_loads
 from bench.lora import CASES, assign_loras, encode_body, lora_entry, schedule, summarise
 
 
