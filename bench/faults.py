@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from app.tuning.stats import median
-from bench.faults_fleet import MODEL, Fleet, alive, fleet, fleet_stack, netns_unavailable
-from bench.faults_load import Load, summarize, verify
+from bench.lib.faults_fleet import MODEL, Fleet, alive, fleet, fleet_stack, netns_unavailable
+from bench.lib.faults_load import Load, summarize, verify
 
 DEFAULT_JSON = Path("bench/out/faults.json")
 CLUSTER_SCRIPT = Path(__file__).resolve().parent.parent / "infra" / "rabbitmq-cluster.sh"

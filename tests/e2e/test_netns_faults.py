@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.faults_fleet import netns_unavailable
+from bench.lib.faults_fleet import netns_unavailable
 
 _WHY_NOT = netns_unavailable()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None,
