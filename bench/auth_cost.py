@@ -16,9 +16,9 @@ import os
 import time
 import uuid
 
-from gateway.api_keys import ApiKey, KeyEntry, KeyRing, hash_key, new_key
-from gateway.auth_middleware import ApiKeyMiddleware
-from gateway.rate_limit import RateLimiter
+from gateway.auth.key_file import ApiKey, KeyEntry, KeyRing, hash_key, new_key
+from gateway.auth.key_middleware import ApiKeyMiddleware
+from gateway.auth.rate_limit import RateLimiter
 
 
 def _ring(count: int, limited: bool) -> tuple[str, KeyRing]:

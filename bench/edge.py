@@ -1,5 +1,5 @@
 """What the HTTP edge's limits cost: uvicorn's plain httptools protocol against
-`gateway.edge.EdgeProtocol`, side by side on one stack, in alternating rounds.
+`gateway.edge.http_protocol.EdgeProtocol`, side by side on one stack, in alternating rounds.
 
     .venv/bin/python -m bench.edge --rounds 5 --duration 5 --clients 8
 
@@ -137,7 +137,7 @@ def protocol_only(rounds: int, count: int = 5000) -> None:
     import uvloop
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from gateway.edge import EdgeLimits, EdgeProtocol
+    from gateway.edge.http_protocol import EdgeLimits, EdgeProtocol
     from tasks.settings import get_settings
 
     EdgeProtocol.configure(EdgeLimits.from_settings(get_settings()))

@@ -52,7 +52,7 @@ from app.tuning.bench_stack import BenchStack, bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.knee import Point, SweepPolicy, find_knee, next_load
 from app.tuning.mix import make_requests
-from gateway.broker import Broker
+from gateway.broker.link import Broker
 from tasks.catalog import load_catalog
 from tasks.envelope import task_part
 from tasks.served import read_served

@@ -14,21 +14,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.auth import install_auth
-from gateway.broker import Broker
-from gateway.claims import sweep_forever
-from gateway.codecs import encode_response
-from gateway.completions import create_chat_completion, create_completion
-from gateway.drain import Drain
-from gateway.embeddings import create_embeddings
-from gateway.health import healthz, list_models, readyz
-from gateway.job_driver import JobDriver
-from gateway.job_replies import JobReplies
-from gateway.job_store import JobStore, warn_if_jobs_are_volatile
-from gateway.jobs import cancel_job, create_job, get_job, get_result
-from gateway.metrics import metrics
-from gateway.middleware import RequestIdMiddleware
-from gateway.native import classify, encode, extract, score
+from gateway.auth.access import install_auth
+from gateway.broker.link import Broker
+from gateway.calls.blob_offload import sweep_forever
+from gateway.edge.codecs import encode_response
+from gateway.edge.gateway_metrics import metrics
+from gateway.edge.outer_middleware import RequestIdMiddleware
+from gateway.edge.sigterm_drain import Drain
+from gateway.jobs.driver import JobDriver
+from gateway.jobs.part_replies import JobReplies
+from gateway.jobs.store import JobStore, warn_if_jobs_are_volatile
+from gateway.routes.completions import create_chat_completion, create_completion
+from gateway.routes.embeddings import create_embeddings
+from gateway.routes.job_routes import cancel_job, create_job, get_job, get_result
+from gateway.routes.native import classify, encode, extract, score
+from gateway.routes.status import healthz, list_models, readyz
 from tasks.catalog import load_catalog
 from tasks.errors import ErrorCode, ShoalError
 from tasks.settings import Settings, get_settings
@@ -79,7 +79,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        drain.install()  # SIGTERM: /readyz says 503 while uvicorn drains (gateway.drain)
+        # SIGTERM: /readyz says 503 while uvicorn drains (gateway.edge.sigterm_drain)
+        drain.install()
         broker.start()
         job_driver.start()
         warned = asyncio.get_running_loop().create_task(warn_if_jobs_are_volatile(job_store))

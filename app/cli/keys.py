@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from gateway.api_keys import KeyEntry, KeyFileError, hash_key, new_key, parse_key_file
+from gateway.auth.key_file import KeyEntry, KeyFileError, hash_key, new_key, parse_key_file
 
 
 def _keys_file(args: argparse.Namespace) -> Path | None:
@@ -110,7 +110,7 @@ def check(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    keys = sub.add_parser("keys", help="make API keys (gateway/api_keys.py)")
+    keys = sub.add_parser("keys", help="make API keys (gateway/auth/key_file.py)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     adding = keys_sub.add_parser("add", help="make a key: print it once, and its entry")
     adding.add_argument("name", help="the key's name (in logs and errors, never the key)")

@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.api_keys import hash_key, new_key
+from gateway.auth.key_file import hash_key, new_key
 from tests.conftest import MINILM, TINY_CLS
 from tests.stack import free_port, http_status, metric_sum, wait_for
 

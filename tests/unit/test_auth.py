@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from app.cli.flower import flower_env, flower_password
-from gateway import api_keys
-from gateway.api_keys import (
+from gateway.auth import key_file as api_keys
+from gateway.auth.key_file import (
     ApiKey,
     KeyEntry,
     KeyFileError,
@@ -27,8 +27,8 @@ from gateway.api_keys import (
     new_key,
     parse_key_file,
 )
-from gateway.auth_middleware import KeySource, bearer_key
-from gateway.rate_limit import LOCAL_DECISIONS, REQUESTS, TOKENS, RateLimiter
+from gateway.auth.key_middleware import KeySource, bearer_key
+from gateway.auth.rate_limit import LOCAL_DECISIONS, REQUESTS, TOKENS, RateLimiter
 from tasks.redact import guest_off_loopback, mask_url, masked_settings
 from tasks.settings import Settings
 from tests.stack import free_port
@@ -164,7 +164,7 @@ def test_a_changed_key_file_is_read_again_and_a_broken_one_keeps_the_keys_before
     tmp.write_text("keys: [{name: broken}]")
     os.replace(tmp, path)
     source._checked = 0.0
-    with caplog.at_level(logging.ERROR, logger="gateway.auth_middleware"):
+    with caplog.at_level(logging.ERROR, logger="gateway.auth.key_middleware"):
         assert source.current().find(new) is not None
     assert "keeping the 1 keys read before" in caplog.text and "keys.0.hash" in caplog.text
 
@@ -298,7 +298,7 @@ def test_without_redis_each_process_counts_alone_and_says_so_once(caplog):
         return out
 
     before = LOCAL_DECISIONS._value.get()
-    with caplog.at_level(logging.WARNING, logger="gateway.rate_limit"):
+    with caplog.at_level(logging.WARNING, logger="gateway.auth.rate_limit"):
         assert asyncio.run(run()) == [True, True, False, False]
     assert caplog.text.count("is not reachable") == 1
     assert LOCAL_DECISIONS._value.get() == before + 4  # counted, for an alert

@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from yarl import URL
 
 from app.worker.reconnect import ReconnectingConsumer, reconnect_intervals
-from gateway.failover import FailoverConnection
+from gateway.broker.failover import FailoverConnection
 from tasks.broker_metrics import BrokerLink
 from tasks.broker_urls import celery_broker_url, endpoint, split_urls
 from tasks.settings import Settings

@@ -310,7 +310,7 @@ class Absent(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {sorted(NOT_IN_GATEWAY_IMPORTS)!r}:
             raise ImportError("not in the gateway image: " + name)
 sys.meta_path.insert(0, Absent())
-import app.celery, app.cli, flower.command, gateway.edge
+import app.celery, app.cli, flower.command, gateway.edge.http_protocol
 from gateway.app import create_app
 paths = {{route.path for route in create_app().routes}}
 assert "/healthz" in paths and "/metrics" in paths, paths

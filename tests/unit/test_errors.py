@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ApiError, invalid
+from gateway.edge.api_errors import ApiError, invalid
 from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
 
 

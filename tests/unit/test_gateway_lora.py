@@ -10,7 +10,7 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from gateway.lora import split_model_name
+from gateway.routes.lora_names import split_model_name
 from tasks.catalog import ModelEntry
 from tasks.settings import Settings
 

@@ -1,11 +1,12 @@
-"""gateway.pool: the workers' latest pool states, kept, checked and forgotten when stale."""
+"""gateway.broker.pool_view: the workers' latest pool states, kept, checked and forgotten when
+stale."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from gateway.pool import PoolView, worker_rows
+from gateway.broker.pool_view import PoolView, worker_rows
 from tasks.pool_state import STALE_AFTER_INTERVALS, encode_state
 
 

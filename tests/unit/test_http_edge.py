@@ -1,4 +1,5 @@
-"""The HTTP edge's limits (gateway.edge), the request-id middleware, safe error messages.
+"""The HTTP edge's limits (gateway.edge.http_protocol), the request-id middleware, safe error
+messages.
 
 The protocol runs in a real uvicorn server (a thread of this process, on a free port)
 serving a small Starlette app behind the gateway's own RequestIdMiddleware; the tests
@@ -23,10 +24,15 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from gateway import edge
-from gateway.edge import EdgeLimits, EdgeProtocol
-from gateway.metrics import CLIENT_DISCONNECTS, EDGE_REFUSALS, REQUESTS, UNEXPECTED_ERRORS
-from gateway.middleware import RequestIdMiddleware, request_id_of
+from gateway.edge import http_protocol as edge
+from gateway.edge.gateway_metrics import (
+    CLIENT_DISCONNECTS,
+    EDGE_REFUSALS,
+    REQUESTS,
+    UNEXPECTED_ERRORS,
+)
+from gateway.edge.http_protocol import EdgeLimits, EdgeProtocol
+from gateway.edge.outer_middleware import RequestIdMiddleware, request_id_of
 from tasks.render import names, shown
 from tests.stack import free_port, wait_for
 

@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from gateway.bulk import (
+from gateway.jobs.bulk_files import (
     JSONL,
     NPY,
     PART_MAX_BYTES,
@@ -27,8 +27,8 @@ from gateway.bulk import (
     part_items,
     part_key,
 )
-from gateway.job_replies import parse_part_id, part_id
-from gateway.job_store import (
+from gateway.jobs.part_replies import parse_part_id, part_id
+from gateway.jobs.store import (
     CANCELLED,
     FAILED,
     RUNNING,
@@ -249,7 +249,7 @@ def test_a_redis_that_keeps_nothing_over_a_restart_is_warned_of(store, caplog):
     expected = (["aof"] if client.config_get("appendonly")["appendonly"] == "yes" else []) + \
         (["rdb"] if client.config_get("save")["save"].strip() else [])
     client.close()
-    with caplog.at_level(logging.WARNING, logger="gateway.job_store"):
+    with caplog.at_level(logging.WARNING, logger="gateway.jobs.store"):
         kept = run(store, warn_if_jobs_are_volatile(store))
     assert kept == expected  # what this machine's Redis is set to
     warned = [r for r in caplog.records if "keeps nothing over a restart" in r.getMessage()]
@@ -320,7 +320,7 @@ def test_leases_are_exclusive_renewed_by_their_owner_only(store):
 def test_only_an_absent_service_is_worth_another_try():
     import redis.exceptions
 
-    from gateway.job_store import transient
+    from gateway.jobs.store import transient
 
     assert transient(redis.exceptions.ConnectionError()) and transient(ConnectionError())
     assert transient(redis.exceptions.TimeoutError())

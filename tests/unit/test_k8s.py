@@ -288,7 +288,7 @@ def test_workers_probe_their_own_health_and_have_time_to_drain(overlay: str) -> 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_gateway_probes_open_routes_and_drains_within_its_grace(overlay: str) -> None:
     from gateway.app import create_app
-    from gateway.auth_middleware import OPEN_PATHS
+    from gateway.auth.key_middleware import OPEN_PATHS
 
     objects = rendered(overlay)
     gateway = named(objects, "Deployment", "shoal-gateway")
@@ -502,8 +502,8 @@ def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
     """Per process, per operation, the resources its code touches, named as the code (and
     Celery's, for its remote control and events) names them under `settings`."""
     from app.celery import app as celery_app
-    from gateway.broker import CONTROL_EXCHANGE, Broker
-    from gateway.job_replies import replies_queue
+    from gateway.broker.link import CONTROL_EXCHANGE, Broker
+    from gateway.jobs.part_replies import replies_queue
     from tasks.pool_state import pool_exchange
     from tasks.queues import kombu_queues
 
@@ -723,8 +723,8 @@ def test_network_policies_select_real_pods_and_let_only_their_clients_in(overlay
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_gateway_hpa_scales_on_cpu_and_on_requests_in_flight_the_adapter_serves(
         overlay: str) -> None:
-    from gateway.metrics import LATENCY
-    from gateway.middleware import route_label
+    from gateway.edge.gateway_metrics import LATENCY
+    from gateway.edge.outer_middleware import route_label
 
     objects = rendered(overlay)
     hpa = named(objects, "HorizontalPodAutoscaler", "shoal-gateway")

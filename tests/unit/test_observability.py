@@ -29,8 +29,8 @@ RULES = Path(REPO) / "infra" / "prometheus" / "alerts.yaml"
 # The modules that define shoal's Prometheus metrics (grep for Counter(, Gauge(,
 # Histogram(, Summary( under app/ gateway/ runtimes/ batching/ tasks/). The broker-link
 # metrics are made by calling worker_link() and gateway_link().
-METRIC_MODULES = ("app.worker.metrics", "tasks.broker_metrics", "gateway.metrics", "gateway.auth",
-                  "gateway.rate_limit")
+METRIC_MODULES = ("app.worker.metrics", "tasks.broker_metrics", "gateway.edge.gateway_metrics",
+                  "gateway.auth.access", "gateway.auth.rate_limit")
 
 # RabbitMQ's rabbitmq_prometheus plugin (port 15692), scraped at
 # /metrics/detailed?family=queue_coarse_metrics&family=queue_consumer_count; names from

@@ -1,4 +1,4 @@
-"""X-Timeout-Ms (gateway.submit.timeout_ms): plain ASCII digits, once, within the range.
+"""X-Timeout-Ms (gateway.calls.model_call.timeout_ms): plain ASCII digits, once, within the range.
 
 The header is read as the server hands it over, so the direct tests build a request
 from an ASGI scope (any whitespace left in a value there is refused); the wire tests send
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.submit import timeout_ms
+from gateway.calls.model_call import timeout_ms
 from tasks.errors import ShoalError
 from tests.stack import free_port, wait_for
 

@@ -2,10 +2,10 @@
 
 The body is mapped onto a generate task: each prompt (or the chat) is an
 item, the sampling parameters are options. `stream: true` answers with
-server-sent events (`gateway.streaming`). Parameters shoal does not
+server-sent events (`gateway.routes.streaming`). Parameters shoal does not
 implement are refused with a 422 naming them, unless they carry their
 neutral value, so a caller never gets silently different behaviour. `model` may
-name a LoRA adapter ("base:lora", or a `lora` field: `gateway.lora`); the
+name a LoRA adapter ("base:lora", or a `lora` field: `gateway.routes.lora_names`); the
 response's `model` is the caller's.
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.codecs import encode_response, read_body
-from gateway.errors import invalid
-from gateway.lora import openai_model
-from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
-from gateway.streaming import ChunkFormat, stream_generation
-from gateway.submit import Reply, call_model, check_items
+from gateway.calls.model_call import Reply, call_model, check_items
+from gateway.edge.api_errors import invalid
+from gateway.edge.codecs import encode_response, read_body
+from gateway.edge.gateway_metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
+from gateway.routes.lora_names import openai_model
+from gateway.routes.streaming import ChunkFormat, stream_generation
 from tasks.adapters import GENERATE
 from tasks.catalog import ModelEntry
 from tasks.render import names

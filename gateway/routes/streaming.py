@@ -2,7 +2,7 @@
 
 The request goes out with `stream: true`; the worker publishes its output as
 Celery PROGRESS states (`{"choices": [{"index", "text", "tokens"}]}`) and then
-its result, which `gateway.broker.Broker.stream` hands over in order. The
+its result, which `gateway.broker.link.Broker.stream` hands over in order. The
 response starts only once the first of them is in, so an error the worker
 finds before generating (a prompt over the context: 413) is an HTTP status,
 not an event. After that, an error (a runtime that died mid-stream, the
@@ -27,8 +27,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from gateway.metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
-from gateway.submit import timeout_ms
+from gateway.calls.model_call import timeout_ms
+from gateway.edge.gateway_metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
 from tasks.catalog import ModelEntry
 from tasks.envelope import PROGRESS, SUCCESS, task_part
 from tasks.errors import ShoalError

@@ -18,8 +18,8 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.codecs import encode_response
-from gateway.metrics import CLIENT_DISCONNECTS, LATENCY, REQUESTS, UNEXPECTED_ERRORS
+from gateway.edge.codecs import encode_response
+from gateway.edge.gateway_metrics import CLIENT_DISCONNECTS, LATENCY, REQUESTS, UNEXPECTED_ERRORS
 from tasks.errors import ErrorCode, ShoalError
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # header or a log line, nor flood either, are kept.
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,%d}" % MAX_REQUEST_ID_CHARS)
-# Set by gateway.edge when it answered the request itself (a body read timeout): the
+# Set by gateway.edge.http_protocol when it answered the request itself (a body read timeout): the
 # disconnect the app then sees is not the client's doing.
 EDGE_ANSWERED = "shoal_edge_answered"
 
@@ -117,7 +117,8 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except ClientDisconnect:
-            if state.get(EDGE_ANSWERED):  # gateway.edge timed the body out and said so
+            # gateway.edge.http_protocol timed the body out and said so
+            if state.get(EDGE_ANSWERED):
                 return
             # The client left mid-body: nobody to answer, nothing the gateway did wrong.
             CLIENT_DISCONNECTS.labels(route).inc()

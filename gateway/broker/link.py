@@ -30,7 +30,7 @@ MODEL_UNAVAILABLE when SHOAL_GATEWAY_UNSERVED=refuse (the default), or
 published to wait for a worker until its deadline with `wait` (scale-to-zero,
 where an autoscaler starts a worker on queue depth). "Served" is decided
 without a broker round trip per request: a model is served if a fresh pool
-state (`gateway.pool`, from the workers' fanout exchange) lists it in any
+state (`gateway.broker.pool_view`, from the workers' fanout exchange) lists it in any
 state; otherwise if its queue has a consumer, read from a queue.declare-ok
 at most `CONSUMERS_TTL_S` old (a shoal worker that has not announced itself
 yet, or any other consumer such as a plain Celery worker). A gateway that
@@ -47,7 +47,7 @@ that leaves revokes the request (`cancel`: Celery's broadcast control message,
 `shoal_cancel`), so the worker stops generating for it.
 
 Failover: SHOAL_BROKER_URL may list several nodes of one cluster (`;`-separated); the
-connection (`gateway.failover`) moves to the next one when its node goes, at most
+connection (`gateway.broker.failover`) moves to the next one when its node goes, at most
 SHOAL_BROKER_RECONNECT_MAX_S apart, and restores its channels, queues and consumers
 there. While it is down, requests are refused with 503 BROKER_UNAVAILABLE (retryable),
 and so is every publish that was not confirmed when the connection dropped: it may or
@@ -79,15 +79,15 @@ from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import DeliveryError, PublishError
 from pamqp.commands import Basic
 
-from gateway.errors import ApiError
-from gateway.failover import FailoverConnection, connect_failover
-from gateway.metrics import (
+from gateway.broker.failover import FailoverConnection, connect_failover
+from gateway.broker.pool_view import PoolView
+from gateway.edge.api_errors import ApiError
+from gateway.edge.gateway_metrics import (
     DUPLICATE_REPLIES,
     OLDEST_WAITING,
     POOL_STATES,
     REQUESTS_PER_MESSAGE,
 )
-from gateway.pool import PoolView
 from tasks.broker_metrics import gateway_link
 from tasks.broker_urls import split_urls
 from tasks.envelope import (

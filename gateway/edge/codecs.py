@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import ApiError
+from gateway.edge.api_errors import ApiError
 from tasks.errors import ErrorCode
 
 JSON = "application/json"

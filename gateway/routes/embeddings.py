@@ -1,6 +1,6 @@
 """POST /v1/embeddings, OpenAI-compatible (works with the official `openai` client).
 
-`model` may name a LoRA adapter ("base:lora", or a `lora` field: `gateway.lora`);
+`model` may name a LoRA adapter ("base:lora", or a `lora` field: `gateway.routes.lora_names`);
 the response's `model` is the caller's."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.codecs import encode_response, read_body
-from gateway.errors import invalid
-from gateway.lora import openai_model
-from gateway.submit import call_model, check_items
+from gateway.calls.model_call import call_model, check_items
+from gateway.edge.api_errors import invalid
+from gateway.edge.codecs import encode_response, read_body
+from gateway.routes.lora_names import openai_model
 from tasks.adapters import DENSE, ENCODE
 from tasks.results import embedding_arrays
 

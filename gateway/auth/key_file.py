@@ -19,7 +19,7 @@ The keys file (SHOAL_API_KEYS_FILE), YAML or JSON:
         admin: false                      # true: sees and cancels every key's jobs
 
 A job belongs to the key (by name) that created it: another key is told there is no such
-job (`gateway.jobs`). A key's name is its tenant: a rotated key (a new secret, the same
+job (`gateway.routes.job_routes`). A key's name is its tenant: a rotated key (a new secret, the same
 name) keeps its jobs.
 """
 

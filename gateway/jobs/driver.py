@@ -5,7 +5,7 @@ renews every third of SHOAL_JOB_LEASE_S. Every gateway scans the active jobs as
 often and takes over a lease that expired (its holder died or lost Redis), then
 continues from the recorded resume point (parts published, input offset). A part
 published again after a takeover keeps its id (`part_id`), so its result counts
-once. Results are recorded by whichever gateway consumes them (`gateway.job_replies`),
+once. Results are recorded by whichever gateway consumes them (`gateway.jobs.part_replies`),
 which wakes the driver here if it is this one; a driver elsewhere notices within
 POLL_S.
 
@@ -30,11 +30,11 @@ from typing import Any
 
 import msgpack
 
-from gateway.bulk import PartReader, gather
-from gateway.claims import check_out, upload_first
-from gateway.errors import ApiError
-from gateway.job_replies import part_id, replies_queue
-from gateway.job_store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
+from gateway.calls.blob_offload import check_out, upload_first
+from gateway.edge.api_errors import ApiError
+from gateway.jobs.bulk_files import PartReader, gather
+from gateway.jobs.part_replies import part_id, replies_queue
+from gateway.jobs.store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
 from tasks.catalog import ModelEntry
 from tasks.envelope import task_part
 from tasks.errors import ErrorCode
@@ -318,7 +318,7 @@ class JobDriver:
             if job.owns_input:
                 await asyncio.to_thread(blobs.delete, [job.input])
             return
-        from gateway.native import payload  # the sync route's response shape
+        from gateway.routes.native import payload  # the sync route's response shape
 
         result = msgpack.unpackb(parts[0], raw=False)
         request = msgpack.unpackb(await asyncio.to_thread(blobs.get, job.input), raw=False)

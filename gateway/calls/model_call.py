@@ -8,9 +8,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gateway.auth import check_model_allowed, models_visible
-from gateway.claims import check_out, submit_claimed
-from gateway.errors import ApiError, invalid
+from gateway.auth.access import check_model_allowed, models_visible
+from gateway.calls.blob_offload import check_out, submit_claimed
+from gateway.edge.api_errors import ApiError, invalid
 from tasks.catalog import ModelEntry
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
@@ -113,7 +113,7 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     broker = request.app.state.broker
     settings = request.app.state.settings
     # Images over SHOAL_CLAIM_CHECK_BYTES travel as claims; their bytes go to the blob
-    # store while the message is already queued (gateway.claims).
+    # store while the message is already queued (gateway.calls.blob_offload).
     kwargs, uploads = await check_out(kwargs, settings.claim_check_bytes)
     part = task_part(entry, kwargs, budget_ms, claims=len(uploads))
     if uploads:

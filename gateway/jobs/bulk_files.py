@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import orjson
 
-from gateway.errors import ApiError, invalid
+from gateway.edge.api_errors import ApiError, invalid
 from tasks.errors import ErrorCode, ShoalError
 from tasks.results import embedding_rows, multivector_rows
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gateway.errors import invalid
-from gateway.submit import served_model
+from gateway.calls.model_call import served_model
+from gateway.edge.api_errors import invalid
 from tasks.catalog import ModelEntry
 
 

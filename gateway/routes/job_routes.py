@@ -15,8 +15,8 @@ disclosed), and 403 for a job whose model the key may no longer use; a key marke
 keys file grants the key (`inputs`) or the input upload of one of the key's own jobs;
 anything else is "no such file", as for a missing one.
 
-State lives in Redis (`gateway.job_store`); parts are driven by
-`gateway.job_driver`; their results come back through `gateway.job_replies`.
+State lives in Redis (`gateway.jobs.store`); parts are driven by
+`gateway.jobs.driver`; their results come back through `gateway.jobs.part_replies`.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway.auth import caller_key, check_model_allowed
-from gateway.bulk import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
-from gateway.codecs import check_body_size, encode_response, media_type, read_body
-from gateway.errors import ApiError, invalid
-from gateway.job_store import CANCELLED, Job, JobStore, view
-from gateway.native import body_limit, checked_kwargs, read_native
-from gateway.submit import ROUTE_OF_OPERATION, served_model
+from gateway.auth.access import caller_key, check_model_allowed
+from gateway.calls.model_call import ROUTE_OF_OPERATION, served_model
+from gateway.edge.api_errors import ApiError, invalid
+from gateway.edge.codecs import check_body_size, encode_response, media_type, read_body
+from gateway.jobs.bulk_files import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
+from gateway.jobs.store import CANCELLED, Job, JobStore, view
+from gateway.routes.native import body_limit, checked_kwargs, read_native
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tasks.render import names, shown

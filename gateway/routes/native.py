@@ -14,9 +14,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.codecs import encode_response, read_body
-from gateway.errors import invalid
-from gateway.submit import Reply, call_model, check_items, served_model, wire_items
+from gateway.calls.model_call import Reply, call_model, check_items, served_model, wire_items
+from gateway.edge.api_errors import invalid
+from gateway.edge.codecs import encode_response, read_body
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, IMAGE, MULTIVECTOR, SCORE
 from tasks.catalog import ModelEntry
 from tasks.render import names
@@ -93,7 +93,10 @@ def _classify_payload(parsed: ParsedRequest, result: dict[str, Any]) -> dict[str
 
 def _endpoint(op: str) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
-        from gateway.jobs import accept_native, prefers_async  # jobs import this module
+        from gateway.routes.job_routes import (  # jobs import this module
+            accept_native,
+            prefers_async,
+        )
 
         if prefers_async(request):  # RFC 7240: run it as a job, answer 202 + Location
             return await accept_native(request, op)

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import ApiError
-from gateway.metrics import BLOBS_SWEPT, CLAIM_BYTES, CLAIM_UPLOAD_SECONDS, CLAIMS
+from gateway.edge.api_errors import ApiError
+from gateway.edge.gateway_metrics import BLOBS_SWEPT, CLAIM_BYTES, CLAIM_UPLOAD_SECONDS, CLAIMS
 from tasks.claims import BINARY_KEYS, Claim
 from tasks.envelope import Part
 from tasks.errors import ErrorCode

@@ -5,9 +5,9 @@ route but /healthz, /readyz and /metrics (the operator protects /metrics by
 network) needs a key from the file: 401 UNAUTHORIZED without one or with a
 wrong one, 403 FORBIDDEN for a model the key may not use (`check_model_allowed`,
 called where every route resolves its model), 429 RATE_LIMITED with
-Retry-After over the key's requests or tokens per minute (`gateway.rate_limit`);
+Retry-After over the key's requests or tokens per minute (`gateway.auth.rate_limit`);
 /v1/models lists only the models the key may use. A job belongs to the key that
-created it: another key gets 404 JOB_NOT_FOUND for it, as for no job (`gateway.jobs`).
+created it: another key gets 404 JOB_NOT_FOUND for it, as for no job (`gateway.routes.job_routes`).
 
 Tokens per minute count the request body at `CHARS_PER_TOKEN` bytes per token,
 the rule the gateway's own cost estimate uses for text (`tasks.token_estimate`), charged
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 from starlette.requests import Request
 
-from gateway.errors import ApiError
+from gateway.edge.api_errors import ApiError
 from tasks.errors import ErrorCode
 
 if TYPE_CHECKING:
-    from gateway.api_keys import ApiKey
+    from gateway.auth.key_file import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def install_auth(app: Any, settings: Any) -> None:
     path = settings.api_keys_file
     if path is None:
         return
-    from gateway.auth_middleware import ApiKeyMiddleware, KeySource
-    from gateway.rate_limit import RateLimiter
+    from gateway.auth.key_middleware import ApiKeyMiddleware, KeySource
+    from gateway.auth.rate_limit import RateLimiter
 
     source = KeySource(Path(path), settings.api_keys_reload_s)
     limiter = RateLimiter(settings.redis_url, settings.queue_prefix)

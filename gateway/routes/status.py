@@ -8,9 +8,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.codecs import encode_response
-from gateway.errors import ApiError
-from gateway.pool import worker_rows
+from gateway.broker.pool_view import worker_rows
+from gateway.edge.api_errors import ApiError
+from gateway.edge.codecs import encode_response
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 
@@ -33,7 +33,7 @@ async def readyz(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     """OpenAI's model list: every model this gateway serves, then each of its LoRAs as a
     model of its own ("base:lora", the name the OpenAI routes take). `workers` says
-    where each is, from the workers' latest pool states (`gateway.pool`): an empty list
+    where each is, from the workers' latest pool states (`gateway.broker.pool_view`): an empty list
     means no worker has announced it, not that none consumes its queue."""
     pool = request.app.state.broker.pool
     now = time.monotonic()

@@ -1,6 +1,6 @@
-"""The API-key middleware (`gateway.auth` installs it when keys are configured): finds
+"""The API-key middleware (`gateway.auth.access` installs it when keys are configured): finds
 the caller's key, answers 401 or 429 itself, filters /v1/models, and leaves the key in
-the request's scope state for `gateway.auth.check_model_allowed`."""
+the request's scope state for `gateway.auth.access.check_model_allowed`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import msgpack
 import orjson
 from starlette.requests import Request
 
-from gateway.api_keys import ApiKey, KeyFileError, KeyRing, load_key_ring
-from gateway.auth import AUTH_REFUSALS, STATE_KEY
-from gateway.codecs import encode_response, is_msgpack
-from gateway.errors import ApiError
-from gateway.rate_limit import TOKENS, RateLimiter, retry_after_header
+from gateway.auth.access import AUTH_REFUSALS, STATE_KEY
+from gateway.auth.key_file import ApiKey, KeyFileError, KeyRing, load_key_ring
+from gateway.auth.rate_limit import TOKENS, RateLimiter, retry_after_header
+from gateway.edge.api_errors import ApiError
+from gateway.edge.codecs import encode_response, is_msgpack
 from tasks.errors import ErrorCode
 from tasks.token_estimate import CHARS_PER_TOKEN
 

@@ -20,8 +20,8 @@ import aio_pika
 import msgpack
 from aio_pika.abc import AbstractIncomingMessage
 
-from gateway.bulk import encode_part, part_key
-from gateway.job_store import FAILED, Job, JobStore, error_body, transient
+from gateway.jobs.bulk_files import encode_part, part_key
+from gateway.jobs.store import FAILED, Job, JobStore, error_body, transient
 from tasks.envelope import H_MULTI, PROGRESS, SUCCESS, decode_results
 from tasks.errors import ErrorCode, ShoalError
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from gateway.api_keys import ApiKey
+from gateway.auth.key_file import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class RateLimiter:
 
     def _client(self) -> Any:
         if self._redis is None:
-            import redis.asyncio  # imported on first use, as gateway.job_store does
+            import redis.asyncio  # imported on first use, as gateway.jobs.store does
 
             self._redis = redis.asyncio.from_url(
                 self.redis_url, socket_timeout=REDIS_TIMEOUT_S,

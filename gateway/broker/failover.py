@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _ATTEMPT = "_RobustConnection__connect_transport"
 if not hasattr(RobustConnection, _ATTEMPT):  # pragma: no cover - guards an aio-pika upgrade
     raise ImportError(f"aio-pika {aio_pika.__version__} has no RobustConnection.{_ATTEMPT}; "
-                      "gateway.failover needs updating")
+                      "gateway.broker.failover needs updating")
 
 
 class FailoverConnection(RobustConnection):

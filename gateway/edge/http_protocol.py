@@ -31,7 +31,7 @@ then only for a request whose headers or body span several reads. Every refusal
 is counted in shoal_gateway_edge_refusals_total{reason}, never logged (a hostile
 client must not flood the log).
 
-`shoal gateway` passes `http="gateway.edge:EdgeProtocol"` to uvicorn (a string: the
+`shoal gateway` passes `http="gateway.edge.http_protocol:EdgeProtocol"` to uvicorn (a string: the
 supervisor of several gateway processes pickles its config).
 """
 
@@ -44,8 +44,8 @@ from typing import Any, ClassVar
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.metrics import EDGE_REFUSALS
-from gateway.middleware import EDGE_ANSWERED
+from gateway.edge.gateway_metrics import EDGE_REFUSALS
+from gateway.edge.outer_middleware import EDGE_ANSWERED
 from tasks.errors import STATUS_OF_CODE, ErrorCode
 
 # A refused client still sending gets this long, and this many bytes, to finish before the
@@ -321,7 +321,7 @@ class EdgeProtocol(HttpToolsProtocol):
         answer = not cycle.response_started
         if answer:
             # The app waits for the rest of the body: it now sees the client gone
-            # (ClientDisconnect), answers nothing, and logs nothing (gateway.middleware).
+            # (ClientDisconnect), answers nothing, and logs nothing (gateway.edge.outer_middleware).
             cycle.scope["state"][EDGE_ANSWERED] = True
         cycle.disconnected = True
         cycle.message_event.set()
