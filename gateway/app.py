@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.auth.access import install_auth
+from gateway.auth.install import install_auth
 from gateway.broker.link import Broker
 from gateway.calls.blob_offload import sweep_forever
 from gateway.edge.codecs import encode_response

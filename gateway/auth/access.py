@@ -18,9 +18,7 @@ requests at once. Generated tokens are not counted; a raw image counts its bytes
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 from starlette.requests import Request
@@ -29,31 +27,13 @@ from gateway.edge.api_errors import ApiError
 from tasks.errors import ErrorCode
 
 if TYPE_CHECKING:
-    from gateway.auth.key_file import ApiKey
-
-log = logging.getLogger(__name__)
+    from gateway.auth.key_file import ApiKey  # for annotations only: yaml, pydantic stay out
 
 STATE_KEY = "api_key"  # in the request's scope state: the ApiKey of the caller
 # missing_key, invalid_key (401), forbidden_model (403), requests_per_minute,
 # tokens_per_minute (429). Every refusal is in shoal_gateway_requests_total too.
 AUTH_REFUSALS = Counter("shoal_gateway_auth_refusals_total", "requests refused by the API-key "
                         "checks, by reason", ["reason"])
-
-
-def install_auth(app: Any, settings: Any) -> None:
-    """Add the API-key check to `app` when SHOAL_API_KEYS_FILE is set; a file that
-    cannot be used stops the gateway here, saying why. (The middleware's modules are
-    imported only then: a gateway without keys does not pay for them.)"""
-    path = settings.api_keys_file
-    if path is None:
-        return
-    from gateway.auth.key_middleware import ApiKeyMiddleware, KeySource
-    from gateway.auth.rate_limit import RateLimiter
-
-    source = KeySource(Path(path), settings.api_keys_reload_s)
-    limiter = RateLimiter(settings.redis_url, settings.queue_prefix)
-    app.add_middleware(ApiKeyMiddleware, source=source, limiter=limiter)
-    log.info("API keys: %d from %s", len(source.ring.keys), path)
 
 
 def caller_key(request: Request) -> ApiKey | None:

@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 
 from gateway.calls.blob_offload import check_out, upload_first
+from gateway.calls.native_api import payload  # the sync route's response shape
 from gateway.edge.api_errors import ApiError
 from gateway.jobs.bulk_files import PartReader, gather
 from gateway.jobs.part_replies import part_id, replies_queue
@@ -318,8 +319,6 @@ class JobDriver:
             if job.owns_input:
                 await asyncio.to_thread(blobs.delete, [job.input])
             return
-        from gateway.routes.native import payload  # the sync route's response shape
-
         result = msgpack.unpackb(parts[0], raw=False)
         request = msgpack.unpackb(await asyncio.to_thread(blobs.get, job.input), raw=False)
         body = payload(job.operation, entry.parse(request), result)

@@ -32,11 +32,11 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway.auth.access import caller_key, check_model_allowed
 from gateway.calls.model_call import ROUTE_OF_OPERATION, served_model
+from gateway.calls.native_api import body_limit, checked_kwargs, read_native
 from gateway.edge.api_errors import ApiError, invalid
 from gateway.edge.codecs import check_body_size, encode_response, media_type, read_body
 from gateway.jobs.bulk_files import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
 from gateway.jobs.store import CANCELLED, Job, JobStore, view
-from gateway.routes.native import body_limit, checked_kwargs, read_native
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tasks.render import names, shown
