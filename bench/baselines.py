@@ -31,6 +31,7 @@ import uvloop
 from app.tuning.bench_stack import bench_stack
 from app.tuning.inproc import inproc_throughput, machine_info, medians
 from app.tuning.load import prepare, run_load
+from app.tuning.markdown import fmt, table
 from app.tuning.mix import make_texts
 from bench.amqp_loop import run_loop
 from bench.lib.output import emit
@@ -83,22 +84,20 @@ def report(data: dict[str, Any]) -> str:
         f"In process (`DenseEncoder`): {data['in_process'][1]:.0f} items/s at batch 1, "
         f"{ceiling:.0f} at batch 32.",
         "",
-        "| deployment | items/request | req/s | items/s | of in-process batch 32 | p50 ms | "
-        "p99 ms | requests/batch | CPU ms/request |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for level in data["levels"]:
         cpu = level["cpu_ms_per_request"].get("total")
-        lines.append(
-            f"| {level['name']} | {level['items_per_request']} | {level['req_per_s']:.0f} | "
-            f"{level['items_per_s']:.0f} | {level['items_per_s'] / ceiling:.0%} | "
-            f"{level['p50_ms'] or 0:.0f} | {level['p99_ms'] or 0:.0f} | "
-            f"{level['median_batch_requests'] or '-'} | "
-            f"{'-' if cpu is None else f'{cpu:.1f}'} |")
+        rows.append([level["name"], level["items_per_request"], f"{level['req_per_s']:.0f}",
+                     f"{level['items_per_s']:.0f}", f"{level['items_per_s'] / ceiling:.0%}",
+                     f"{level['p50_ms'] or 0:.0f}", f"{level['p99_ms'] or 0:.0f}",
+                     level["median_batch_requests"] or "-", fmt(cpu, ".1f", missing="-")])
     loop = data["amqp_loop"]
-    lines.append(f"| plain aio-pika publish→consume→reply ({loop['queue_type']}) | - | "
-                 f"{loop['per_s']:.0f} | - | - | {loop['p50_ms']:.1f} | {loop['p99_ms']:.1f} | "
-                 "- | - |")
+    rows.append([f"plain aio-pika publish→consume→reply ({loop['queue_type']})", "-",
+                 f"{loop['per_s']:.0f}", "-", "-", f"{loop['p50_ms']:.1f}",
+                 f"{loop['p99_ms']:.1f}", "-", "-"])
+    lines += table(["deployment", "items/request", "req/s", "items/s", "of in-process batch 32",
+                    "p50 ms", "p99 ms", "requests/batch", "CPU ms/request"], rows, align="l" * 9)
     return "\n".join(lines)
 
 

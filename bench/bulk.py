@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.peers import median
+from app.tuning import markdown
+from app.tuning.stats import median
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 DIMS = 384
@@ -160,7 +161,7 @@ def summarise(texts: int, jobs: Sequence[Mapping[str, Any]],
 
 
 def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    return markdown.fmt(value, spec, missing="-")
 
 
 def table(summary: Mapping[str, Any], via: str) -> str:
@@ -168,13 +169,13 @@ def table(summary: Mapping[str, Any], via: str) -> str:
     share = {k: (s[k] / s["total"] if s[k] is not None and s["total"] else None)
              for k in ("upload", "queue_run", "download")}
     lines = [
-        "| texts | job texts/s | in-process ceiling texts/s | **job / ceiling** | job wall s "
-        "| upload s | queue+run s | download s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {summary['texts']} | {_num(summary['job_texts_per_s'], '.1f')} | "
-        f"{_num(summary['ceiling_texts_per_s'], '.1f')} | **{_num(summary['ratio'], '.2f')}** | "
-        f"{_num(s['total'], '.1f')} | {_num(s['upload'], '.2f')} | {_num(s['queue_run'], '.1f')}"
-        f" | {_num(s['download'], '.2f')} |",
+        *markdown.table(
+            ["texts", "job texts/s", "in-process ceiling texts/s", "**job / ceiling**",
+             "job wall s", "upload s", "queue+run s", "download s"],
+            [[summary["texts"], _num(summary["job_texts_per_s"], ".1f"),
+              _num(summary["ceiling_texts_per_s"], ".1f"), f"**{_num(summary['ratio'], '.2f')}**",
+              _num(s["total"], ".1f"), _num(s["upload"], ".2f"), _num(s["queue_run"], ".1f"),
+              _num(s["download"], ".2f")]]),
         "",
         f"via {via}; per round: job/ceiling "
         + ", ".join(f"{r:.3f}" for r in summary["ratios"])

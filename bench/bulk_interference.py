@@ -32,6 +32,7 @@ import httpx
 
 from app.tuning.bench_stack import bench_stack
 from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.markdown import table
 from app.tuning.mix import make_texts
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -98,13 +99,13 @@ def report(rounds: list[dict[str, float]], args: argparse.Namespace) -> str:
         f"{args.clients} closed-loop callers x 1 text; a job of {args.texts:,} texts; "
         f"median of {len(rounds)} round(s)",
         "",
-        "| phase | callers p50 ms | callers p99 ms | callers req/s | job texts/s |",
-        "|---|---:|---:|---:|---:|",
-        f"| callers alone | {med['alone_p50']:.1f} | {med['alone_p99']:.1f} | "
-        f"{med['alone_rps']:.1f} | - |",
-        f"| job alone | - | - | - | {med['job_alone']:,.0f} |",
-        f"| both | {med['beside_p50']:.1f} | {med['beside_p99']:.1f} | "
-        f"{med['beside_rps']:.1f} | {med['job_beside']:,.0f} |",
+        *table(["phase", "callers p50 ms", "callers p99 ms", "callers req/s", "job texts/s"], [
+            ["callers alone", f"{med['alone_p50']:.1f}", f"{med['alone_p99']:.1f}",
+             f"{med['alone_rps']:.1f}", "-"],
+            ["job alone", "-", "-", "-", f"{med['job_alone']:,.0f}"],
+            ["both", f"{med['beside_p50']:.1f}", f"{med['beside_p99']:.1f}",
+             f"{med['beside_rps']:.1f}", f"{med['job_beside']:,.0f}"],
+        ], align="lrrrr"),
         "",
         f"callers' p99 beside the job / alone: **{p99_ratio:.2f}** (target <= {P99_TARGET}); "
         f"the job's texts/s beside the callers / alone: **{job_ratio:.2f}** "

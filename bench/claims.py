@@ -54,8 +54,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.load import LoadResult, Prepared
-from bench.peers import median, ratio
+from app.tuning.stats import median, ratio
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 CLIP_ID = "bench/tiny-clip"
@@ -204,37 +205,36 @@ def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
 
 def table(summary: Mapping[str, Any]) -> str:
     """The markdown table of the summary, a row per mode, and the ratios under it."""
-    lines = ["| | text p50 ms | text p99 ms | text req/s | image p50 ms | image p99 ms | "
-             "images/s | errors (text, image) | broker RSS peak MB (added) | "
-             "mem_used peak MB (added) | queues' memory peak MB | message bytes peak MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for mode, m in summary["modes"].items():
-        lines.append(
-            f"| {NAMES[mode]} | {_num(m['text_p50_ms'], '.1f')} | {_num(m['text_p99_ms'], '.1f')}"
-            f" | {_num(m['text_req_per_s'], '.1f')} | {_num(m['image_p50_ms'], '.0f')} | "
-            f"{_num(m['image_p99_ms'], '.0f')} | {_num(m['image_req_per_s'], '.2f')} | "
-            f"{m['text_errors']}, {m['image_errors']} | {_num(m['rss_peak'], '.0f', MB)} "
-            f"(+{_num(m['rss_added'], '.0f', MB)}) | {_num(m['mem_used_peak'], '.0f', MB)} "
-            f"(+{_num(m['mem_used_added'], '.0f', MB)}) | "
-            f"{_num(m['queue_memory_peak'], '.1f', MB)} | "
-            f"{_num(m['message_bytes_peak'], '.1f', MB)} |")
+    lines = markdown.table(
+        ["", "text p50 ms", "text p99 ms", "text req/s", "image p50 ms", "image p99 ms",
+         "images/s", "errors (text, image)", "broker RSS peak MB (added)",
+         "mem_used peak MB (added)", "queues' memory peak MB", "message bytes peak MB"],
+        [[NAMES[mode], _num(m["text_p50_ms"], ".1f"), _num(m["text_p99_ms"], ".1f"),
+          _num(m["text_req_per_s"], ".1f"), _num(m["image_p50_ms"], ".0f"),
+          _num(m["image_p99_ms"], ".0f"), _num(m["image_req_per_s"], ".2f"),
+          f"{m['text_errors']}, {m['image_errors']}",
+          f"{_num(m['rss_peak'], '.0f', MB)} (+{_num(m['rss_added'], '.0f', MB)})",
+          f"{_num(m['mem_used_peak'], '.0f', MB)} (+{_num(m['mem_used_added'], '.0f', MB)})",
+          _num(m["queue_memory_peak"], ".1f", MB), _num(m["message_bytes_peak"], ".1f", MB)]
+         for mode, m in summary["modes"].items()],
+        align="l" + "r" * 11)
     if summary["compare"]:
-        lines += ["", "| within a round | per round | median |", "|---|---|---:|"]
+        rows = []
         for key, value in summary["compare"].items():
             scale, spec = (MB, "+.1f") if key.startswith("claim-inline") else (1.0, ".2f")
             unit = " MB" if scale == MB else ""
             rounds = ", ".join(_num(v, spec, scale) for v in summary["rounds"][key])
-            lines.append(f"| {key}{unit} | {rounds} | **{_num(value, spec, scale)}** |")
+            rows.append([f"{key}{unit}", rounds, f"**{_num(value, spec, scale)}**"])
+        lines += ["", *markdown.table(["within a round", "per round", "median"], rows,
+                                      align="llr")]
     return "\n".join(lines)
 
 
 def cores_table(summary: Mapping[str, Any]) -> str:
     names = sorted({n for m in summary["modes"].values() for n in m["cores"]})
-    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for mode, m in summary["modes"].items():
-        lines.append(f"| {NAMES[mode]} | "
-                     + " | ".join(_num(m["cores"].get(n), ".2f") for n in names) + " |")
-    return "\n".join(lines)
+    return "\n".join(markdown.table(
+        ["", *names], [[NAMES[mode], *(_num(m["cores"].get(n), ".2f") for n in names)]
+                       for mode, m in summary["modes"].items()], align="l" + "r" * len(names)))
 
 
 # --------------------------------------------------------------------------- broker memory

@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.stats import median
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -66,26 +67,25 @@ def runtime_table(samples: Sequence[Mapping[str, float]]) -> str:
     keys = (("start_ms", "runtime start (no model)"),
             ("first_load_ms", "first load, fresh runtime"),
             ("reload_ms", "reload after unload, same runtime"))
-    lines = ["| what | p50 ms | samples ms |", "|---|---:|---|"]
+    rows = []
     for key, label in keys:
         values = [s[key] for s in samples]
-        lines.append(f"| {label} | {_num(median(values))} | "
-                     f"{', '.join(_num(v) for v in values)} |")
-    return "\n".join(lines)
+        rows.append([label, _num(median(values)), ", ".join(_num(v) for v in values)])
+    return "\n".join(markdown.table(["what", "p50 ms", "samples ms"], rows, align="lrl"))
 
 
 def e2e_table(first: Mapping[str, Any], cold: Sequence[Mapping[str, Any]],
               warm: Sequence[Mapping[str, Any]]) -> str:
     keys = (("latency_ms", "latency ms"), ("queue_ms", "X-Queue-Time-Ms"),
             ("inference_ms", "X-Inference-Time-Ms"), ("load_ms", "worker's load ms"))
-    lines = ["| request | " + " | ".join(label for _, label in keys) + " |",
-             "|---|" + "---:|" * len(keys)]
-    lines.append("| first, fresh worker | " + " | ".join(_num(first.get(k)) for k, _ in keys)
-                 + " |")
-    lines.append(f"| after shoal_unload, p50 of {len(cold)} | " + " | ".join(
-        _num(median([c.get(k) for c in cold])) for k, _ in keys) + " |")
-    lines.append(f"| the next one (warm), p50 of {len(warm)} | " + " | ".join(
-        _num(median([w.get(k) for w in warm])) for k, _ in keys) + " |")
+    lines = markdown.table(
+        ["request", *(label for _, label in keys)],
+        [["first, fresh worker", *(_num(first.get(k)) for k, _ in keys)],
+         [f"after shoal_unload, p50 of {len(cold)}",
+          *(_num(median([c.get(k) for c in cold])) for k, _ in keys)],
+         [f"the next one (warm), p50 of {len(warm)}",
+          *(_num(median([w.get(k) for w in warm])) for k, _ in keys)]],
+        align="l" + "r" * len(keys))
     samples = ", ".join(f"{_num(c.get('latency_ms'))}/{_num(c.get('queue_ms'))}" for c in cold)
     lines += ["", f"after shoal_unload, each (latency/queue ms): {samples}"]
     return "\n".join(lines)

@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -43,8 +42,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
-from app.tuning.stats import percentile
+from app.tuning.stats import median, percentile
 from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -225,21 +225,20 @@ def _ms(value: float | None) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| spare | kills | longest gap, median ms | longest gap, worst ms | "
-             "p99 during fault, median ms | steady p50 / p99 ms | errors | gaps ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = []
     for result in results:
         gaps = [k["gap_s"] for k in result["kills"]]
         p99s = [k["p99_s"] for k in result["kills"] if k["p99_s"] is not None]
-        lines.append(
-            f"| {'on' if result['spare'] else 'off'} | {len(gaps)} | "
-            f"{_ms(statistics.median(gaps) if gaps else None)} | "
-            f"{_ms(max(gaps) if gaps else None)} | "
-            f"{_ms(statistics.median(p99s) if p99s else None)} | "
-            f"{_ms(result['steady_p50_s'])} / {_ms(result['steady_p99_s'])} | "
-            f"{result['errors']} {result['error_statuses'] or ''} | "
-            f"{', '.join(_ms(g) for g in gaps)} |")
-    return "\n".join(lines)
+        rows.append([
+            "on" if result["spare"] else "off", len(gaps), _ms(median(gaps)),
+            _ms(max(gaps) if gaps else None), _ms(median(p99s)),
+            f"{_ms(result['steady_p50_s'])} / {_ms(result['steady_p99_s'])}",
+            f"{result['errors']} {result['error_statuses'] or ''}",
+            ", ".join(_ms(g) for g in gaps)])
+    return "\n".join(markdown.table(
+        ["spare", "kills", "longest gap, median ms", "longest gap, worst ms",
+         "p99 during fault, median ms", "steady p50 / p99 ms", "errors", "gaps ms"],
+        rows, align="lrrrrrrl"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

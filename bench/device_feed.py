@@ -51,6 +51,7 @@ from typing import Any
 
 import uvloop
 
+from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
 from app.tuning.cpu import process_kind
 from app.tuning.inproc import machine_info
@@ -226,19 +227,17 @@ def report(data: dict[str, Any]) -> str:
         f"{data['rounds']} round(s); batches up to {data['batch_items']} texts / "
         f"{data['batch_tokens']} tokens.",
         "",
-        "| clients x texts | texts/s | p50 ms | p99 ms | device busy | texts/batch | "
-        "device ms/batch | CPU side ms/batch | device/CPU | 1.2x scale | "
-        + " | ".join(f"{k} µs/text" for k in kinds) + " | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(kinds) + "---:|",
+        *markdown.table(
+            ["clients x texts", "texts/s", "p50 ms", "p99 ms", "device busy", "texts/batch",
+             "device ms/batch", "CPU side ms/batch", "device/CPU", "1.2x scale",
+             *(f"{k} µs/text" for k in kinds), "errors"],
+            [[f"{r.clients} x {r.texts}", f"{r.texts_per_s:,.0f}", _f(r.p50_ms), _f(r.p99_ms),
+              f"{r.device_busy:.1%}", _f(r.texts_per_batch), _f(r.device_ms_per_batch, ".2f"),
+              _f(r.cpu_side_ms_per_batch, ".2f"), _f(r.device_over_cpu, ".2f"),
+              _f(r.scale_for_target, ".1f"), *(_f(r.cpu_us_per_text.get(k), ".0f") for k in kinds),
+              f"{r.errors:g}"] for r in rows],
+            align="l" + "r" * (len(kinds) + 10)),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.clients} x {r.texts} | {r.texts_per_s:,.0f} | {_f(r.p50_ms)} | "
-            f"{_f(r.p99_ms)} | {r.device_busy:.1%} | {_f(r.texts_per_batch)} | "
-            f"{_f(r.device_ms_per_batch, '.2f')} | {_f(r.cpu_side_ms_per_batch, '.2f')} | "
-            f"{_f(r.device_over_cpu, '.2f')} | {_f(r.scale_for_target, '.1f')} | "
-            + " | ".join(_f(r.cpu_us_per_text.get(k), ".0f") for k in kinds)
-            + f" | {r.errors:g} |")
     marked = {r.simulated for r in rows}
     lines += ["", "CPU side ms/batch = max(runtime CPU per batch, stack CPU per batch ÷ "
               f"{data['machine']['nproc']} cores); stack = gateway + worker + runtime + "

@@ -29,7 +29,6 @@ import contextlib
 import os
 import re
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -42,8 +41,10 @@ from typing import Any
 import msgpack
 from kombu import Connection, Producer
 
+from app.tuning import markdown
 from app.tuning.stack import Process, Stack, delete_queues, free_port, prefix_queues, queue_counts
 from app.tuning.stack import wait_for as _wait_for
+from app.tuning.stats import median
 from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -242,17 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     keys = ["requests", "handed_back", "answered_after_signal", "recomputed_texts", "duplicates",
             "lost", "drain_begun_s", "exit_s", "exit_code"]
 
-    def median(key: str) -> Any:
-        values = [r[key] for r in rows if r[key] is not None]
-        return round(statistics.median(values), 3) if values else None
+    def median_of(key: str) -> Any:
+        value = median(r[key] for r in rows)
+        return None if value is None else round(value, 3)
 
     lines = [f"SIG{args.signal} of a worker under load ({args.runs} runs, {args.requests} "
              f"requests of {args.texts} texts, runtime {args.runtime}; stack logs in "
              f"{stack.log_dir})", "",
-             "| run | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for i, row in enumerate(rows):
-        lines.append(f"| {i + 1} | " + " | ".join(str(row[k]) for k in keys) + " |")
-    lines.append("| median | " + " | ".join(str(median(k)) for k in keys) + " |")
+             *markdown.table(["run", *keys],
+                             [*([i + 1, *(row[k] for k in keys)] for i, row in enumerate(rows)),
+                              ["median", *(median_of(k) for k in keys)]],
+                             align="l" * (len(keys) + 1))]
     return emit("\n".join(lines), {"args": vars(args), "runs": rows}, args.json)
 
 

@@ -26,7 +26,7 @@ import uvloop
 
 from app.tuning.inproc import inproc_throughput, machine_info, medians
 from app.tuning.load import LoadResult, prepare, run_load
-from app.tuning.markdown import fmt
+from app.tuning.markdown import fmt, table
 from app.tuning.mix import make_texts
 from app.tuning.stack import gateway_ready
 from bench.lib.args import int_list
@@ -43,11 +43,10 @@ def pct(value: float, ceiling: float | None) -> str:
 
 
 def inproc_table(inproc: dict[int, float], passes: dict[int, list[float]]) -> list[str]:
-    lines = ["| batch | sentences/s (median) | min | max |", "|---:|---:|---:|---:|"]
-    lines += [
-        f"| {size} | {rate:.1f} | {min(passes[size]):.1f} | {max(passes[size]):.1f} |"
+    lines = table(["batch", "sentences/s (median)", "min", "max"], [
+        [size, f"{rate:.1f}", f"{min(passes[size]):.1f}", f"{max(passes[size]):.1f}"]
         for size, rate in inproc.items()
-    ]
+    ])
     if inproc:
         best = max(inproc, key=inproc.__getitem__)
         b32 = fmt(inproc.get(32))
@@ -57,32 +56,21 @@ def inproc_table(inproc: dict[int, float], passes: dict[int, list[float]]) -> li
 
 def http_table(levels: list[LoadResult], inproc: dict[int, float]) -> list[str]:
     b32, best = inproc.get(32), max(inproc.values(), default=None)
-    lines = [
-        "| clients | req/s | % of b32 | % of best | p50 ms | p99 ms | median batch | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in levels:
-        lines.append(
-            f"| {r.offered:g} | {r.req_per_s:.1f} | {pct(r.req_per_s, b32)} | "
-            f"{pct(r.req_per_s, best)} | {fmt(r.p50_ms)} | {fmt(r.p99_ms)} | "
-            f"{fmt(r.median_batch_requests, 'g')} | {r.errors} |"
-        )
-    return lines
+    return table(
+        ["clients", "req/s", "% of b32", "% of best", "p50 ms", "p99 ms", "median batch",
+         "errors"],
+        [[f"{r.offered:g}", f"{r.req_per_s:.1f}", pct(r.req_per_s, b32), pct(r.req_per_s, best),
+          fmt(r.p50_ms), fmt(r.p99_ms), fmt(r.median_batch_requests, "g"), r.errors]
+         for r in levels])
 
 
 def cpu_table(levels: list[LoadResult]) -> list[str]:
     names = list(dict.fromkeys(n for r in levels for n in r.cpu_ms_per_request))
     if not names:
         return []
-    lines = [
-        "| clients | " + " | ".join(names) + " | bench client |",
-        "|---:|" + "---:|" * (len(names) + 1),
-    ]
-    for r in levels:
-        cells = [fmt(r.cpu_ms_per_request.get(n), ".2f") for n in names]
-        lines.append(f"| {r.offered:g} | " + " | ".join(cells)
-                     + f" | {fmt(r.client_cpu_ms_per_request, '.2f')} |")
-    return lines
+    return table(["clients", *names, "bench client"],
+                 [[f"{r.offered:g}", *(fmt(r.cpu_ms_per_request.get(n), ".2f") for n in names),
+                   fmt(r.client_cpu_ms_per_request, ".2f")] for r in levels])
 
 
 def report(

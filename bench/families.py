@@ -29,6 +29,7 @@ from typing import Any
 import uvloop
 import yaml
 
+from app.tuning import markdown
 from app.tuning.inproc import machine_info
 from app.tuning.load import BodyFn, items_body, prepare, run_load
 from app.tuning.mix import make_texts
@@ -167,19 +168,20 @@ def report(inproc: dict[str, InProcess], stack: dict[str, dict[str, Any]],
         f"`python -m bench.families --clients {args.clients} --duration {args.duration}` "
         f"({len(args.texts)} texts of 5-15 words, one per request)",
         "",
-        "| adapter | in process, 1/batch (items/s) | in process, 32/batch (items/s) | "
-        f"estimate / real tokens | HTTP {args.clients} clients (req/s) | of ceiling | "
-        "p50 ms | p99 ms | requests/batch |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for family in FAMILIES:
         i = inproc[family.adapter]
         s = stack.get(family.adapter)
-        http = (f"{s['req_per_s']:.0f} | {s['req_per_s'] / i.batch_32:.0%} | "
-                f"{s['p50_ms']:.0f} | {s['p99_ms']:.0f} | {s['median_batch_requests']}"
-                if s and s["requests"] else "- | - | - | - | -")
-        lines.append(f"| {family.adapter} | {i.one_per_batch:.0f} | {i.batch_32:.0f} | "
-                     f"{i.estimate_ratio:.2f} | {http} |")
+        http = ([f"{s['req_per_s']:.0f}", f"{s['req_per_s'] / i.batch_32:.0%}",
+                 f"{s['p50_ms']:.0f}", f"{s['p99_ms']:.0f}", s["median_batch_requests"]]
+                if s and s["requests"] else ["-"] * 5)
+        rows.append([family.adapter, f"{i.one_per_batch:.0f}", f"{i.batch_32:.0f}",
+                     f"{i.estimate_ratio:.2f}", *http])
+    lines += markdown.table(
+        ["adapter", "in process, 1/batch (items/s)", "in process, 32/batch (items/s)",
+         "estimate / real tokens", f"HTTP {args.clients} clients (req/s)", "of ceiling",
+         "p50 ms", "p99 ms", "requests/batch"], rows, align="l" * 9)
     return "\n".join(lines)
 
 

@@ -63,6 +63,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.stats import median
 from bench.lib.faults_fleet import MODEL, Fleet, alive, fleet, fleet_stack, netns_unavailable
 from bench.lib.faults_load import Load, summarize, verify
@@ -303,8 +304,7 @@ def table(scenario: str, rows: list[dict[str, Any]]) -> str:
             "p99 before ms", "p99 during ms", "max gap s", "recover s", "detect s"]
     extra = ["held by w1", "of them answered by w2", "rejoin s"] \
         if scenario == "worker-link-cut" else []
-    lines = ["| " + " | ".join(head + extra) + " |",
-             "|" + "---:|" * (len(head) + len(extra))]
+    lines = markdown.table(head + extra)
 
     def cells(r: dict[str, Any], label: str) -> list[str]:
         out = [label, _fmt(r["sent"]), _fmt(r.get("in_flight_at_fault")),
@@ -318,7 +318,7 @@ def table(scenario: str, rows: list[dict[str, Any]]) -> str:
         return out
 
     for i, r in enumerate(rows, start=1):
-        lines.append("| " + " | ".join(cells(r, str(i))) + " |")
+        lines.append(markdown.row(cells(r, str(i))))
     if len(rows) > 1:
         keys = ("p99_before_ms", "p99_during_ms", "max_gap_s", "recover_s", "detect_s",
                 "rejoin_s")
@@ -329,7 +329,7 @@ def table(scenario: str, rows: list[dict[str, Any]]) -> str:
         merged = {**total, **medians, "held_by_cut": sum(r.get("held_by_cut") or 0 for r in rows),
                   "held_answered_by_other": sum(r.get("held_answered_by_other") or 0
                                                 for r in rows)}
-        lines.append("| " + " | ".join(cells(merged, "all (sum; median of times)")) + " |")
+        lines.append(markdown.row(cells(merged, "all (sum; median of times)")))
     errors: dict[str, int] = {}
     for r in rows:
         for code, count in r["errors"].items():

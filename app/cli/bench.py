@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
 from app.tuning.load import BodyFn, LoadResult, Prepared, items_body, prepare, run_load
 from app.tuning.markdown import fmt
@@ -209,7 +210,7 @@ def table(levels: list[LoadResult], knee: Knee | None,
     head += ["dropped"] if open_loop else []
     head += ["batch requests"]
     head += ["% of in-process"] if inproc_best else []
-    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    rows = []
     for r in levels:
         load = f"{r.offered:g}"
         if knee is not None and r.offered == knee.point.load:
@@ -219,8 +220,8 @@ def table(levels: list[LoadResult], knee: Knee | None,
         cells += [str(r.dropped)] if open_loop else []
         cells += [fmt(r.median_batch_requests, "g")]
         cells += [f"{100 * r.items_per_s / inproc_best:.0f}%"] if inproc_best else []
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return markdown.table(head, rows)
 
 
 def knee_line(knee: Knee | None, levels: list[LoadResult]) -> str:

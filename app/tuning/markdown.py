@@ -14,7 +14,7 @@ def fmt(value: Any, spec: str = ".1f", missing: str = "n/a") -> str:
 
 
 def row(cells: Iterable[Any]) -> str:
-    """One table row: `| a | b |` (cells as str() gives them)."""
+    """One table row: `| a | b |` (cells as str() gives them; an empty one `|  |`)."""
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
