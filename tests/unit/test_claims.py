@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from app.worker.claims import ClaimFetcher, Fetched
-from app.worker.dispatcher import Held, Split
+from app.worker.held import Held
 from app.worker.replies import Delivery
-from gateway.broker import _coalescible, _Outgoing
-from gateway.claims import check_out
+from app.worker.splits import Split
+from gateway.broker.outbox import _coalescible, _Outgoing
+from gateway.calls.blob_offload import check_out
 from tasks.blobs import CLAIMS, BlobStore
 from tasks.claims import Claim, Claimed, claim_of, claims_in, substitute, verify
 from tasks.envelope import (
@@ -116,7 +117,7 @@ def test_the_claims_header_travels_and_claimed_requests_are_never_coalesced():
 
 def test_the_gateway_does_not_import_fsspec():
     modules, _ = _loaded_by("gateway.app")
-    assert "fsspec" not in modules and "gateway.claims" in modules
+    assert "fsspec" not in modules and "gateway.calls.blob_offload" in modules
 
 
 # --- the worker ------------------------------------------------------------------------------

@@ -1,0 +1,80 @@
+"""Answers: each request's result or error, published to its caller.
+
+Every held request is settled exactly once: answered with its outcome (a split request
+once, when its last part ran, or with its first part's error), refused with an error
+(DEADLINE_EXCEEDED: its deadline passed, or would pass before its batch ends;
+MODEL_UNAVAILABLE: its model or adapter could not load; a claim's BLOB_MISSING or
+BLOB_CORRUPT), or handed back (`app.worker.returns`). The publishing and acking are
+`app.worker.replies`'; this module counts the outcome and stamps the result.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from app.worker import metrics
+from app.worker.held import Held
+from app.worker.splits import merged_result
+from runtimes.base import CANCELLED, Outcome
+from tasks.errors import ErrorCode
+from tasks.served import stamp_delivery
+
+if TYPE_CHECKING:
+    from app.worker.dispatcher import Dispatcher
+
+
+class Answers:
+    """The dispatcher's answers (loop thread); a mixin of `Dispatcher`."""
+
+    def _answer(self: Dispatcher, model: str, held: Held, outcome: Outcome) -> None:
+        split = held.split
+        if split is not None:
+            if split.answered or (outcome.ok and len(split.results) < len(split.parts)):
+                return  # answered already, or more parts to run
+            split.answered = True
+            if outcome.ok:
+                outcome = Outcome(held.task_id, result=merged_result(split))
+            else:
+                outcome = Outcome(held.task_id, error_code=outcome.error_code,
+                                  error_message=f"{split.describe(held.part)}: "
+                                                f"{outcome.error_message}")
+        self._count_drain_answer(model)
+        if not outcome.ok:
+            metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
+            if outcome.error_code == ErrorCode.CANCELLED:
+                metrics.CANCELLED.labels(model).inc()
+            self.replier.failure(held.delivery, held.task_id, outcome.error_code,
+                                 outcome.error_message)
+            return
+        result = outcome.result
+        assert result is not None
+        sent = held.annotations.sent_ms
+        stamp_delivery(result, round(max(0.0, held.started * 1000 - sent), 2) if sent else None,
+                       self.c.hostname)
+        metrics.RESULTS.labels(model, "ok").inc()
+        if any(c.get("finish_reason") == CANCELLED for c in result.get("choices") or ()):
+            metrics.CANCELLED.labels(model).inc()
+        for latency in result.get("latency") or ():
+            if "ttft_ms" in latency:
+                metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(latency["ttft_ms"] / 1000)
+                metrics.INTER_TOKEN.labels(model).observe(latency["itl_ms"] / 1000)
+        self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)
+
+    def _refuse(self: Dispatcher, model: str, held: Held, why: str,
+                code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
+        if held.split is not None:
+            if held.split.answered:
+                return
+            held.split.answered = True
+            why = f"{held.split.describe(held.part)}: {why}"
+        self._count_drain_answer(model)
+        if code == ErrorCode.DEADLINE_EXCEEDED:
+            metrics.EXPIRED.labels(model).inc()
+        metrics.RESULTS.labels(model, code).inc()
+        self.replier.failure(held.delivery, held.task_id, code, why)
+
+    def _count_drain_answer(self: Dispatcher, model: str) -> None:
+        if self.draining:
+            self.drain_answered += 1
+            metrics.DRAIN_ANSWERED.labels(model).inc()

@@ -1,0 +1,228 @@
+"""Running a batch, and streaming its output.
+
+A batch the scheduler starts runs on the runtime's own thread (an executor of
+`pipeline_depth` threads: a pipelined runtime takes the next batch while it computes
+one); its bodies are decoded there, and its completion is handed back with
+`hub.call_soon`, which wakes the loop at once (no polling timer). The next batch starts
+before this one's answers are published, so the runtime computes while the loop publishes.
+
+Streaming: a generate request whose kwargs say `stream: true` has its output published
+as it is made, as Celery PROGRESS states on its `reply_to` before its result
+(`app.worker.replies.Replier.progress`). The runtime's thread queues each step's deltas
+and wakes the loop, which publishes them in order, and always before the batch's results.
+A request revoked by its caller (Celery's `revoke`, or `shoal_cancel`, which a gateway
+sends when an HTTP stream's client leaves) is answered CANCELLED if it has not started,
+and stops at its next token if it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from celery.worker import state as worker_state
+
+from app.worker import metrics
+from app.worker.held import Held
+from app.worker.replies import Delivery
+from app.worker.splits import next_parts
+from batching.former import batch_tokens
+from batching.scheduler import Batch
+from runtimes.base import Delta, OnDeltas, Outcome, Request
+from runtimes.pool import lora_key
+from tasks.claims import substitute
+from tasks.envelope import decode_body
+from tasks.errors import ErrorCode, ShoalError
+from tasks.served import batch_device_ms
+
+if TYPE_CHECKING:
+    from app.worker.dispatcher import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+class Batches:
+    """The dispatcher's batches and streams; a mixin of `Dispatcher`. `_run`,
+    `_requests` and the delta queuer run on the runtime's thread, the rest on the loop."""
+
+    def _mark_started(self: Dispatcher, model: str, held: Held, started: float) -> None:
+        """A request (or a part of one) begins to run: Flower's task-started, queue wait."""
+        if held.part == 0:  # a split request starts with its first part
+            held.started = started
+            self.replier.event("task-started", held.task_id)
+        sent_ms = held.annotations.sent_ms
+        if sent_ms:
+            metrics.QUEUE_WAIT.labels(model).observe(max(0.0, started - sent_ms / 1000))
+
+    def _start(self: Dispatcher, batch: Batch) -> None:
+        model, limits = batch.lane.model, batch.lane.limits
+        self.placement.touch(model)
+        for lora in {p.handle.annotations.lora for p in batch.members} - {None}:
+            self.placement.touch(lora_key(model, lora))
+        started = time.time()
+        for pending in batch.members:
+            self._mark_started(model, pending.handle, started)
+        tokens = batch_tokens(batch.members, limits.padded)
+        metrics.BATCH_REQUESTS.labels(model).observe(len(batch.members))
+        metrics.BATCH_ITEMS.labels(model).observe(batch.shape.items)
+        metrics.BATCH_TOKENS.labels(model).observe(tokens)
+        metrics.BATCH_FILL.labels(model).observe(min(1.0, tokens / limits.max_tokens))
+        generation = self.generation
+        future = self.executor.submit(self._run, model, [p.handle for p in batch.members],
+                                      generation)
+        self.futures[future] = batch
+        future.add_done_callback(
+            lambda f: self.c.hub.call_soon(self._on_batch_done, generation, f)
+        )
+
+    # --- the batch (runtime thread) ------------------------------------------------------
+
+    def _run(self: Dispatcher, model: str, batch: list[Held], generation: int
+             ) -> tuple[list[Outcome], float]:
+        started = time.perf_counter()
+        requests, outcomes = self._requests(batch)
+        on_deltas = self._delta_queuer(generation, batch) \
+            if any(r.stream for r in requests) else None
+        if requests:
+            outcomes.update((o.id, o) for o in self.runtime.run_batch(model, requests, on_deltas))
+        return [outcomes[held.task_id] for held in batch], time.perf_counter() - started
+
+    @staticmethod
+    def _requests(batch: list[Held]) -> tuple[list[Request], dict[str, Outcome]]:
+        """The runtime's requests of a batch (bodies decoded here, on the runtime's thread),
+        and the outcomes of those that cannot run: undecodable, or revoked meanwhile."""
+        requests: list[Request] = []
+        refused: dict[str, Outcome] = {}
+        for held in batch:
+            if held.task_id in worker_state.revoked:
+                refused[held.task_id] = Outcome(
+                    held.task_id, error_code=ErrorCode.CANCELLED,
+                    error_message="the request was revoked by its caller before it ran")
+                continue
+            try:
+                kwargs = decode_body(held.body)
+            except ValueError as exc:
+                refused[held.task_id] = Outcome(
+                    held.task_id, error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc))
+                continue
+            if held.blobs is not None:
+                try:
+                    substitute(kwargs, held.blobs)
+                except ShoalError as exc:
+                    refused[held.task_id] = Outcome(held.task_id, error_code=exc.code,
+                                                    error_message=exc.message)
+                    continue
+            requests.append(Request(held.task_id, held.annotations.op, kwargs,
+                                    stream=kwargs.get("stream") is True,
+                                    deadline_ms=held.annotations.deadline_ms))
+        return requests, refused
+
+    def _delta_queuer(self: Dispatcher, generation: int, batch: list[Held]) -> OnDeltas:
+        """The batch's `on_deltas` (runtime thread): queue, and wake the loop to publish.
+        Through one queue, as the loop runs `call_soon` callbacks in no set order."""
+        by_id = {held.task_id: held for held in batch}
+
+        def queue(deltas: list[Delta]) -> None:
+            self._deltas.append((generation, by_id, deltas))
+            self.c.hub.call_soon(self._publish_deltas)
+
+        return queue
+
+    # --- streams (loop thread) -----------------------------------------------------------
+
+    def _publish_deltas(self: Dispatcher) -> None:
+        """Publish the queued deltas as PROGRESS states, in the order they were made, one per
+        request and pass: the deltas of one item that queued up meanwhile go as one text. A
+        request revoked meanwhile publishes no more and is cancelled in the runtime."""
+        made: dict[str, tuple[Held, dict[int, dict[str, Any]]]] = {}
+        while self._deltas:
+            generation, by_id, deltas = self._deltas.popleft()
+            if generation != self.generation:
+                continue  # the connection was lost: these requests are redelivered
+            for delta in deltas:
+                held, items = made.setdefault(delta.id, (by_id[delta.id], {}))
+                item = items.get(delta.index)
+                if item is None:
+                    items[delta.index] = {"index": delta.index, "text": delta.text,
+                                          "tokens": delta.tokens}
+                else:
+                    item["text"] += delta.text
+                    item["tokens"] = delta.tokens
+        updates: list[tuple[Delivery, str, dict[str, Any]]] = []
+        for task_id, (held, items) in made.items():
+            if task_id in worker_state.revoked:
+                self.runtime.cancel([task_id])
+                continue
+            updates.append((held.delivery, task_id,
+                            {"choices": list(items.values()), "worker": self.c.hostname}))
+            metrics.STREAM_DELTAS.labels(held.annotations.model).inc(len(items))
+        if updates:
+            self.replier.progress(updates)
+
+    def cancel(self: Dispatcher, task_ids: list[str]) -> list[str]:
+        """Revoke requests (loop thread): one that has not started is answered CANCELLED
+        when its batch comes; one that runs stops at its next token. The ids that were
+        running here."""
+        worker_state.revoked.update(task_ids)
+        here = {p.handle.task_id for batch in self.scheduler.in_flight for p in batch.members}
+        for in_flight in self.feeder.in_flight.values():
+            here.update(in_flight)
+        hit = [t for t in task_ids if t in here]
+        if hit:
+            self.runtime.cancel(hit)
+        return hit
+
+    # --- completion (loop thread) --------------------------------------------------------
+
+    def _on_batch_done(self: Dispatcher, generation: int, future: Future) -> None:
+        if future not in self.futures:
+            return
+        # Until its answers are all published, the drain is not over, whatever is seen
+        # meanwhile (confirms of the first answers read while the rest go out, a tick).
+        self._answering = True
+        try:
+            self._batch_done(generation, future)
+        finally:
+            self._answering = False
+        self.check_drained()
+
+    def _batch_done(self: Dispatcher, generation: int, future: Future) -> None:
+        started = self.futures.pop(future)
+        outcomes: list[Outcome] | None = None
+        seconds: float | None = None
+        failure: Exception | None = None
+        try:
+            outcomes, seconds = future.result()
+        except Exception as exc:  # the runtime itself broke; every request gets an error
+            failure = exc
+        batch = self.scheduler.finish(time.monotonic(), seconds, started)
+        assert batch is started
+        model, held = batch.lane.model, [p.handle for p in batch.members]
+        if outcomes is None:
+            log.exception("batch of %d failed", len(held), exc_info=failure)
+            outcomes = [Outcome(h.task_id, error_code=ErrorCode.INTERNAL,
+                                error_message=f"runtime failed: {failure!r}") for h in held]
+        else:
+            if seconds is not None:
+                metrics.BATCH_SECONDS.labels(model).observe(seconds)
+            busy_ms = batch_device_ms(o.result for o in outcomes)
+            if busy_ms is not None:
+                metrics.DEVICE_BUSY.labels(model).inc(busy_ms / 1000)
+                self.device_busy_s += busy_ms / 1000
+        # Each split request's next part joins the backlog, behind what arrived meanwhile.
+        # Parts are never returned, so their delivery count does not matter.
+        for part in next_parts(held, outcomes):
+            self._append(model, part, 1)
+        self.placement.kick()  # a queued load may fit now that this batch is done
+        # Start the next batch before answering this one: the runtime computes
+        # while the loop publishes results, instead of idling until they are out.
+        self.tick()
+        self._publish_deltas()  # a stream's last deltas go before its result
+        if generation == self.generation:
+            self.replier.begin_batch()
+            for h, outcome in zip(held, outcomes, strict=True):
+                self._answer(model, h, outcome)
+            self.replier.end_batch()
+        # else: the connection was lost meanwhile; the messages are redelivered.
