@@ -5,57 +5,26 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 from celery.worker import state as worker_state
 
-from app.worker.dispatcher import Held, plan_returns
+from app.worker.held import Held
 from app.worker.replies import Delivery
+from app.worker.returns import plan_returns
 from app.worker.shutdown import GracefulShutdown
 from tasks.envelope import Annotations
-from tests.stack import wait_for
-
-
-class Message:
-    def __init__(self) -> None:
-        self.properties = {"reply_to": "gw-1"}
-        self.headers: dict[str, Any] = {}
+from tests.fakes import Hub, Message
 
 
 def test_a_message_that_must_keep_its_delivery_count_is_republished_whole():
-    fresh, worn = Delivery(Message()), Delivery(Message())
+    fresh, worn = Delivery(Message(batch=False)), Delivery(Message(batch=False))
     helds = [Held(d, t, Annotations("m", "encode", 1, 1, 1, None, None), b"body")
              for d, t in ((fresh, "a"), (worn, "b"))]
     whole, handed_on = plan_returns(helds, renew=lambda d: d is worn)
     assert whole == [fresh]
     assert handed_on == {("encode", "gw-1", False): [helds[1]]}
-
-
-class Hub:
-    """What GracefulShutdown uses of kombu's hub: callbacks are run by the test."""
-
-    def __init__(self) -> None:
-        self.soon: list[Callable[[], None]] = []
-        self.later: list[tuple[float, Callable[..., None], tuple]] = []
-        self.lock = threading.Lock()
-
-    def call_soon(self, callback: Callable[[], None]) -> None:
-        with self.lock:
-            self.soon.append(callback)
-
-    def call_later(self, delay: float, callback: Callable[..., None], *args: Any) -> Any:
-        self.later.append((delay, callback, args))
-        return type("Timer", (), {"cancel": lambda self: None})()
-
-    def run_soon(self) -> None:
-        wait_for(lambda: self.soon, 5, "a callback on the loop")
-        with self.lock:
-            callbacks, self.soon = self.soon, []
-        for callback in callbacks:
-            callback()
 
 
 @pytest.fixture

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from app.worker.dispatcher import Held, plan_returns
+from app.worker.held import Held
 from app.worker.replies import Delivery
-from tasks.envelope import H_REPLY_BATCH, Annotations
-
-
-class Message:
-    """What Delivery reads of a kombu message, and what it does to it."""
-
-    def __init__(self, reply_to: str | None = "gw-1", batch: bool = True) -> None:
-        self.properties = {"reply_to": reply_to}
-        self.headers = {H_REPLY_BATCH: 1} if batch else {}
-        self.acks = self.requeues = self.dead = 0
-
-    def ack(self) -> None:
-        self.acks += 1
-
-    def reject(self, requeue: bool) -> None:
-        if requeue:
-            self.requeues += 1
-        else:
-            self.dead += 1
+from app.worker.returns import plan_returns
+from tasks.envelope import Annotations
+from tests.fakes import Message
 
 
 def _held(delivery: Delivery, task_id: str, op: str = "encode") -> Held:

@@ -1,0 +1,316 @@
+"""The worker's dispatcher, driven without a broker or a model process: messages go in
+through `on_message`, the loop is a fake hub the test runs, batches run on a tiny fake
+runtime, and replies are read off a fake confirm-mode channel (confirmed when the test
+says). The e2e tests (tests/e2e/test_coalescing.py, test_worker_shutdown.py, ...) run the
+same paths against RabbitMQ and a real worker."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from app.worker.dispatcher import Dispatcher
+from app.worker.held import PARKED, RUNNING, SCHEDULED
+from batching.former import BatchLimits
+from batching.hold import HoldLimits
+from batching.latency_model import CostModel
+from batching.scheduler import Lane
+from runtimes.base import Outcome, Request
+from runtimes.pool import lora_key
+from tasks.envelope import (
+    H_MULTI,
+    Annotations,
+    Part,
+    coalesce,
+    decode_results,
+    task_body,
+    task_headers,
+)
+from tasks.errors import ErrorCode
+from tasks.names import ENCODE
+from tests.fakes import Hub, Message
+
+MODEL = "m"
+MB = 2**20
+
+
+class Runtime:
+    """A model runtime that answers each request with its item count, holds a batch until
+    `go` is set, and fails the requests whose ids are in `fail`."""
+
+    pipeline_depth = 1
+    device_bytes = None
+
+    def __init__(self) -> None:
+        self.resident = {MODEL: MB}  # loaded from the start (pinned)
+        self.batches: list[list[str]] = []
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.go.set()
+        self.fail: set[str] = set()
+
+    def continuous(self, model: str) -> bool:
+        return False
+
+    def run_batch(self, model: str, requests: list[Request], on_deltas: Any) -> list[Outcome]:
+        self.batches.append([r.id for r in requests])
+        self.started.set()
+        assert self.go.wait(10), "the test never let the batch end"
+        return [Outcome(r.id, error_code=ErrorCode.POISON_INPUT, error_message="it broke")
+                if r.id in self.fail else Outcome(r.id, result={"count": len(r.kwargs["items"])})
+                for r in requests]
+
+    def estimate_bytes(self, model: str, lora: str | None = None) -> int:
+        return MB
+
+    def load(self, model: str, lora: str | None = None) -> int:
+        return MB
+
+    def unload(self, model: str, lora: str | None = None) -> None:
+        pass
+
+    def cancel(self, task_ids: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Channel:
+    """The replier's confirm-mode channel: publishes are recorded, confirmed on `confirm`."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, set] = {"basic_ack": set(), "basic_nack": set()}
+        self.published: list[tuple[str, Any]] = []  # (routing key, amqp.Message)
+
+    def confirm_select(self) -> None:
+        pass
+
+    def basic_publish(self, message: Any, exchange: str, routing_key: str) -> None:
+        self.published.append((routing_key, message))
+
+    def confirm(self) -> None:
+        for on_ack in list(self.events["basic_ack"]):
+            on_ack(len(self.published), True)
+
+
+class Queue:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.consumer_arguments: dict[str, Any] = {}
+
+
+class KombuConsumer:
+    """A model queue's kombu consumer: what the dispatcher does to it, recorded."""
+
+    def __init__(self) -> None:
+        self.queues = [Queue("q.m")]
+        self.consuming = False
+        self.prefetch: int | None = None
+
+    def qos(self, prefetch_count: int) -> None:
+        self.prefetch = prefetch_count
+
+    def consume(self) -> None:
+        self.consuming = True
+
+    def cancel(self) -> None:
+        self.consuming = False
+
+
+class Connection:
+    def __init__(self) -> None:
+        self.channel_opened = Channel()
+
+    def channel(self) -> Channel:
+        return self.channel_opened
+
+
+class Worker:
+    """The Celery consumer the dispatcher runs in: its hub, hostname and connection."""
+
+    def __init__(self) -> None:
+        self.hub = Hub()
+        self.hostname = "w@test"
+        self.connection = Connection()
+        self.event_dispatcher = None  # task events off
+
+
+class Fixture:
+    def __init__(self, peers: int, max_items: int, cost: CostModel) -> None:
+        self.runtime = Runtime()
+        self.worker = Worker()
+        self.hub = self.worker.hub
+        lanes = {MODEL: Lane(MODEL, BatchLimits(max_tokens=10_000, max_items=max_items), cost)}
+        self.dispatcher = Dispatcher(self.worker, self.runtime, lanes,
+                                     HoldLimits(horizon_batches=1.0, max_horizon_s=0.5),
+                                     entries={}, pinned={MODEL}, prefetch=8)
+        self.dispatcher.replier.open(self.worker.connection)
+        self.channel = self.worker.connection.channel_opened
+        self.consumer = KombuConsumer()
+        self.dispatcher.consume(MODEL, self.consumer, "q.m", lambda: peers, lambda: peers - 1)
+
+    def deliver(self, message: Message) -> None:
+        self.dispatcher.on_message(message)
+        self.hub.run_timers()  # the tick it queued: a batch starts
+
+    def finish_batch(self) -> None:
+        """Let the running batch end and the loop take its answers."""
+        self.runtime.go.set()
+        self.hub.run_soon()
+        self.hub.run_timers()
+
+    def replies(self) -> dict[str, dict[str, Any]]:
+        """Every result published so far, by task id."""
+        out: dict[str, dict[str, Any]] = {}
+        for routing_key, message in self.channel.published:
+            if routing_key != "gw-1":
+                continue
+            multi = H_MULTI in (message.properties.get("application_headers") or {})
+            for result in decode_results(message.body, multi):
+                out[result["task_id"]] = result
+        return out
+
+
+@pytest.fixture
+def make() -> Iterator[Any]:
+    made: list[Fixture] = []
+
+    def build(peers: int = 1, max_items: int = 8,
+              cost: CostModel | None = None) -> Fixture:
+        fixture = Fixture(peers, max_items, cost or CostModel(0.001, 0.0, 0.0))
+        made.append(fixture)
+        return fixture
+
+    yield build
+    for fixture in made:
+        fixture.runtime.go.set()
+        fixture.dispatcher.close()
+
+
+def _annotations(items: int = 1) -> Annotations:
+    return Annotations(MODEL, "encode", items, 10 * items, 10, None, None)
+
+
+def _kwargs(items: int) -> dict[str, Any]:
+    return {"model": MODEL, "items": [{"text": f"t{i}"} for i in range(items)]}
+
+
+def single(task_id: str, items: int = 1) -> Message:
+    """A request in a message of its own, as a gateway sends it."""
+    headers = task_headers(task_id, ENCODE, _annotations(items), "gw")
+    return Message(headers=headers, body=task_body(_kwargs(items)))
+
+
+def coalesced(task_ids: list[str]) -> Message:
+    """Several requests in one message, each its own member."""
+    members = [Part(t, _annotations(), task_body(_kwargs(1))) for t in task_ids]
+    message = coalesce(MODEL, "encode", members, "gw")
+    return Message(headers=message.headers, body=message.body)
+
+
+def test_a_message_is_held_then_taken_into_a_batch_with_its_peers(make):
+    f = make()
+    f.runtime.go.clear()  # the first batch runs until the test says
+    f.deliver(single("a"))
+    assert f.runtime.started.wait(5) and f.runtime.batches == [["a"]]
+    # Delivered while "a" runs: held, then batched together once it ends.
+    f.deliver(coalesced(["b", "c"]))
+    f.deliver(single("d", items=2))
+    assert f.dispatcher.holdings.counts() == {(MODEL, RUNNING): 1, (MODEL, SCHEDULED): 3}
+    f.finish_batch()
+    f.runtime.started.clear()
+    assert f.runtime.started.wait(5)
+    f.hub.run_soon()
+    assert f.runtime.batches == [["a"], ["b", "c", "d"]]
+
+
+def test_each_request_of_a_batch_gets_its_reply_and_a_failed_one_its_error(make):
+    f = make()
+    f.runtime.go.clear()
+    f.runtime.fail = {"c"}
+    message = coalesced(["b", "c"])
+    f.deliver(single("a", items=3))
+    f.deliver(message)
+    f.finish_batch()
+    f.finish_batch()
+    replies = f.replies()
+    assert replies["a"]["status"] == "SUCCESS" and replies["a"]["result"]["count"] == 3
+    assert replies["b"]["status"] == "SUCCESS" and replies["b"]["result"]["count"] == 1
+    assert replies["c"]["status"] == "FAILURE"
+    assert replies["c"]["result"]["exc_message"] == [ErrorCode.POISON_INPUT, "it broke"]
+    # Acked once the broker confirmed every reply the message's requests got.
+    assert message.acks == 0
+    f.channel.confirm()
+    assert message.acks == 1 and message.requeues == 0
+
+
+def test_overflow_goes_back_whole_or_its_unsettled_members_are_republished(make):
+    # A peer consumes the queue too, and a batch is predicted to take 2 s: what would
+    # start beyond the hold horizon (0.5 s) goes back for the peer.
+    f = make(peers=2, max_items=1, cost=CostModel(2.0, 0.0, 0.0))
+    f.runtime.go.clear()
+    first = coalesced(["a", "b"])
+    f.deliver(first)
+    assert f.runtime.started.wait(5) and f.runtime.batches == [["a"]]
+    # "b" shares its message with the running "a": the message cannot go back in part, so
+    # "b" is republished to the model's queue, as a message of its own, one return more.
+    assert first.requeues == 0 and first.acks == 0
+    forwarded = [m for key, m in f.channel.published if key == "q.m"]
+    assert len(forwarded) == 1
+    rows = msgpack.unpackb(forwarded[0].body, raw=False)
+    assert [row[0] for row in rows] == ["b"] and rows[0][7] == 1
+    # Messages of their own go back whole (requeued: their delivery count is the broker's),
+    # but what the current consumer delivered (returning it would reopen its credit).
+    others = {t: single(t) for t in ("c", "d", "e")}
+    for message in others.values():
+        f.deliver(message)
+    held = {h.task_id for _, _, h in f.dispatcher.holdings.states()}
+    returned = {t for t, m in others.items() if m.requeues == 1}
+    assert returned and returned.isdisjoint(held) and returned | held == {"a", "c", "d", "e"}
+    assert all(m.acks == 0 and m.dead == 0 for m in others.values())
+    assert [key for key, _ in f.channel.published] == ["q.m"]  # none republished
+    f.finish_batch()
+    f.channel.confirm()
+    assert first.acks == 1  # "a" answered, "b" handed on: both settled
+
+
+def test_a_drain_stops_taking_hands_back_what_waits_and_finishes_what_runs(make):
+    f = make(max_items=1)
+    f.runtime.go.clear()
+    running, waiting = single("a"), single("b")
+    f.deliver(running)
+    assert f.runtime.started.wait(5)
+    f.deliver(waiting)
+    drained: list[bool] = []
+    f.dispatcher.on_drained = lambda: drained.append(True)
+    assert f.dispatcher.begin_drain() == {MODEL: 1}
+    f.dispatcher.check_drained()
+    assert not f.consumer.consuming  # stopped taking
+    assert waiting.requeues == 1 and not drained
+    late = single("c")
+    f.dispatcher.on_message(late)  # delivered before the broker saw the cancel
+    assert late.requeues == 1 and f.dispatcher.drain_handed_back == 2
+    f.finish_batch()
+    assert f.replies()["a"]["status"] == "SUCCESS"
+    assert not drained  # its reply is not confirmed yet, its message not acked
+    f.channel.confirm()
+    assert drained == [True] and running.acks == 1
+    assert f.dispatcher.drain_answered == 1 and f.runtime.batches == [["a"]]
+
+
+def test_a_request_for_an_adapter_not_loaded_is_parked_then_handed_back_by_a_drain(make):
+    f = make()
+    f.dispatcher.placement.ensure = lambda model, lora=None, asked=False: None  # loads later
+    headers = task_headers("a", ENCODE, Annotations(
+        MODEL, "encode", 1, 10, 10, None, None, lora="style"), "gw")
+    message = Message(headers=headers, body=task_body(_kwargs(1)))
+    f.deliver(message)
+    assert f.dispatcher.holdings.counts() == {(MODEL, PARKED): 1}
+    assert f.dispatcher.holdings.in_use() == {MODEL: 1, lora_key(MODEL, "style"): 1}
+    f.dispatcher.begin_drain()
+    assert message.requeues == 1 and not f.dispatcher.holdings.counts()
