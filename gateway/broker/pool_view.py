@@ -1,7 +1,7 @@
 """What the gateway knows of the workers' model pools: the latest state each worker sent.
 
 Workers publish `tasks.pool_state` messages on a fanout exchange; the broker
-hands every one to this gateway's own queue (`gateway.broker.link`), and this
+hands every one to this gateway's own queue (`gateway.broker.served_models`), and this
 module keeps the latest per worker. A worker not heard from for
 `STALE_AFTER_INTERVALS` of its own `interval_s` is forgotten. Nothing here
 does I/O or reads a clock: `now` (monotonic seconds, when the message

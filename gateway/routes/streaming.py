@@ -2,7 +2,7 @@
 
 The request goes out with `stream: true`; the worker publishes its output as
 Celery PROGRESS states (`{"choices": [{"index", "text", "tokens"}]}`) and then
-its result, which `gateway.broker.link.Broker.stream` hands over in order. The
+its result, which `gateway.broker.streams.ReplyStreams.stream` hands over in order. The
 response starts only once the first of them is in, so an error the worker
 finds before generating (a prompt over the context: 413) is an HTTP status,
 not an event. After that, an error (a runtime that died mid-stream, the

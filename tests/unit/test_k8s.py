@@ -502,7 +502,8 @@ def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
     """Per process, per operation, the resources its code touches, named as the code (and
     Celery's, for its remote control and events) names them under `settings`."""
     from app.celery import app as celery_app
-    from gateway.broker.link import CONTROL_EXCHANGE, Broker
+    from gateway.broker.link import Broker
+    from gateway.broker.streams import CONTROL_EXCHANGE
     from gateway.jobs.part_replies import replies_queue
     from tasks.pool_state import pool_exchange
     from tasks.queues import kombu_queues

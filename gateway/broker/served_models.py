@@ -1,0 +1,92 @@
+"""Whether a worker serves a model, decided without a broker round trip per request.
+
+A request for a model that no worker serves is refused at once with 503
+MODEL_UNAVAILABLE when SHOAL_GATEWAY_UNSERVED=refuse (the default), or
+published to wait for a worker until its deadline with `wait` (scale-to-zero,
+where an autoscaler starts a worker on queue depth). A model is served if a fresh
+pool state (`gateway.broker.pool_view`, from the workers' fanout exchange, subscribed
+here) lists it in any state; otherwise if its queue has a consumer, read from a
+queue.declare-ok at most `CONSUMERS_TTL_S` old (`gateway.broker.queue_declarations`:
+a shoal worker that has not announced itself yet, or any other consumer such as a
+plain Celery worker). A gateway that just started, and has heard no pool state,
+therefore never refuses a model that a worker consumes. A worker that died stays
+"serving" until its pool state goes stale (STALE_AFTER_INTERVALS of its interval) or,
+if it sent none, for up to `CONSUMERS_TTL_S`; requests sent meanwhile wait for another
+worker or their deadline, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
+
+from gateway.broker.pool_view import PoolView
+from gateway.broker.queue_declarations import ModelQueues
+from gateway.edge.api_errors import ApiError
+from gateway.edge.gateway_metrics import POOL_STATES
+from tasks.errors import ErrorCode
+from tasks.pool_state import pool_exchange
+from tasks.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class ServedModels:
+    """The workers' pool states as this gateway heard them (`pool`), and the admission
+    of a request's model by them and by its queue's consumers."""
+
+    def __init__(self, settings: Settings, queues: ModelQueues, pool_queue: str) -> None:
+        self.settings = settings
+        self.queues = queues
+        # This gateway's copy of the workers' pool states (exclusive, bound to the fanout).
+        self.pool_queue = pool_queue
+        self.pool = PoolView(settings.pool_state_interval_s)
+
+    async def subscribe(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
+        """Receive the workers' pool states. Without them the gateway still works (the
+        consumer counts decide what is served; /v1/models shows no workers), so a failure
+        here is logged, not fatal."""
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            exchange = await channel.declare_exchange(
+                pool_exchange(self.settings.queue_prefix), aio_pika.ExchangeType.FANOUT,
+                durable=True)
+            queue = await channel.declare_queue(self.pool_queue, exclusive=True,
+                                                auto_delete=True)
+            await queue.bind(exchange)
+            await queue.consume(self._on_pool_state, no_ack=True)
+        except Exception:
+            log.exception("cannot subscribe to the workers' pool states on %s; /v1/models "
+                          "will not say where models are loaded",
+                          pool_exchange(self.settings.queue_prefix))
+
+    def _on_pool_state(self, message: AbstractIncomingMessage) -> None:
+        try:
+            self.pool.update(message.body, time.monotonic())
+        except Exception as exc:  # a malformed state must not kill the consumer
+            POOL_STATES.labels("dropped").inc()
+            log.warning("malformed pool state dropped (%d bytes): %s", len(message.body), exc)
+        else:
+            POOL_STATES.labels("kept").inc()
+
+    async def admit(self, model: str) -> None:
+        """Make sure the model's queue exists; refuse a model no worker serves (see the
+        module's docstring)."""
+        if not self.queues.is_declared(model):
+            await self.queues.declare(model)
+        if self.settings.gateway_unserved == "wait":
+            return
+        if self.pool.serves(model, time.monotonic()):
+            return
+        if await self.queues.consumer_count(model) == 0:
+            raise ApiError(
+                ErrorCode.MODEL_UNAVAILABLE,
+                f"no worker serves {model} now (none consumes its queue "
+                f"{self.queues.queues[model].name}); retry later. A gateway with "
+                "SHOAL_GATEWAY_UNSERVED=wait queues such requests until a worker starts or "
+                "their deadline passes (for deployments that scale workers to zero).",
+                retry_after=self.settings.retry_after_s,
+            )
