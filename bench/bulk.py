@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from app.tuning import markdown
+from app.tuning.markdown import dash as _num
 from app.tuning.stats import median
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -158,10 +159,6 @@ def summarise(texts: int, jobs: Sequence[Mapping[str, Any]],
                                             for job in jobs]) for key in ("queued", "running")},
             "cores": {kind: median([job["cores"].get(kind) for job in jobs]) for kind in kinds},
             "target": TARGET}
-
-
-def _num(value: float | None, spec: str) -> str:
-    return markdown.fmt(value, spec, missing="-")
 
 
 def table(summary: Mapping[str, Any], via: str) -> str:

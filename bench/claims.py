@@ -200,7 +200,7 @@ def summarise(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value / scale, spec)
+    return markdown.dash(None if value is None else value / scale, spec)
 
 
 def table(summary: Mapping[str, Any]) -> str:

@@ -59,8 +59,8 @@ def logged_loads(log: str, model: str = MINILM) -> list[float]:
     return [float(m["s"]) for m in LOADED_LINE.finditer(log) if m["key"] == model]
 
 
-def _num(value: float | None, fmt: str = ".0f") -> str:
-    return "-" if value is None else format(value, fmt)
+def _num(value: float | None, spec: str = ".0f") -> str:
+    return markdown.dash(value, spec)
 
 
 def runtime_table(samples: Sequence[Mapping[str, float]]) -> str:

@@ -56,6 +56,7 @@ from app.tuning.bench_stack import bench_stack
 from app.tuning.cpu import process_kind
 from app.tuning.inproc import machine_info
 from app.tuning.load import LoadResult, prepare, run_load
+from app.tuning.markdown import dash as _f
 from app.tuning.mix import make_texts
 from bench.lib.args import int_list
 from bench.lib.output import emit
@@ -206,10 +207,6 @@ def median_round(rounds: list[Round]) -> Round:
 
 
 # --- the report ---------------------------------------------------------------------------------
-
-
-def _f(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def report(data: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.stats import median
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -116,7 +117,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def _f(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
+    return markdown.dash(value, spec)
 
 
 def report(data: dict[str, Any]) -> str:
@@ -126,27 +127,24 @@ def report(data: dict[str, Any]) -> str:
         f"clients, one text per request; {data['nproc']} cores ({data['cpu_model']}), "
         "shared by gateway, worker, RabbitMQ and the load client. Medians over rounds.",
         "",
-        "| gateway processes | req/s (min-max) | p50 ms | p99 ms | errors | requests/batch | "
-        "CPU ms/req: "
-        "each gateway process | gateway total | worker + runtime | RabbitMQ | stack total | "
-        "load client |",
-        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        *markdown.table(
+            ["gateway processes", "req/s (min-max)", "p50 ms", "p99 ms", "errors",
+             "requests/batch", "CPU ms/req: each gateway process", "gateway total",
+             "worker + runtime", "RabbitMQ", "stack total", "load client"],
+            [[n, f"{s['req_per_s']:.0f} ({s['req_per_s_min']:.0f}-{s['req_per_s_max']:.0f})",
+              _f(s["p50_ms"], ".1f"), _f(s["p99_ms"], ".1f"), s["errors"],
+              _f(s["batch_requests"], ".0f"),
+              " / ".join(_f(v) for v in s["cpu_gateway_processes"]), _f(s["cpu_gateway"]),
+              _f(s["cpu_worker"]), _f(s["cpu_broker"]), _f(s["cpu_total"]),
+              _f(s["cpu_client"])] for n, s in data["summary"].items()],
+            align="rrrrrrlrrrrr"),
+        "", "Each run, in order:", "",
+        *markdown.table(
+            ["round", "gateway processes", "req/s", "p50 ms", "p99 ms", "gateway CPU ms/req"],
+            [[run["round"] + 1, run["gateways"], f"{run['req_per_s']:.0f}",
+              _f(run["p50_ms"], ".1f"), _f(run["p99_ms"], ".1f"), _f(run["cpu"]["gateway"])]
+             for run in data["runs"]]),
     ]
-    for n, s in data["summary"].items():
-        each = " / ".join(_f(v) for v in s["cpu_gateway_processes"])
-        lines.append(
-            f"| {n} | {s['req_per_s']:.0f} ({s['req_per_s_min']:.0f}-{s['req_per_s_max']:.0f}) "
-            f"| {_f(s['p50_ms'], '.1f')} | {_f(s['p99_ms'], '.1f')} | {s['errors']} | "
-            f"{_f(s['batch_requests'], '.0f')} | {each} | "
-            f"{_f(s['cpu_gateway'])} | {_f(s['cpu_worker'])} | {_f(s['cpu_broker'])} | "
-            f"{_f(s['cpu_total'])} | {_f(s['cpu_client'])} |")
-    lines += ["", "Each run, in order:", "",
-              "| round | gateway processes | req/s | p50 ms | p99 ms | gateway CPU ms/req |",
-              "|---:|---:|---:|---:|---:|---:|"]
-    for run in data["runs"]:
-        lines.append(f"| {run['round'] + 1} | {run['gateways']} | {run['req_per_s']:.0f} | "
-                     f"{_f(run['p50_ms'], '.1f')} | {_f(run['p99_ms'], '.1f')} | "
-                     f"{_f(run['cpu']['gateway'])} |")
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.stats import percentile
 from tasks.served import batch_device_ms
 
@@ -369,15 +370,13 @@ def describe_device(device: str) -> dict[str, Any]:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| path | model | precision | load | texts/s | tokens/s | device busy | "
-             "p50 ms | p99 ms | parity (min cos fp32 vs bf16) |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        parity = "" if r.parity is None else f"{r.parity:.5f}"
-        lines.append(f"| {r.path} | {r.model.rsplit('/', 1)[-1]} | {r.precision} | {r.shape} | "
-                     f"{r.texts_per_s:,.0f} | {r.tokens_per_s:,.0f} | {r.device_busy:.3f} | "
-                     f"{r.p50_ms:.2f} | {r.p99_ms:.2f} | {parity} |")
-    return "\n".join(lines)
+    return "\n".join(markdown.table(
+        ["path", "model", "precision", "load", "texts/s", "tokens/s", "device busy", "p50 ms",
+         "p99 ms", "parity (min cos fp32 vs bf16)"],
+        [[r.path, r.model.rsplit("/", 1)[-1], r.precision, r.shape, f"{r.texts_per_s:,.0f}",
+          f"{r.tokens_per_s:,.0f}", f"{r.device_busy:.3f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
+          "" if r.parity is None else f"{r.parity:.5f}"] for r in rows],
+        align="llllrrrrrl"))
 
 
 def plot(rows: list[Row], path: Path, title: str) -> Path:

@@ -27,6 +27,7 @@ import httpx
 import uvloop
 from tqdm import tqdm
 
+from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.load import LoadResult, prepare, run_load
@@ -100,14 +101,15 @@ def _ms(value: float | None) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| round | p50 without | p99 without | p50 with | p99 with | p99 ratio | "
-             "errors with | big request s | parts |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for i, r in enumerate(result["rounds"], 1):
         a, b = r["without"], r["with"]
         ratio = "-" if r["p99_ratio"] is None else f"{r['p99_ratio']:.2f}"
-        lines.append(f"| {i} | {_ms(a['p50_ms'])} | {_ms(a['p99_ms'])} | {_ms(b['p50_ms'])} | "
-                     f"{_ms(b['p99_ms'])} | {ratio} | {b['errors']} | "
-                     f"{r['big']['seconds']:.1f} | {r['big']['parts']} |")
+        rows.append([i, _ms(a["p50_ms"]), _ms(a["p99_ms"]), _ms(b["p50_ms"]), _ms(b["p99_ms"]),
+                     ratio, b["errors"], f"{r['big']['seconds']:.1f}", r["big"]["parts"]])
+    lines = markdown.table(["round", "p50 without", "p99 without", "p50 with", "p99 with",
+                            "p99 ratio", "errors with", "big request s", "parts"], rows,
+                           align="l" * 9)
     median = result["median_p99_ratio"]
     lines.append("\nmedian p99 ratio (with / without): "
                  + ("- (no small request succeeded while the big one ran)" if median is None

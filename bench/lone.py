@@ -24,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.mix import make_texts
@@ -105,12 +106,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"in process, one text at a time: {result['inproc_ms']:.2f} ms (median)", "",
-             "| stack | client e2e | X-Total | X-Queue | X-Inference | e2e minus in process |",
-             "|---|---|---|---|---|---|"]
-    for name, row in result["summary"].items():
-        overhead = f"{row['overhead_ms']:.2f}" if "overhead_ms" in row else "n/a"
-        lines.append(f"| {name} | {row['e2e_ms']:.2f} | {row['total_ms']:.2f} | "
-                     f"{row['queue_ms']:.2f} | {row['inference_ms']:.2f} | {overhead} |")
+             *markdown.table(
+                 ["stack", "client e2e", "X-Total", "X-Queue", "X-Inference",
+                  "e2e minus in process"],
+                 [[name, f"{row['e2e_ms']:.2f}", f"{row['total_ms']:.2f}",
+                   f"{row['queue_ms']:.2f}", f"{row['inference_ms']:.2f}",
+                   f"{row['overhead_ms']:.2f}" if "overhead_ms" in row else "n/a"]
+                  for name, row in result["summary"].items()], align="l" * 6)]
     return "\n".join(lines)
 
 

@@ -51,6 +51,8 @@ from typing import Any
 
 import yaml
 
+from app.tuning import markdown
+from app.tuning.markdown import dash as _num
 from app.tuning.stats import median, ratio
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -133,26 +135,21 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"cases": cases, "ratios": ratios}
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def table(summary: Mapping[str, Any]) -> str:
     """The summary as markdown: one row per case, then the same-round ratios."""
     cases, ratios = summary["cases"], summary["ratios"]
     reference = {"none": None, "mixed": "mixed_vs_none", "split": "split_vs_none",
                  "base_rows": "base_rows_vs_none"}
-    lines = ["| case | req/s | texts/s | of no-LoRA req/s (same round) | p50 ms | p99 ms "
-             "| median batch (requests) | CPU ms/req | errors |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for case, row in cases.items():
         key = reference[case]
         share = "1" if key is None else _num(ratios.get(f"{key}_req_per_s"), ".2f")
-        lines.append(f"| {LABELS[case]} | {_num(row['req_per_s'], '.1f')} | "
-                     f"{_num(row['items_per_s'], '.1f')} | {share} | "
-                     f"{_num(row['p50_ms'], '.1f')} | {_num(row['p99_ms'], '.1f')} | "
-                     f"{_num(row['batch'], '.0f')} | {_num(row['cpu_ms'], '.1f')} | "
-                     f"{row['errors']} |")
+        rows.append([LABELS[case], _num(row["req_per_s"], ".1f"), _num(row["items_per_s"], ".1f"),
+                     share, _num(row["p50_ms"], ".1f"), _num(row["p99_ms"], ".1f"),
+                     _num(row["batch"], ".0f"), _num(row["cpu_ms"], ".1f"), row["errors"]])
+    lines = markdown.table(["case", "req/s", "texts/s", "of no-LoRA req/s (same round)",
+                            "p50 ms", "p99 ms", "median batch (requests)", "CPU ms/req",
+                            "errors"], rows, align="l" + "r" * 8)
     rounds = ratios.get("mixed_vs_split_req_per_s_rounds") or []
     lines += ["", f"mixed / split, same round: req/s "
               f"{_num(ratios.get('mixed_vs_split_req_per_s'), '.2f')}x "

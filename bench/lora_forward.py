@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from app.tuning import markdown
 from app.tuning.mix import make_texts
 from bench.lib.output import emit
 
@@ -134,10 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         f"({statistics.mean(lora_bytes.values()) / 2**10:.0f} KiB each), "
         f"{args.threads} thread(s), median of {args.rounds}",
         "",
-        "| case | forwards | ms | vs plain |",
-        "|---|---:|---:|---:|",
-        *(f"| {name} | {cases[name][1]} | {value:.1f} | {value / reference:.2f}x |"
-          for name, value in ms.items()),
+        *markdown.table(["case", "forwards", "ms", "vs plain"],
+                        [[name, cases[name][1], f"{value:.1f}", f"{value / reference:.2f}x"]
+                         for name, value in ms.items()], align="lrrr"),
         "",
         f"mixed vs per-LoRA vectors: min cosine {cosine:.6f}",
     ]

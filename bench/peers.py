@@ -40,7 +40,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
+from app.tuning.markdown import dash as _num
 from app.tuning.stats import median, ratio
+from bench.lib.args import parse_levels
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
@@ -58,17 +61,6 @@ class Server:
 
 
 # --------------------------------------------------------------------------- pure logic
-
-
-def parse_levels(spec: str) -> list[int]:
-    """'1,8,32' -> [1, 8, 32]: client counts, each a whole number >= 1."""
-    try:
-        levels = [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of whole numbers: {spec!r}") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"client counts must be >= 1: {spec!r}")
-    return levels
 
 
 def schedule(rounds: int, levels: Sequence[int]) -> list[tuple[int, int, str]]:
@@ -110,10 +102,6 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def table(summary: Sequence[Mapping[str, Any]]) -> str:
     """The summary as a markdown table."""
     heads = [("req_per_s", "req/s", ".0f"), ("p50_ms", "p50 ms", ".1f"),
@@ -122,15 +110,15 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
     for _, label, _ in heads:
         header += [f"{label} shoal", f"{label} Infinity", "shoal/Inf."]
     header.append("errors (shoal, Infinity)")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for row in summary:
         cells = [str(row["clients"])]
         for key, _, fmt in heads:
             cells += [_num(row[f"shoal_{key}"], fmt), _num(row[f"infinity_{key}"], fmt),
                       _num(row[f"ratio_{key}"], ".2f")]
         cells.append(f"{row['shoal_errors']}, {row['infinity_errors']}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return "\n".join(markdown.table(header, rows, align="l" * len(header)))
 
 
 def infinity_argv(venv: Path, model_dir: str, port: int) -> list[str]:

@@ -73,6 +73,7 @@ from typing import Any
 
 import yaml
 
+from app.tuning import markdown
 from app.tuning.inproc import machine_info
 from app.tuning.mix import make_requests
 from app.tuning.stack import Stack, delete_queues, free_port, prefix_queues, queue_counts, wait_for
@@ -707,9 +708,8 @@ def table(data: dict[str, Any]) -> str:
     rows, meds = data["rows"], data["medians"]
     shares = data["tier_shares"]
     p = data["profile"]
-    head = ("| deployment | req/s | errors | " + " | ".join(
-        f"{t} p50 / p99 ms (errors)" for t, _, _ in TIERS)
-        + " | loads/min | evictions/min | device util |")
+    head = ["req/s", "errors", *(f"{t} p50 / p99 ms (errors)" for t, _, _ in TIERS),
+            "loads/min", "evictions/min", "device util"]
     kind, workers = (("SIMULATED", "sim") if data.get("simulated", True)
                      else ("REAL (tiny models; batch and load constants are seeds)", "real"))
     lines = [
@@ -719,37 +719,37 @@ def table(data: dict[str, Any]) -> str:
         f"{p['cost_b_us']:g} us/token, load {p['load_ms']:g} ms, footprint "
         f"{p['footprint_bytes'] / MIB:g} MiB, sim speed x{data['sim_speed']:g}; split "
         + " / ".join(f"{s:.0%}" for s in data["halves_share"]), "",
-        head.replace("| deployment |", "| deployment | round |"),
-        "|---" * 10 + "|"]
+        *markdown.table(["deployment", "round", *head], align="l" * (len(head) + 2))]
 
     def get(r: dict[str, Any], key: str) -> Any:
         return _value(r, key) if key.split(".")[0] in r else r.get(key)
 
     def line(cells: list[str], r: dict[str, Any]) -> str:
         util = r["utilisation_mean"]
-        return ("| " + " | ".join(cells) + f" | {r['req_per_s']:.1f} | "
-                f"{_pct(r['error_rate'])} | "
-                + " | ".join(f"{_ms(get(r, f'{t}.p50_ms'))} / {_ms(get(r, f'{t}.p99_ms'))} "
-                             f"({_pct(get(r, f'{t}.error_rate'))})" for t, _, _ in TIERS)
-                + f" | {r['loads_per_min']:.1f} | {r['evictions_per_min']:.1f} | "
-                  f"{_pct(util)} |")
+        return markdown.row([
+            *cells, f"{r['req_per_s']:.1f}", _pct(r["error_rate"]),
+            *(f"{_ms(get(r, f'{t}.p50_ms'))} / {_ms(get(r, f'{t}.p99_ms'))} "
+              f"({_pct(get(r, f'{t}.error_rate'))})" for t, _, _ in TIERS),
+            f"{r['loads_per_min']:.1f}", f"{r['evictions_per_min']:.1f}", _pct(util)])
 
     for row in sorted(rows, key=lambda r: (DEPLOYMENTS.index(r["deployment"]), r["round"])):
         lines.append(line([row["deployment"], str(row["round"])], row))
     lines += ["", f"Median over rounds ({max((m['rounds'] for m in meds.values()), default=0)}):",
-              "", head, "|---" * 9 + "|"]
+              "", *markdown.table(["deployment", *head], align="l" * (len(head) + 1))]
     for name in (n for n in DEPLOYMENTS if n in meds):
         lines.append(line([name], meds[name]))
     if data["ratios"]:
-        lines += ["", "p99 over the static partition's, same round (rounds; median):", "",
-                  "| deployment | head | torso | tail |", "|---|---|---|---|"]
+        lines += ["", "p99 over the static partition's, same round (rounds; median):", ""]
+        ratio_rows = []
         for name, per in data["ratios"].items():
-            cells = []
+            cells = [name]
             for tier, _, _ in TIERS:
                 v = per[tier]
                 each = ", ".join(f"{x:.2f}" for x in v["rounds"])
                 cells.append("-" if v["median"] is None else f"{each}; **{v['median']:.2f}**")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            ratio_rows.append(cells)
+        lines += markdown.table(["deployment", "head", "torso", "tail"], ratio_rows,
+                                align="llll")
     return "\n".join(lines)
 
 

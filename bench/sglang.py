@@ -84,8 +84,10 @@ from typing import Any
 
 import orjson
 
+from app.tuning import markdown
+from app.tuning.markdown import dash as _num
 from app.tuning.stats import median, percentile
-from bench.peers import parse_levels
+from bench.lib.args import parse_levels
 
 MODEL_ID = "bench/sglang-llama"
 HIDDEN_SIZE = 128
@@ -351,10 +353,6 @@ def summarise(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def _pct(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
 
@@ -365,7 +363,7 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
               "TTFT p50 ms shoal", "TTFT p50 ms bare", "shoal's added TTFT p50 ms",
               "TTFT p99 ms shoal", "TTFT p99 ms bare", "ITL p50 ms shoal", "ITL p50 ms bare",
               "ITL p99 ms shoal", "ITL p99 ms bare", "errors (shoal, bare)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    rows = []
     for row in summary:
         cells = [str(row["clients"]),
                  _num(row["shoal_tokens_per_s"], ".0f"), _num(row["bare_tokens_per_s"], ".0f"),
@@ -376,15 +374,16 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
                  _num(row["shoal_itl_p50_ms"], ".1f"), _num(row["bare_itl_p50_ms"], ".1f"),
                  _num(row["shoal_itl_p99_ms"], ".0f"), _num(row["bare_itl_p99_ms"], ".0f"),
                  f"{row['shoal_errors']}, {row['bare_errors']}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown.table(header, rows)
     cpu = ["streams", "shoal: gateway", "worker", "RabbitMQ", "SGLang",
            "bare: SGLang", "shoal's processes, idle", "client (shoal, bare)",
            "shoal's CPU ms per token", "SGLang in prefill (shoal, bare)"]
     lines += ["", "CPU, cores (CPU seconds per second; SGLang = its HTTP, scheduler and "
               "detokenizer processes):", "",
-              "| " + " | ".join(cpu) + " |", "|" + "---:|" * len(cpu)]
+              *markdown.table(cpu)]
     for row in summary:
-        lines.append("| " + " | ".join([
+        lines.append(markdown.row([
             str(row["clients"]), _num(row.get("shoal_cpu_gateway"), ".2f"),
             _num(row.get("shoal_cpu_worker"), ".2f"), _num(row.get("shoal_cpu_rabbitmq"), ".2f"),
             _num(row.get("shoal_cpu_sglang"), ".2f"), _num(row.get("bare_cpu_sglang"), ".2f"),
@@ -392,17 +391,17 @@ def table(summary: Sequence[Mapping[str, Any]]) -> str:
             f"{_num(row['shoal_client_cores'], '.2f')}, {_num(row['bare_client_cores'], '.2f')}",
             _num(row.get("shoal_cpu_ms_per_token"), ".2f"),
             f"{_pct(row.get('shoal_prefill_busy_share'))}, "
-            f"{_pct(row.get('bare_prefill_busy_share'))}"]) + " |")
+            f"{_pct(row.get('bare_prefill_busy_share'))}"]))
     if any("native_tokens_per_s" in row for row in summary):
         lines += ["", "SGLang's native API (/generate, streamed, as shoal's runtime calls it), "
                   "for reference:", "",
-                  "| streams | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | errors |",
-                  "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {row['clients']} | {_num(row.get('native_tokens_per_s'), '.0f')} | "
-                  f"{_num(row.get('native_ttft_p50_ms'), '.1f')} | "
-                  f"{_num(row.get('native_ttft_p99_ms'), '.0f')} | "
-                  f"{_num(row.get('native_itl_p50_ms'), '.1f')} | "
-                  f"{row.get('native_errors', 0)} |" for row in summary]
+                  *markdown.table(
+                      ["streams", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "errors"],
+                      [[row["clients"], _num(row.get("native_tokens_per_s"), ".0f"),
+                        _num(row.get("native_ttft_p50_ms"), ".1f"),
+                        _num(row.get("native_ttft_p99_ms"), ".0f"),
+                        _num(row.get("native_itl_p50_ms"), ".1f"), row.get("native_errors", 0)]
+                       for row in summary])]
     return "\n".join(lines)
 
 

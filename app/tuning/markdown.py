@@ -13,6 +13,11 @@ def fmt(value: Any, spec: str = ".1f", missing: str = "n/a") -> str:
     return format(value, spec)
 
 
+def dash(value: Any, spec: str = ".1f") -> str:
+    """A cell: `value` formatted by `spec`; "-" for None or NaN."""
+    return fmt(value, spec, missing="-")
+
+
 def row(cells: Iterable[Any]) -> str:
     """One table row: `| a | b |` (cells as str() gives them; an empty one `|  |`)."""
     return "| " + " | ".join(str(c) for c in cells) + " |"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.tuning.markdown import fmt, row, table
+from app.tuning.markdown import dash, fmt, row, table
 from app.tuning.stats import median, percentile, ratio
 
 
@@ -53,3 +53,4 @@ def test_markdown_table_rows_rule_and_alignment() -> None:
 def test_fmt_says_na_for_missing_values() -> None:
     assert fmt(1.234) == "1.2" and fmt(3, "g") == "3" and fmt(2.0, ".2f") == "2.00"
     assert fmt(None) == "n/a" and fmt(float("nan")) == "n/a" and fmt(None, missing="-") == "-"
+    assert dash(None) == "-" and dash(2.345, ".2f") == "2.35" and dash(7) == "7.0"
