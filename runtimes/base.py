@@ -71,6 +71,26 @@ class Outcome:
         return self.error_code is None
 
 
+# --- errors a runtime raises (the worker catches them by these types) -----------------------
+
+
+class RuntimeStartError(RuntimeError):
+    """The runtime process did not become ready (its output tail is in the message)."""
+
+
+class RuntimeClosed(RuntimeError):
+    """The runtime was closed; it runs nothing more."""
+
+
+class RuntimeUnhealthy(RuntimeError):
+    """The runtime fails whatever the input, so no request of the batch is to blame."""
+
+
+class LoadFailed(RuntimeError):
+    """A model could not be loaded (the reason is the message); the runtime still serves
+    the models it had."""
+
+
 class Runtime(Protocol):
     """What the worker runs batches on: one batch of one model at a time.
 
@@ -119,7 +139,7 @@ class Runtime(Protocol):
 
     def load(self, model_id: str, lora: str | None = None) -> int:
         """Load a model (or a LoRA adapter of a loaded one) beside running batches (from
-        another thread): the device bytes it takes. Raises `runtimes.process.LoadFailed`
+        another thread): the device bytes it takes. Raises `LoadFailed`
         with the reason."""
         ...
 

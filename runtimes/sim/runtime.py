@@ -32,9 +32,16 @@ from typing import Any
 import numpy as np
 
 from batching.latency_model import BatchShape, CostModel
-from runtimes.base import OnDeltas, Outcome, Request, failed, prepare_each
+from runtimes.base import (
+    LoadFailed,
+    OnDeltas,
+    Outcome,
+    Request,
+    RuntimeClosed,
+    failed,
+    prepare_each,
+)
 from runtimes.pool import keys_of, lora_key
-from runtimes.process import LoadFailed, RuntimeClosed
 from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE

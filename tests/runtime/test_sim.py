@@ -16,8 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from batching.latency_model import BatchShape
-from runtimes.base import Request
-from runtimes.process import RuntimeClosed
+from runtimes.base import Request, RuntimeClosed
 from runtimes.sim import DEVICE_KINDS, SimRuntime, sim_constants
 from tasks.catalog import BatchProfile, ModelEntry
 from tasks.errors import ErrorCode
