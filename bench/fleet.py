@@ -45,9 +45,11 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from app.tuning import markdown
 from app.tuning.bench_stack import BenchStack, bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.knee import Point, SweepPolicy, find_knee, next_load
@@ -389,12 +391,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+_pct = partial(markdown.dash, spec=".0%")
+_ms = partial(markdown.dash, spec=".0f")
 
 
 def pull_vs_push_report(data: dict[str, Any]) -> list[str]:
@@ -403,9 +401,9 @@ def pull_vs_push_report(data: dict[str, Any]) -> list[str]:
         capacities = {data.get("seed", "-"): capacities}
     lines = [f"{data['workers']} workers; capacity (closed loop, saturated, pull) per seed: "
              + ", ".join(f"seed {s}: {c:.0f} req/s" for s, c in capacities.items()), "",
-             "| seed | load | pull p50 ms | pull p99 ms | push p50 ms | push p99 ms | "
-             "pull/push p99 | pull util (min-max) | push util (min-max) | pull redelivered |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             *markdown.table(["seed", "load", "pull p50 ms", "pull p99 ms", "push p50 ms",
+                              "push p99 ms", "pull/push p99", "pull util (min-max)",
+                              "push util (min-max)", "pull redelivered"], align="l" * 10)]
     rows = data["results"]
     keys = sorted({(r.get("seed", "-"), r["fraction"]) for r in rows}, key=str)
     for seed, fraction in keys:
@@ -423,19 +421,18 @@ def pull_vs_push_report(data: dict[str, Any]) -> list[str]:
         ratio = (_pct(pull["p99_ms"] / push["p99_ms"]) if pull and push and push["p99_ms"]
                  else "-")
         returned = pull.get("redelivered") if pull else None
-        lines.append(f"| {seed} | {fraction:.0%} | {_ms(pull and pull['p50_ms'])} | "
-                     f"{_ms(pull and pull['p99_ms'])} | {_ms(push and push['p50_ms'])} | "
-                     f"{_ms(push and push['p99_ms'])} | {ratio} | {util(pull)} | {util(push)} | "
-                     f"{'-' if returned is None else returned} |")
+        lines.append(markdown.row([
+            seed, f"{fraction:.0%}", _ms(pull and pull["p50_ms"]), _ms(pull and pull["p99_ms"]),
+            _ms(push and push["p50_ms"]), _ms(push and push["p99_ms"]), ratio, util(pull),
+            util(push), "-" if returned is None else returned]))
     lines += ["", f"Median over {len(data.get('seeds') or [1])} seed(s):", "",
-              "| load | pull p50 ms | pull p99 ms | push p50 ms | push p99 ms | "
-              "pull/push p99 (median of seeds) | pull util | push util |",
-              "|---|---|---|---|---|---|---|---|"]
-    for m in data.get("medians") or medians(rows):
-        lines.append(f"| {m['fraction']:.0%} | {_ms(m['pull_p50_ms'])} | "
-                     f"{_ms(m['pull_p99_ms'])} | {_ms(m['push_p50_ms'])} | "
-                     f"{_ms(m['push_p99_ms'])} | {_pct(m['p99_ratio'])} | "
-                     f"{_pct(m['pull_utilisation_mean'])} | {_pct(m['push_utilisation_mean'])} |")
+              *markdown.table(
+                  ["load", "pull p50 ms", "pull p99 ms", "push p50 ms", "push p99 ms",
+                   "pull/push p99 (median of seeds)", "pull util", "push util"],
+                  [[f"{m['fraction']:.0%}", _ms(m["pull_p50_ms"]), _ms(m["pull_p99_ms"]),
+                    _ms(m["push_p50_ms"]), _ms(m["push_p99_ms"]), _pct(m["p99_ratio"]),
+                    _pct(m["pull_utilisation_mean"]), _pct(m["push_utilisation_mean"])]
+                   for m in data.get("medians") or medians(rows)], align="l" * 8)]
     return lines
 
 
@@ -482,16 +479,17 @@ def report(data: dict[str, Any]) -> str:
     if data["experiment"] == "scaling":
         one = next((r["knee"]["throughput"] for r in data["results"]
                     if r["workers"] == 1 and r["knee"]), None)
-        lines += ["| workers | knee: clients | req/s | p50 ms | p99 ms | vs N x 1 worker |",
-                  "|---|---|---|---|---|---|"]
+        rows = []
         for r in data["results"]:
             k = r["knee"]
             if k is None:
-                lines.append(f"| {r['workers']} | - | - | - | - | - |")
+                rows.append([r["workers"], "-", "-", "-", "-", "-"])
                 continue
             ratio = f"{k['throughput'] / (one * r['workers']):.0%}" if one else "-"
-            lines.append(f"| {r['workers']} | {k['load']:.0f} | {k['throughput']:.0f} | "
-                         f"{k['p50_ms']:.0f} | {k['p99_ms']:.0f} | {ratio} |")
+            rows.append([r["workers"], f"{k['load']:.0f}", f"{k['throughput']:.0f}",
+                         f"{k['p50_ms']:.0f}", f"{k['p99_ms']:.0f}", ratio])
+        lines += markdown.table(["workers", "knee: clients", "req/s", "p50 ms", "p99 ms",
+                                 "vs N x 1 worker"], rows, align="l" * 6)
     else:
         lines += pull_vs_push_report(data)
     return "\n".join(lines)

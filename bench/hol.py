@@ -20,6 +20,7 @@ import asyncio
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_p99_ratio": statistics.median(ratios) if ratios else None}
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+_ms = partial(markdown.dash, spec=".1f")
 
 
 def table(result: dict[str, Any]) -> str:

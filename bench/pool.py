@@ -68,6 +68,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -696,12 +697,10 @@ def ratios(rows: list[dict[str, Any]], base: str = "partition") -> dict[str, dic
     return out
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+_ms = partial(markdown.dash, spec=".0f")
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
+_pct = partial(markdown.dash, spec=".0%")
 
 
 def table(data: dict[str, Any]) -> str:
