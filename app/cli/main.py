@@ -26,12 +26,14 @@ def _gateway(args: argparse.Namespace) -> int:
         "host": args.host or settings.host,
         "port": args.port or settings.port,
         "loop": "uvloop",
-        # httptools with header size, read time and connection limits (gateway/edge/http_protocol.py);
-        # a string, since uvicorn's supervisor pickles the options for its workers.
+        # httptools with header size, read time and connection limits
+        # (gateway/edge/http_protocol.py); a string, since uvicorn's supervisor pickles the
+        # options for its workers.
         "http": "gateway.edge.http_protocol:EdgeProtocol",
         "timeout_keep_alive": settings.gateway_keep_alive_s,
         # SIGTERM: uvicorn waits this long for the requests in flight, then the lifespan
-        # closes the broker (gateway/edge/sigterm_drain.py); a drain delay comes out of the same grace.
+        # closes the broker (gateway/edge/sigterm_drain.py); a drain delay comes out of the
+        # same grace.
         "timeout_graceful_shutdown": max(
             settings.shutdown_grace_s - settings.gateway_drain_delay_s, 1.0),
         "log_level": args.log_level,
