@@ -10,7 +10,7 @@ the batches came (stage queues are FIFO), which is what the worker's side expect
 the pipeline holds three batches: one per stage.
 
 A failure stays with its batch: an exception in any stage answers that batch
-`{"failed": ...}` and the next batch runs. An error that leaves the device unusable
+`Failed` (`runtimes.frames`) and the next batch runs. An error that leaves the device unusable
 (a CUDA error) is answered `fatal`, and the process exits right after sending it; the
 batches behind it then see the connection close, as after a crash, and the worker
 runs them again on a fresh process.
@@ -28,9 +28,10 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runtimes.base import Outcome, Request
+from runtimes.frames import Failed, Frame, Outcomes, RunOutcome
 from runtimes.protocol import encode_frame
 
 if TYPE_CHECKING:
@@ -63,36 +64,29 @@ def release_cached_memory(device: str) -> None:
 
 
 def failed_reply(exc: BaseException, device: str, requests: int, model: str
-                 ) -> tuple[dict[str, Any], bool]:
+                 ) -> tuple[Failed, bool]:
     """The reply to a batch that raised, and whether the process must exit after it."""
     log.error("batch of %d requests for %s failed", requests, model, exc_info=exc)
     fatal = leaves_device_unusable(exc, device)
     if not fatal:
         release_cached_memory(device)
-    return {"failed": repr(exc), "fatal": fatal}, fatal
+    return Failed(repr(exc), fatal), fatal
 
 
-def outcomes_reply(outcomes: list[Outcome]) -> dict[str, Any]:
-    return {
-        "outcomes": [
-            {
-                "id": o.id,
-                "result": o.result,
-                "error_code": None if o.error_code is None else str(o.error_code),
-                "error_message": o.error_message,
-                "stats": o.stats,
-            }
-            for o in outcomes
-        ]
-    }
+def outcomes_reply(outcomes: list[Outcome]) -> Outcomes:
+    return Outcomes([
+        RunOutcome(o.id, o.result, None if o.error_code is None else str(o.error_code),
+                   o.error_message, o.stats)
+        for o in outcomes
+    ])
 
 
-def reply_bytes(reply: dict[str, Any]) -> bytes:
+def reply_bytes(reply: Frame) -> bytearray:
     try:
         return encode_frame(reply)
     except Exception as exc:  # too large, or a result msgpack cannot pack
         # Not fatal: the client bisects, and smaller batches give smaller replies.
-        return encode_frame({"failed": f"reply could not be sent: {exc!r}", "fatal": False})
+        return encode_frame(Failed(f"reply could not be sent: {exc!r}"))
 
 
 @dataclass(slots=True)

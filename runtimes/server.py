@@ -10,37 +10,9 @@ once every `--model` is loaded, so its existence means "ready". It accepts two
 connections from its worker, batches first, then control, and exits when the
 batch connection closes or the parent dies. Loads and unloads come on the
 control connection and run on a thread of their own, beside the batches of the
-models already loaded. Frames on the batch connection (`runtimes.protocol`):
-
-    {"op": "ping"}                         -> {"pong": pid}
-    {"op": "run", "model": str,
-     "requests": [{"id", "op", "kwargs",
-                   "stream": bool}],
-     "deltas": bool}                       -> {"outcomes": [{"id", "result", "error_code",
-                                                             "error_message", "stats"}]}
-                                            | {"failed": repr(exc), "fatal": bool}
-
-    With "deltas" true, the run is a conversation until its outcomes: after each decode
-    step the runtime sends {"deltas": [[id, index, text, tokens], ...]} and waits for
-    {"cancel": [id, ...]} (requests whose callers left since; their rows stop), so a
-    stream is paced by its reader and a cancel reaches the loop within one step.
-    {"op": "probe", "model": str}          -> the same, for one request (id PROBE_ID): the
-                                              adapter's own small known-good request
-    anything else                          -> {"error": str}
-
-Frames on the control connection:
-
-    {"op": "load", "model": str,
-     "lora": str | None}                   -> {"loaded": str, "bytes": int, "seconds": float}
-                                            | {"failed": repr(exc)}
-    {"op": "unload", "model": str,
-     "lora": str | None}                   -> {"unloaded": str}
-
-(with a `lora`, the LoRA adapter of that name of the loaded model).
-    {"op": "ping"}                         -> {"pong": pid}
-
-Once both are accepted it sends {"ready": pid, "models": {id: bytes},
-"device_bytes": int | None} on the batch connection.
+models already loaded. The frames on both connections, and what answers each, are
+`runtimes.frames` (length-prefixed by `runtimes.protocol`); once both connections are
+accepted it sends `Ready` on the batch connection.
 
 `--spare` (no `--model`): a process kept ready to replace a runtime that dies. It
 makes every import a model load needs (torch, transformers, the catalog's adapter
@@ -48,10 +20,7 @@ modules) before its socket appears, on a thread of lowered CPU priority so that 
 yields to the runtime that serves meanwhile; then it waits for its worker, touching
 no device (on CUDA a context is made only by the first load, once promoted), and
 its ready frame has no `device_bytes`. Promoted, it is told what to load on the
-control connection. `failed` means the
-batch raised; the client decides which request is to blame. `fatal` means the
-exception left the device unusable (a CUDA error): the process exits right
-after replying so that the client starts a fresh one.
+control connection.
 """
 
 from __future__ import annotations
@@ -67,9 +36,31 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runtimes.base import Delta, Request
+from runtimes.frames import (
+    BATCH_REQUEST_DECODER,
+    CANCEL_DECODER,
+    CONTROL_REQUEST_DECODER,
+    BatchRequest,
+    Cancel,
+    ControlReply,
+    ControlRequest,
+    Deltas,
+    Failed,
+    Frame,
+    Load,
+    Loaded,
+    Ping,
+    Pong,
+    Probe,
+    Ready,
+    Rejected,
+    Run,
+    StreamDelta,
+    Unloaded,
+)
 from runtimes.pipeline import (
     EXIT_FATAL,
     Pipeline,
@@ -81,6 +72,7 @@ from runtimes.pipeline import (
 from runtimes.protocol import (
     PROBE_ID,
     ConnectionClosed,
+    MalformedFrame,
     ProtocolError,
     encode_frame,
     recv_frame,
@@ -162,36 +154,32 @@ class WorkerGone(Exception):
 def _delta_sender(conn: socket.socket, host: ModelHost) -> Callable[[list[Delta]], None]:
     def send(deltas: list[Delta]) -> None:
         try:
-            conn.sendall(encode_frame({"deltas": [[d.id, d.index, d.text, d.tokens]
-                                                  for d in deltas]}))
-            reply = recv_frame(conn)
+            conn.sendall(encode_frame(Deltas([StreamDelta(d.id, d.index, d.text, d.tokens)
+                                              for d in deltas])))
+            reply: Cancel = recv_frame(conn, CANCEL_DECODER)
+        except MalformedFrame:
+            return  # not a cancel: nothing to stop
         except (OSError, EOFError, ProtocolError) as exc:
             raise WorkerGone(repr(exc)) from exc
-        cancel = reply.get("cancel") if isinstance(reply, dict) else None
-        if cancel:
-            host.cancel([str(c) for c in cancel])
+        if reply.ids:
+            host.cancel(reply.ids)
 
     return send
 
 
-def handle(host: ModelHost, frame: Any, conn: socket.socket | None = None
-           ) -> tuple[dict[str, Any], bool]:
+def requests_of(frame: Run) -> list[Request]:
+    return [Request(r.id, r.op, r.kwargs, r.stream) for r in frame.requests]
+
+
+def handle(host: ModelHost, frame: BatchRequest, conn: socket.socket | None = None
+           ) -> tuple[Frame, bool]:
     """The reply to one frame, and whether the process must exit after sending it."""
-    if not isinstance(frame, dict):
-        return {"error": f"expected a map, got {type(frame).__name__}"}, False
-    op = frame.get("op")
-    if op == "ping":
-        return {"pong": os.getpid()}, False
-    if op not in ("run", "probe"):
-        return {"error": f"unknown op {op!r}"}, False
-    try:
-        model = str(frame["model"])
-        requests = (probe(host, model) if op == "probe" else
-                    [Request(str(r["id"]), str(r["op"]), r["kwargs"], bool(r.get("stream")))
-                     for r in frame["requests"]])
-    except (KeyError, TypeError) as exc:
-        return {"error": f"malformed {op} frame: {exc!r}"}, False
-    on_deltas = _delta_sender(conn, host) if conn is not None and frame.get("deltas") else None
+    if isinstance(frame, Ping):
+        return Pong(os.getpid()), False
+    model = frame.model
+    requests = probe(host, model) if isinstance(frame, Probe) else requests_of(frame)
+    on_deltas = (_delta_sender(conn, host)
+                 if conn is not None and isinstance(frame, Run) and frame.deltas else None)
     try:
         outcomes = host.run_batch(model, requests, on_deltas)
     except WorkerGone:
@@ -201,42 +189,32 @@ def handle(host: ModelHost, frame: Any, conn: socket.socket | None = None
     return outcomes_reply(outcomes), False
 
 
-def batch_of(frame: Any) -> tuple[str, list[Request]] | None:
+def batch_of(frame: BatchRequest) -> tuple[str, list[Request]] | None:
     """The model and requests of a run frame the pipeline takes (no deltas to talk back);
     None for any other frame (answered by `handle`, alone)."""
-    if not isinstance(frame, dict) or frame.get("op") != "run" or frame.get("deltas"):
+    if not isinstance(frame, Run) or frame.deltas:
         return None
-    try:
-        return str(frame["model"]), [
-            Request(str(r["id"]), str(r["op"]), r["kwargs"], bool(r.get("stream")))
-            for r in frame["requests"]]
-    except (KeyError, TypeError):
-        return None  # `handle` says what is malformed
+    return frame.model, requests_of(frame)
 
 
-def control(host: ModelHost, catalog: Catalog, frame: Any,
-            imported: threading.Event | None = None) -> dict[str, Any]:
+def control(host: ModelHost, catalog: Catalog, frame: ControlRequest,
+            imported: threading.Event | None = None) -> ControlReply:
     """The reply to one control frame (a load or an unload). A load first waits for
     `imported` (the background imports): transformers' lazy module is not safe to import
     from two threads at once (a racing load failed with "cannot import name
     'AutoModel'")."""
-    if not isinstance(frame, dict):
-        return {"error": f"expected a map, got {type(frame).__name__}"}
-    op, model, lora = frame.get("op"), frame.get("model"), frame.get("lora")
-    if op == "ping":
-        return {"pong": os.getpid()}
-    if op not in ("load", "unload") or not isinstance(model, str) or \
-            not isinstance(lora, str | None):
-        return {"error": f"unknown control frame {frame!r:.200}"}
-    if op == "unload":
+    if isinstance(frame, Ping):
+        return Pong(os.getpid())
+    model, lora = frame.model, frame.lora
+    if not isinstance(frame, Load):
         if lora is None:
             host.unload(model)
         else:
             host.unload_lora(model, lora)
-        return {"unloaded": model}
+        return Unloaded(model)
     entry = catalog.get(model)
     if entry is None:
-        return {"failed": f"{model} is not in the runtime's catalog"}
+        return Failed(f"{model} is not in the runtime's catalog")
     started = time.perf_counter()
     if imported is not None:
         imported.wait()
@@ -245,8 +223,8 @@ def control(host: ModelHost, catalog: Catalog, frame: Any,
     except Exception as exc:  # bad weights, missing files, out of memory: not our death
         log.exception("loading %s failed", model)
         release_cached_memory(host.device)
-        return {"failed": f"{type(exc).__name__}: {exc}"}
-    return {"loaded": model, "bytes": measured, "seconds": time.perf_counter() - started}
+        return Failed(f"{type(exc).__name__}: {exc}")
+    return Loaded(model, measured, time.perf_counter() - started)
 
 
 def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog,
@@ -254,16 +232,29 @@ def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog,
     """Answer control frames until the worker hangs up (on a thread of its own)."""
     while True:
         try:
-            frame = recv_frame(conn)
+            frame = recv_frame(conn, CONTROL_REQUEST_DECODER)
         except (ConnectionClosed, OSError):
             return
+        except MalformedFrame as exc:
+            reply: ControlReply = Rejected(f"unknown control frame: {exc}")
         except ProtocolError as exc:
             log.error("control connection: %s", exc)
             return
+        else:
+            reply = control(host, catalog, frame, imported)
         try:
-            conn.sendall(encode_frame(control(host, catalog, frame, imported)))
+            conn.sendall(encode_frame(reply))
         except OSError:
             return
+
+
+def read_request(conn: socket.socket) -> BatchRequest | Rejected:
+    """The next frame on the batch connection, or for one it does not take (a whole frame,
+    read: the connection stays in step) the answer to it."""
+    try:
+        return recv_frame(conn, BATCH_REQUEST_DECODER)
+    except MalformedFrame as exc:
+        return Rejected(str(exc))
 
 
 def serve(conn: socket.socket, host: ModelHost) -> int:
@@ -272,20 +263,25 @@ def serve(conn: socket.socket, host: ModelHost) -> int:
     pipeline = Pipeline(conn, host)
     while True:
         try:
-            frame = recv_frame(conn)
+            frame = read_request(conn)
         except (ConnectionClosed, OSError):
             log.info("the worker closed the connection; exiting")
             return 0
-        batch = batch_of(frame)
-        if batch is not None:
-            pipeline.submit(*batch)
-            continue
-        pipeline.idle()
-        try:
-            reply, fatal = handle(host, frame, conn)
-        except WorkerGone:
-            log.info("the worker closed the connection mid-stream; exiting")
-            return 0
+        if isinstance(frame, Rejected):  # answered in its turn; nothing runs
+            pipeline.idle()
+            reply: Frame = frame
+            fatal = False
+        else:
+            batch = batch_of(frame)
+            if batch is not None:
+                pipeline.submit(*batch)
+                continue
+            pipeline.idle()
+            try:
+                reply, fatal = handle(host, frame, conn)
+            except WorkerGone:
+                log.info("the worker closed the connection mid-stream; exiting")
+                return 0
         try:
             conn.sendall(reply_bytes(reply))
         except OSError:
@@ -327,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     # A spare leaves the device alone until it loads (on CUDA, asking for its memory
     # makes a context); its worker knows the device's memory from the child before.
     device_bytes = None if args.spare else host.device_total_bytes()
-    conn.sendall(encode_frame({"ready": os.getpid(), "models": dict(host.footprints),
-                               "device_bytes": device_bytes}))
+    conn.sendall(encode_frame(Ready(os.getpid(), dict(host.footprints), device_bytes)))
     log.info("serving %s", ", ".join(args.models) or
              ("no model yet (a spare: promoted)" if args.spare else "no model yet"))
     if args.models or args.spare:

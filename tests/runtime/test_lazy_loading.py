@@ -16,9 +16,9 @@ import torch
 import yaml
 from transformers import AutoModel
 
-from runtimes.base import Request
+from runtimes.base import LoadFailed, Request
 from runtimes.footprint import estimate_bytes, tensor_bytes
-from runtimes.process import LoadFailed, ProcessRuntime
+from runtimes.process import ProcessRuntime
 from tests.tiny_models import build_tiny_bert, build_tiny_sentence_transformer
 
 TINY, OTHER, BIG, BROKEN, SLOW = "test/tiny", "test/other", "test/big", "test/broken", "test/slow"

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import yaml
 
-from runtimes import protocol, server
-from runtimes.base import Outcome, Request
+from runtimes import frames, protocol, server
+from runtimes.base import Outcome, Request, RuntimeClosed, RuntimeStartError, RuntimeUnhealthy
 from runtimes.host import ModelHost
-from runtimes.process import ProcessRuntime, RuntimeClosed, RuntimeStartError, RuntimeUnhealthy
+from runtimes.process import ProcessRuntime
 from runtimes.pytorch.faulty import EVERY_BATCH_ENV, AdapterRefused
 from tasks.catalog import Catalog
 from tests.tiny_classifiers import build_tiny_cross_encoder
@@ -301,14 +301,27 @@ class _RaisingHost:
     ("cuda", ValueError("bad shape"), False),
 ])
 def test_the_server_exits_after_errors_that_leave_the_device_unusable(device, error, fatal):
-    frame = {"op": "run", "model": "m", "requests": [{"id": "a", "op": "encode", "kwargs": {}}]}
+    frame = frames.Run("m", [frames.RunRequest("a", "encode", {})])
     reply, exit_after = server.handle(_RaisingHost(device, error), frame)  # type: ignore[arg-type]
-    assert reply == {"failed": repr(error), "fatal": fatal} and exit_after == fatal
+    assert reply == frames.Failed(repr(error), fatal) and exit_after == fatal
+
+
+def _answer(raw: object) -> object:
+    """What a runtime's batch connection answers `raw` (any msgpack value) with."""
+    a, b = socket.socketpair()
+    with a, b:
+        protocol.send_frame(a, raw)
+        frame = server.read_request(b)
+    if isinstance(frame, frames.Rejected):
+        return frame
+    return server.handle(_RaisingHost("cpu", RuntimeError()), frame)[0]  # type: ignore[arg-type]
 
 
 def test_the_server_answers_malformed_frames_with_an_error():
-    host = _RaisingHost("cpu", RuntimeError())
-    assert server.handle(host, ["run"])[0] == {"error": "expected a map, got list"}  # type: ignore[arg-type]
-    assert "unknown op" in server.handle(host, {"op": "nope"})[0]["error"]  # type: ignore[arg-type]
-    assert "malformed" in server.handle(host, {"op": "run", "model": "m"})[0]["error"]  # type: ignore[arg-type]
-    assert server.handle(host, {"op": "ping"})[0] == {"pong": os.getpid()}  # type: ignore[arg-type]
+    not_a_map = _answer(["run"])
+    assert isinstance(not_a_map, frames.Rejected) and "got `array`" in not_a_map.reason
+    unknown = _answer({"frame": "nope"})
+    assert isinstance(unknown, frames.Rejected) and "Invalid value 'nope'" in unknown.reason
+    malformed = _answer({"frame": "run", "model": "m"})
+    assert isinstance(malformed, frames.Rejected) and "missing required field" in malformed.reason
+    assert _answer({"frame": "ping"}) == frames.Pong(os.getpid())

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 import yaml
 
-from runtimes.base import Outcome, Request
+from runtimes.base import Outcome, Request, RuntimeStartError
 from runtimes.pool import lora_key
-from runtimes.process import RESTART_ATTEMPTS, ProcessRuntime, RuntimeStartError
+from runtimes.process import ProcessRuntime
+from runtimes.supervisor import RESTART_ATTEMPTS
 from tests.stack import wait_for
 from tests.tiny_lora import BERT_TARGETS, build_tiny_lora
 from tests.tiny_models import build_tiny_sentence_transformer
