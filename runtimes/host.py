@@ -5,7 +5,7 @@ or, behind a socket, in its own process (`runtimes.server`); it keeps no
 reference to the broker, so both compute the same thing.
 
 An inference exception propagates out of `run_batch`: the caller decides
-which request is to blame (`runtimes.process` bisects the batch). Only
+which request is to blame (`runtimes.bisection` bisects the batch). Only
 problems found by checking a request before inference are per-request
 outcomes here.
 """
