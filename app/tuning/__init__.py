@@ -10,6 +10,8 @@ build on:
 - `inproc`: a dense model's in-process ceiling, and the machine it ran on;
 - `stack`: start, watch and stop a private gateway + workers + Flower on one queue
   prefix; `bench_stack`: such a stack for one run, ready once a request goes through;
+- `stats`: the one percentile, median and ratio; `markdown`: the one markdown table
+  and its cells ("n/a" or "-" for a missing figure);
 - `plot`: the PNG of a load sweep.
 
 Nothing here imports bench/ or tests/.
