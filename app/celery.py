@@ -1,7 +1,8 @@
 """The Celery app of a worker: `celery -A app worker` finds it here.
 
 The app itself is tasks.celery_app's (clients share it); this module adds what only a
-worker needs, its model-queue consumer, when a worker of that app starts.
+worker needs, its consumer bootsteps (`app.worker.steps`), when a worker of that app
+starts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ __all__ = ["app"]
 
 @worker_init.connect
 def _install_worker_steps(sender: Any = None, **_: Any) -> None:
-    """Add the model-queue consumer to a worker of this app before it builds its steps.
+    """Add shoal's consumer steps to a worker of this app before it builds its steps.
 
     Sent by every worker (`shoal worker`, `celery -A app worker`, a test's
     WorkController) and by nothing else: backend services import tasks.celery_app

@@ -1,8 +1,8 @@
 """shoal's worker: a Celery worker whose consumer feeds the model queues to a dispatcher.
 
 A worker is a plain Celery worker of the app (`celery -A app worker`, `shoal worker`);
-`install` adds its consumer bootsteps (`app.worker.model_queues`), which consume every
-served model's queue into the dispatcher (`app.worker.dispatcher`): it holds each
+`install` adds its consumer bootsteps (`app.worker.steps`), which consume every served
+model's queue into the dispatcher (`app.worker.dispatcher`): it holds each
 request, has the scheduler (`batching.scheduler`) form batches, runs them on the model
 runtime (`runtimes/`) and publishes the results (`app.worker.replies`). Models load on
 demand (`app.worker.placement`); SIGTERM drains (`app.worker.shutdown`).
@@ -20,6 +20,6 @@ __all__ = ["install"]
 
 def install(app: Any) -> None:
     """Add the worker's consumer bootsteps to `app` (before its worker builds its steps)."""
-    from app.worker.model_queues import install as install_steps
+    from app.worker.steps import install as install_steps
 
     install_steps(app)

@@ -50,7 +50,7 @@ class DeadLetterAnswerer:
         DEAD_LETTERED.labels(self.model, reason).inc()
         if H_COALESCED in headers:  # several requests: each caller gets the answer
             try:
-                task_ids = [part.task_id for part in read_coalesced(headers, message.body)]
+                task_ids = [member.task_id for member in read_coalesced(headers, message.body)]
             except ValueError:
                 task_ids = []
         else:

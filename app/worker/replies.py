@@ -224,7 +224,7 @@ class Replier:
 
     def forward(self, deliveries: list[Delivery], routing_key: str, body: bytes,
                 headers: dict[str, Any], expiration_s: float | None) -> None:
-        """Publish a message of requests handed on (returned parts of coalesced messages)
+        """Publish a message of requests handed on (returned members of coalesced messages)
         to a queue; each request is settled when the broker confirms it."""
         properties: dict[str, Any] = {"content_type": CONTENT_TYPE,
                                       "content_encoding": CONTENT_ENCODING,

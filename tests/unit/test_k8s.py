@@ -28,7 +28,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from app.worker.model_queues import pinned_models
+from app.worker.limits import pinned_models
 from tasks.catalog import load_catalog
 from tasks.settings import PACKAGED_CATALOG_DIR, REPO_ROOT, Settings
 from tasks.topology import dead_letter_exchange, queue_for, task_exchange

@@ -1,0 +1,80 @@
+"""Celery remote-control commands of a shoal worker.
+
+Operators see and steer the pool with them: `celery -A app inspect shoal_models`,
+`celery -A app control shoal_load MODEL`, `celery -A app control shoal_unload MODEL`;
+a gateway sends `shoal_cancel` when a stream's client leaves. Gateways learn the pool
+from the state message each worker publishes (`tasks.pool_state`). Registered when this
+module is imported (`app.worker.steps` imports it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker import control
+
+from app.worker.model_queues import ModelQueueConsumer
+
+
+@control.inspect_command()
+def active_queues(state: Any) -> list[dict]:
+    """Celery's `active_queues` plus the model queues, so Flower's broker tab lists them."""
+    consumer = state.consumer
+    queues = list(consumer.task_consumer.queues) if consumer.task_consumer else []
+    step = _step(state)
+    for kombu_consumer in (step.consumers if step else None) or []:
+        queues.extend(kombu_consumer.queues)
+    return [dict(q.as_dict(recurse=True)) for q in queues]
+
+
+def _step(state: Any) -> ModelQueueConsumer | None:
+    return next((s for s in state.consumer.steps if isinstance(s, ModelQueueConsumer)), None)
+
+
+@control.inspect_command()
+def shoal_models(state: Any) -> dict[str, Any]:
+    """Each model this worker may serve: resident, loading or cold, pinned, its bytes."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return {"error": "not consuming yet"}
+    return step.dispatcher.placement.snapshot()
+
+
+def _placement_serving(state: Any, model: str) -> tuple[Any, dict[str, str] | None]:
+    """This worker's placement and None, or None and the reply that says why not."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return None, {"error": "not consuming yet"}
+    if model not in step.dispatcher.scheduler.lanes:
+        return None, {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
+    return step.dispatcher.placement, None
+
+
+@control.control_command(args=[("model", str)], signature="<model id>")
+def shoal_load(state: Any, model: str) -> dict[str, Any]:
+    """Start loading a model here (warm it before traffic comes)."""
+    placement, refused = _placement_serving(state, model)
+    if refused is not None:
+        return refused
+    why = placement.ensure(model, asked=True)
+    return {"error": why} if why is not None else {"ok": f"{model} is {placement.state(model)}"}
+
+
+@control.control_command(args=[("model", str)], signature="<model id>")
+def shoal_unload(state: Any, model: str) -> dict[str, Any]:
+    """Drop a model here (not a pinned one, nor one with requests held or running)."""
+    placement, refused = _placement_serving(state, model)
+    if refused is not None:
+        return refused
+    why = placement.unload(model)
+    return {"error": why} if why is not None else {"ok": f"{model} unloaded"}
+
+
+@control.control_command(args=[("task_ids", list)], signature="<task id> [...]")
+def shoal_cancel(state: Any, task_ids: list[str]) -> dict[str, Any]:
+    """Revoke requests (a gateway sends it when a stream's client leaves): not started, they
+    are answered CANCELLED; running, their generation stops at its next token."""
+    step = _step(state)
+    if step is None or step.dispatcher is None:
+        return {"error": "not consuming yet"}
+    return {"ok": step.dispatcher.cancel([str(t) for t in task_ids])}
