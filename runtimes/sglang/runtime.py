@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtimes.base import Load, OnDeltas, Outcome, Request, failed
+from runtimes.base import Load, LoadFailed, OnDeltas, Outcome, Request, failed
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.sglang.client import SGLangClient
 from runtimes.sglang.live import Live, LiveRequests
@@ -70,19 +70,6 @@ from tasks.errors import ErrorCode, ShoalError
 from tasks.served import stamp_batch
 
 log = logging.getLogger(__name__)
-
-
-class LoadFailed(RuntimeError):
-    """A model could not be served by SGLang (the reason is the message)."""
-
-
-def _load_failed() -> type[Exception]:
-    """`runtimes.process.LoadFailed`, which the worker catches, when it can be imported."""
-    try:
-        from runtimes.process import LoadFailed as ProcessLoadFailed
-    except Exception:  # pragma: no cover - the worker's module is always there
-        return LoadFailed
-    return ProcessLoadFailed
 
 
 class SGLangRuntime:
@@ -172,28 +159,28 @@ class SGLangRuntime:
 
     def load(self, model_id: str, lora: str | None = None) -> int:
         """Start the model's SGLang server and wait until it is healthy: the bytes its
-        weights take. `runtimes.process.LoadFailed` with the reason if it cannot."""
-        error = _load_failed()
+        weights take. `LoadFailed` with the reason if it cannot."""
         if lora is not None:
-            raise error(f"LoRA adapter {lora!r} of {model_id}: shoal's SGLang runtime serves no "
-                        "LoRA adapters (serve the model with runtime: pytorch for LoRA)")
+            raise LoadFailed(f"LoRA adapter {lora!r} of {model_id}: shoal's SGLang runtime "
+                             "serves no LoRA adapters (serve the model with runtime: pytorch "
+                             "for LoRA)")
         with self._lock:
             if self._closed:
-                raise error("the SGLang runtime is closed")
+                raise LoadFailed("the SGLang runtime is closed")
             if model_id in self._models:
                 return self.resident.get(model_id, 0)
         try:
             model = served_model(self._catalog_dir, model_id, self._settings)
             server = self._start_server(model)
         except (ServerStartError, ShoalError, ValueError, OSError) as exc:
-            raise error(str(exc)) from exc
+            raise LoadFailed(str(exc)) from exc
         model.server = server
         read_bounds(model)
         size = self.estimate_bytes(model_id)
         with self._lock:
             if self._closed:
                 server.stop()
-                raise error("the SGLang runtime was closed while loading")
+                raise LoadFailed("the SGLang runtime was closed while loading")
             self._models[model_id] = model
             self.resident[model_id] = 0 if size == UNKNOWN_BYTES else size
         return self.resident[model_id]
