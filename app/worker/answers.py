@@ -11,23 +11,28 @@ BLOB_CORRUPT), or handed back (`app.worker.returns`). The publishing and acking 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from app.worker import metrics
 from app.worker.held import Held
+from app.worker.replies import Replier
 from app.worker.splits import merged_result
 from runtimes.base import CANCELLED, Outcome
 from tasks.errors import ErrorCode
 from tasks.served import stamp_delivery
 
-if TYPE_CHECKING:
-    from app.worker.dispatcher import Dispatcher
-
 
 class Answers:
-    """The dispatcher's answers (loop thread); a mixin of `Dispatcher`."""
+    """Settles held requests with their outcome or an error (loop thread)."""
 
-    def _answer(self: Dispatcher, model: str, held: Held, outcome: Outcome) -> None:
+    def __init__(self, replier: Replier, consumer: Any, draining: Callable[[], bool]) -> None:
+        self.replier = replier
+        self.c = consumer  # the Celery consumer: its hostname goes into each result
+        self.draining = draining
+        self.drain_answered = 0  # requests answered while draining
+
+    def answer(self, model: str, held: Held, outcome: Outcome) -> None:
         split = held.split
         if split is not None:
             if split.answered or (outcome.ok and len(split.results) < len(split.parts)):
@@ -61,7 +66,7 @@ class Answers:
                 metrics.INTER_TOKEN.labels(model).observe(latency["itl_ms"] / 1000)
         self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)
 
-    def _refuse(self: Dispatcher, model: str, held: Held, why: str,
+    def refuse(self, model: str, held: Held, why: str,
                 code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
         if held.split is not None:
             if held.split.answered:
@@ -74,7 +79,7 @@ class Answers:
         metrics.RESULTS.labels(model, code).inc()
         self.replier.failure(held.delivery, held.task_id, code, why)
 
-    def _count_drain_answer(self: Dispatcher, model: str) -> None:
-        if self.draining:
+    def _count_drain_answer(self, model: str) -> None:
+        if self.draining():
             self.drain_answered += 1
             metrics.DRAIN_ANSWERED.labels(model).inc()

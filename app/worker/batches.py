@@ -1,18 +1,12 @@
-"""Running a batch, and streaming its output.
+"""Running a batch: started on the loop, run on the runtime's thread, answered on the loop.
 
 A batch the scheduler starts runs on the runtime's own thread (an executor of
 `pipeline_depth` threads: a pipelined runtime takes the next batch while it computes
 one); its bodies are decoded there, and its completion is handed back with
 `hub.call_soon`, which wakes the loop at once (no polling timer). The next batch starts
 before this one's answers are published, so the runtime computes while the loop publishes.
-
-Streaming: a generate request whose kwargs say `stream: true` has its output published
-as it is made, as Celery PROGRESS states on its `reply_to` before its result
-(`app.worker.replies.Replier.progress`). The runtime's thread queues each step's deltas
-and wakes the loop, which publishes them in order, and always before the batch's results.
-A request revoked by its caller (Celery's `revoke`, or `shoal_cancel`, which a gateway
-sends when an HTTP stream's client leaves) is answered CANCELLED if it has not started,
-and stops at its next token if it runs.
+A batch's streamed output goes out through `app.worker.streams`, always before its
+results; `cancel` revokes requests (see there).
 """
 
 from __future__ import annotations
@@ -20,17 +14,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery.worker import state as worker_state
 
 from app.worker import metrics
 from app.worker.held import Held
-from app.worker.replies import Delivery
 from app.worker.splits import next_parts
 from batching.former import batch_tokens
 from batching.scheduler import Batch
-from runtimes.base import Delta, OnDeltas, Outcome, Request
+from runtimes.base import Outcome, Request
 from runtimes.pool import lora_key
 from tasks.claims import substitute
 from tasks.envelope import decode_body
@@ -44,8 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class Batches:
-    """The dispatcher's batches and streams; a mixin of `Dispatcher`. `_run`,
-    `_requests` and the delta queuer run on the runtime's thread, the rest on the loop."""
+    """The dispatcher's batches; a mixin of `Dispatcher`. `_run` and `_requests` run on
+    the runtime's thread, the rest on the loop."""
 
     def _mark_started(self: Dispatcher, model: str, held: Held, started: float) -> None:
         """A request (or a part of one) begins to run: Flower's task-started, queue wait."""
@@ -83,7 +76,7 @@ class Batches:
              ) -> tuple[list[Outcome], float]:
         started = time.perf_counter()
         requests, outcomes = self._requests(batch)
-        on_deltas = self._delta_queuer(generation, batch) \
+        on_deltas = self.streams.queuer(generation, batch) \
             if any(r.stream for r in requests) else None
         if requests:
             outcomes.update((o.id, o) for o in self.runtime.run_batch(model, requests, on_deltas))
@@ -118,48 +111,6 @@ class Batches:
                                     stream=kwargs.get("stream") is True,
                                     deadline_ms=held.annotations.deadline_ms))
         return requests, refused
-
-    def _delta_queuer(self: Dispatcher, generation: int, batch: list[Held]) -> OnDeltas:
-        """The batch's `on_deltas` (runtime thread): queue, and wake the loop to publish.
-        Through one queue, as the loop runs `call_soon` callbacks in no set order."""
-        by_id = {held.task_id: held for held in batch}
-
-        def queue(deltas: list[Delta]) -> None:
-            self._deltas.append((generation, by_id, deltas))
-            self.c.hub.call_soon(self._publish_deltas)
-
-        return queue
-
-    # --- streams (loop thread) -----------------------------------------------------------
-
-    def _publish_deltas(self: Dispatcher) -> None:
-        """Publish the queued deltas as PROGRESS states, in the order they were made, one per
-        request and pass: the deltas of one item that queued up meanwhile go as one text. A
-        request revoked meanwhile publishes no more and is cancelled in the runtime."""
-        made: dict[str, tuple[Held, dict[int, dict[str, Any]]]] = {}
-        while self._deltas:
-            generation, by_id, deltas = self._deltas.popleft()
-            if generation != self.generation:
-                continue  # the connection was lost: these requests are redelivered
-            for delta in deltas:
-                held, items = made.setdefault(delta.id, (by_id[delta.id], {}))
-                item = items.get(delta.index)
-                if item is None:
-                    items[delta.index] = {"index": delta.index, "text": delta.text,
-                                          "tokens": delta.tokens}
-                else:
-                    item["text"] += delta.text
-                    item["tokens"] = delta.tokens
-        updates: list[tuple[Delivery, str, dict[str, Any]]] = []
-        for task_id, (held, items) in made.items():
-            if task_id in worker_state.revoked:
-                self.runtime.cancel([task_id])
-                continue
-            updates.append((held.delivery, task_id,
-                            {"choices": list(items.values()), "worker": self.c.hostname}))
-            metrics.STREAM_DELTAS.labels(held.annotations.model).inc(len(items))
-        if updates:
-            self.replier.progress(updates)
 
     def cancel(self: Dispatcher, task_ids: list[str]) -> list[str]:
         """Revoke requests (loop thread): one that has not started is answered CANCELLED
@@ -219,10 +170,10 @@ class Batches:
         # Start the next batch before answering this one: the runtime computes
         # while the loop publishes results, instead of idling until they are out.
         self.tick()
-        self._publish_deltas()  # a stream's last deltas go before its result
+        self.streams.publish()  # a stream's last deltas go before its result
         if generation == self.generation:
             self.replier.begin_batch()
             for h, outcome in zip(held, outcomes, strict=True):
-                self._answer(model, h, outcome)
+                self.answers.answer(model, h, outcome)
             self.replier.end_batch()
         # else: the connection was lost meanwhile; the messages are redelivered.

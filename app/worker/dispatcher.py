@@ -12,18 +12,21 @@ applies its `Actions`: acks, rejects, consumer cancel/qos/consume
 adapters load beside the batches (`app.worker.placement`); requests too big for a batch
 run in parts (`app.worker.splits`); a shutdown drains (`app.worker.drain`).
 
-The pieces of its work are mixins of this class (`Intake`, `Feed`, `Batches`, `Answers`,
-`Drain`): the steps of one request's life call each other back and forth (a batch's end
-appends the next part, ticks and answers; a tick refuses, starts and gives back) and
-share one state, which lives here. What owns state of its own is an object it holds: the
-held requests (`Holdings`), the consumers (`Consumers`), the placement, the replier.
+The steps of a request's life are mixins of this class (`Intake`, `Feed`, `Batches`,
+`Drain`): they call each other back and forth (a batch's end appends the next part,
+ticks and answers; a tick refuses, starts and gives back; a drain hands back and waits
+for what runs) and share one state (generation, timers, futures, drain flags), which
+lives here; passing each of them the dispatcher would be the same coupling, spelled
+longer. What owns state of its own is an object it holds: the held requests
+(`Holdings`), the consumers (`Consumers`), the answers (`Answers`), the streams
+(`Streams`), the placement, the replier.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -41,9 +44,10 @@ from app.worker.intake import Intake
 from app.worker.placement import Placement
 from app.worker.replies import Delivery, Replier
 from app.worker.returns import give_back
+from app.worker.streams import Streams
 from batching.hold import HoldLimits
 from batching.scheduler import Actions, Batch, Lane, Scheduler
-from runtimes.base import Delta, Runtime
+from runtimes.base import Runtime
 from runtimes.pool import Pool
 from tasks.envelope import EstimatingEntry, now_ms
 from tasks.errors import ErrorCode
@@ -55,7 +59,7 @@ log = logging.getLogger(__name__)
 TIMER_SLACK_S = 0.001
 
 
-class Dispatcher(Intake, Feed, Batches, Answers, Drain):
+class Dispatcher(Intake, Feed, Batches, Drain):
     def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
                  hold: HoldLimits, entries: dict[str, EstimatingEntry],
                  part_target_s: float | None = None, pool: Pool | None = None,
@@ -83,9 +87,7 @@ class Dispatcher(Intake, Feed, Batches, Answers, Drain):
                                    lambda fn: self.c.hub.call_soon(fn))
         self.futures: dict[Future, Batch] = {}  # of the batches in flight
         self.device_busy_s = 0.0  # the device's busy time in this worker's batches so far
-        # Deltas the runtime's thread made, for the loop to publish in order:
-        # (generation, the batch's requests by task id, one step's deltas).
-        self._deltas: deque[tuple[int, dict[str, Held], list[Delta]]] = deque()
+        self.streams = Streams(runtime, self.replier, consumer, lambda: self.generation)
         self._timer: Any = None
         self._timer_at = 0.0
         self._tick_queued = False
@@ -97,7 +99,7 @@ class Dispatcher(Intake, Feed, Batches, Answers, Drain):
         self._drain_reported = False  # `on_drained` was called (or the drain was abandoned)
         self._answering = False  # answering (a batch's results, refusals): not drained yet
         self.on_drained: Callable[[], None] = lambda: None
-        self.drain_answered = 0  # requests answered while draining
+        self.answers = Answers(self.replier, consumer, lambda: self.draining)
         self.drain_handed_back = 0  # requests handed back when the drain began, or after
         self.delivery_limit = hold.delivery_limit
         self.replier.on_confirmed = self.check_drained
@@ -108,6 +110,11 @@ class Dispatcher(Intake, Feed, Batches, Answers, Drain):
         self.consumers = Consumers(self.scheduler, self.placement, prefetch)
         for model, lane in lanes.items():
             lane.ready = self.placement.state(model) == RESIDENT
+
+    @property
+    def drain_answered(self) -> int:
+        """Requests answered while draining."""
+        return self.answers.drain_answered
 
     def consume(self, model: str, consumer: Any, queue: str, count_peers: Callable[[], int],
                 warm_peers: Callable[[], int]) -> None:
@@ -152,16 +159,16 @@ class Dispatcher(Intake, Feed, Batches, Answers, Drain):
         now = now_ms()
         expired, soonest = self.holdings.expire_parked(now)
         for model, held in expired:
-            self._refuse(model, held, "the request's deadline passed while its LoRA "
+            self.answers.refuse(model, held, "the request's deadline passed while its LoRA "
                                       "adapter was loading")
         return None if soonest is None else max((soonest - now) / 1000, TIMER_SLACK_S)
 
     def _apply(self, actions: Actions) -> None:
         for model, pending in actions.expired:
-            self._refuse(model, pending.handle,
+            self.answers.refuse(model, pending.handle,
                          "the request's deadline passed before a worker could run it")
         for model, late in actions.late:
-            self._refuse(model, late.pending.handle,
+            self.answers.refuse(model, late.pending.handle,
                          f"the request's deadline is {late.deadline_in_s * 1000:.0f} ms away and "
                          f"its batch is predicted to take {late.predicted_s * 1000:.0f} ms: "
                          "not started; allow more time (X-Timeout-Ms) or send fewer items")
@@ -221,9 +228,9 @@ class Dispatcher(Intake, Feed, Batches, Answers, Drain):
 
     def _on_load_failed(self, model: str, why: str) -> None:
         for pending in self.scheduler.drop(model):
-            self._refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
+            self.answers.refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
         for waiting in self.feeder.drop(model):
-            self._refuse(model, waiting.handle, why, ErrorCode.MODEL_UNAVAILABLE)
+            self.answers.refuse(model, waiting.handle, why, ErrorCode.MODEL_UNAVAILABLE)
         metrics.HELD.labels(model).set(0)
         for lora in self.holdings.parked_loras(model):
             self._on_lora(model, lora, why)
@@ -234,7 +241,7 @@ class Dispatcher(Intake, Feed, Batches, Answers, Drain):
             if why is None:
                 self._append(model, held, deliveries)
             else:
-                self._refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
+                self.answers.refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
         self.on_placement()
         self._queue_tick()
 

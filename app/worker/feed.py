@@ -36,7 +36,7 @@ class Feed:
         hand the runtime what it has room for; seconds until this must run again."""
         now = time.monotonic()
         for model, late in self.feeder.expired(now):
-            self._refuse(model, late.handle,
+            self.answers.refuse(model, late.handle,
                          "the request's deadline passed while it waited for the model")
         peers = {}
         poll: float | None = None
@@ -63,7 +63,7 @@ class Feed:
         """Hand one request to the continuous runtime; its outcome comes back on the loop."""
         requests, refused = self._requests([held])
         if refused:
-            self._answer(model, held, refused[held.task_id])
+            self.answers.answer(model, held, refused[held.task_id])
             return
         (request,) = requests
         generation = self.generation
@@ -71,14 +71,14 @@ class Feed:
         self.placement.touch(model)
         self.feeder.started(model, held.task_id, held)
         metrics.IN_FLIGHT.labels(model).set(len(self.feeder.in_flight[model]))
-        on_deltas = self._delta_queuer(generation, [held]) if request.stream else None
+        on_deltas = self.streams.queuer(generation, [held]) if request.stream else None
         future = self.runtime.submit(model, request, on_deltas)  # type: ignore[attr-defined]
         future.add_done_callback(lambda f: self.c.hub.call_soon(
             self._on_request_done, generation, model, held, f))
 
     def _on_request_done(self: Dispatcher, generation: int, model: str, held: Held,
                          future: Future) -> None:
-        self._publish_deltas()  # its last deltas go before its result
+        self.streams.publish()  # its last deltas go before its result
         self.feeder.done(model, held.task_id)
         metrics.IN_FLIGHT.labels(model).set(len(self.feeder.in_flight.get(model, {})))
         try:
@@ -90,7 +90,7 @@ class Feed:
         if generation == self.generation:
             answering, self._answering = self._answering, True
             try:
-                self._answer(model, held, outcome)
+                self.answers.answer(model, held, outcome)
             finally:
                 self._answering = answering
         self._queue_tick()  # a slot is free: hand over the next

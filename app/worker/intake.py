@@ -148,7 +148,7 @@ class Intake:
             if not self.holdings.fetched(held):
                 return  # handed back when the drain began
             if outcome.error_code is not None:
-                self._refuse(model, held, outcome.error_message or "",
+                self.answers.refuse(model, held, outcome.error_message or "",
                              ErrorCode(outcome.error_code))
                 return
             held.blobs = outcome.blobs
