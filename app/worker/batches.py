@@ -117,9 +117,7 @@ class Batches:
         when its batch comes; one that runs stops at its next token. The ids that were
         running here."""
         worker_state.revoked.update(task_ids)
-        here = {p.handle.task_id for batch in self.scheduler.in_flight for p in batch.members}
-        for in_flight in self.feeder.in_flight.values():
-            here.update(in_flight)
+        here = self.holdings.running_ids()
         hit = [t for t in task_ids if t in here]
         if hit:
             self.runtime.cancel(hit)

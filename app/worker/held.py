@@ -134,6 +134,12 @@ class Holdings:
             for handle in in_flight.values():
                 yield GENERATING, model, handle
 
+    def running_ids(self) -> set[str]:
+        """The task ids of the requests that run here: in a batch in flight, or handed to
+        a continuous runtime."""
+        return {held.task_id for state, _, held in self.states()
+                if state in (RUNNING, GENERATING)}
+
     def counts(self) -> Counter[tuple[str, str]]:
         """How many requests are held, by (model, state)."""
         return Counter((model, state) for state, model, _ in self.states())

@@ -222,6 +222,7 @@ def test_a_message_is_held_then_taken_into_a_batch_with_its_peers(make):
     f.deliver(coalesced(["b", "c"]))
     f.deliver(single("d", items=2))
     assert f.dispatcher.holdings.counts() == {(MODEL, RUNNING): 1, (MODEL, SCHEDULED): 3}
+    assert f.dispatcher.holdings.running_ids() == {"a"}
     f.finish_batch()
     f.runtime.started.clear()
     assert f.runtime.started.wait(5)
