@@ -1,7 +1,7 @@
 """The device memory pool: which models (and LoRA adapters) are resident, what they take,
 and which to evict so that another fits.
 
-Pure bookkeeping, no I/O and no clock: the worker (`app.placement`) asks it whether a
+Pure bookkeeping, no I/O and no clock: the worker (`app.worker.placement`) asks it whether a
 load may start and what must go first, and tells it what happened. Keys are model ids,
 or `lora_key(model, lora)` for a LoRA adapter, which lives on its base model: evicting
 the base evicts its adapters, and an adapter in use keeps its base.

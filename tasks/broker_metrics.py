@@ -5,8 +5,8 @@ process creates only its own (`worker_link()`, `gateway_link()`), in prometheus_
 default registry, so the worker's and the gateway's /metrics export them with the rest.
 An outage shows as `..._connected 0` while it lasts; once the link is back, its length is
 added to `..._disconnected_seconds_total` and `..._reconnects_total` counts one more.
-Gauges carry a `multiprocess_mode` for `shoal gateway --workers N` (gateway/metrics.py):
-there, `connected` is the lowest over the live processes.
+Gauges carry a `multiprocess_mode` for `shoal gateway --workers N`
+(gateway/edge/gateway_metrics.py): there, `connected` is the lowest over the live processes.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.tuning.stack import prefix_queues
-from tests.stack import REPO, Stack, delete_queues, free_port, http_status, queue_counts, wait_for
-from tests.tiny_models import build_tiny_sentence_transformer
+from tests.stack import REPO
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TINY_CLS = "test/tiny-cls"  # a tiny random BERT, CLS pooling, normalised
@@ -42,6 +40,7 @@ PREFIX = f"shoal-test-{uuid.uuid4().hex[:8]}"
 WORK_DIR = Path(tempfile.mkdtemp(prefix="shoal-tests-"))
 CATALOG_DIR = WORK_DIR / "catalog"
 FAMILIES_DIR = WORK_DIR / "families"
+TINY_CLS_DIR = WORK_DIR / "tiny-cls"  # also the weights of FAULTY and DLQ
 STREAM_LLAMA_DIR = WORK_DIR / "stream-llama"  # built by the test that serves it
 SGLANG_LLAMA_DIR = WORK_DIR / "sglang-llama"  # likewise
 HEARTBEAT_S = 2
@@ -76,7 +75,9 @@ os.environ.update(
 def _write_catalog() -> None:
     CATALOG_DIR.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "models" / "all-minilm-l6-v2.yaml", CATALOG_DIR / "minilm.yaml")
-    tiny = build_tiny_sentence_transformer(WORK_DIR / "tiny-cls", pooling="cls", normalize=True)
+    # The weights of the models it names are built only by the tests that run them
+    # (tests/e2e/conftest.py): a unit-only run builds no model.
+    tiny = TINY_CLS_DIR
     entries = {
         "tiny-cls": {"id": TINY_CLS, "adapter": "dense", "source": {"path": str(tiny)},
                      "dims": 32},
@@ -114,24 +115,6 @@ def family_dir(model: str) -> Path:
     return FAMILIES_DIR / model.split("/")[1]
 
 
-def _build_family_models() -> None:
-    from tests.tiny_classifiers import (
-        build_tiny_cross_encoder,
-        build_tiny_ner,
-        build_tiny_nli,
-        build_tiny_sentiment,
-    )
-    from tests.tiny_clip import build_tiny_clip
-    from tests.tiny_encoders import build_tiny_colbert_st, build_tiny_splade
-    from tests.tiny_lm import build_tiny_llama
-
-    builders = {SPLADE: build_tiny_splade, COLBERT: build_tiny_colbert_st,
-                CLIP: build_tiny_clip, RERANKER: build_tiny_cross_encoder, NER: build_tiny_ner,
-                SENTIMENT: build_tiny_sentiment, NLI: build_tiny_nli, LLAMA: build_tiny_llama}
-    for model, build in builders.items():
-        build(family_dir(model))
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     _write_catalog()
 
@@ -145,48 +128,3 @@ def queue_name(model: str) -> str:
     from tasks.topology import queue_for
 
     return queue_for(model, Settings()).name
-
-
-class Live:
-    """The running session stack: a worker and a gateway."""
-
-    def __init__(self, stack: Stack, url: str, worker) -> None:
-        self.stack = stack
-        self.url = url
-        self.worker = worker
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("logs")
-    stack = Stack(dict(os.environ), logs)
-    port = free_port()
-    worker = stack.worker(MAIN_WORKER, [MINILM, TINY_CLS])
-    stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
-                                     STREAM_LLAMA, SGLANG_LLAMA, *FAMILY_ADAPTERS])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready",
-                 give_up=stack.exited)
-        for model in (MINILM, TINY_CLS):
-            wait_for(lambda m=model: queue_counts(queue_name(m))[1] >= 1, 120,
-                     f"a worker to consume {model}", give_up=stack.exited)
-        yield Live(stack, url, worker)
-    except BaseException:
-        stack.print_logs()
-        raise
-    finally:
-        stack.stop_all()
-        delete_queues(prefix_queues(PREFIX, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
-                                             *FAMILY_ADAPTERS]))
-
-
-@pytest.fixture(scope="session")
-def families(stack: Live) -> Live:
-    """A worker serving one tiny model of every adapter family, behind the session gateway."""
-    _build_family_models()
-    stack.stack.worker("families", list(FAMILY_ADAPTERS))
-    for model in FAMILY_ADAPTERS:
-        wait_for(lambda m=model: queue_counts(queue_name(m))[1] >= 1, 120,
-                 f"a worker to consume {model}")
-    return stack

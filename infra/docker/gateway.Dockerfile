@@ -34,7 +34,6 @@ COPY tasks /src/tasks
 COPY batching /src/batching
 COPY runtimes /src/runtimes
 COPY gateway /src/gateway
-COPY bench /src/bench
 RUN pip install -q --no-deps /src \
     && python -c "import sys, gateway.app; sys.exit('torch in the gateway image') if 'torch' in sys.modules else None"
 

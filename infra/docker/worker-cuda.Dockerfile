@@ -42,7 +42,6 @@ COPY tasks /src/tasks
 COPY batching /src/batching
 COPY runtimes /src/runtimes
 COPY gateway /src/gateway
-COPY bench /src/bench
 RUN pip install -q /src \
     && python -c "import sys, torch; sys.exit('pip replaced torch') if not (torch.version.cuda or '').startswith('$TORCH_CUDA') else None"
 

@@ -1,6 +1,6 @@
 """Vendor the published OpenAPI schemas of the custom resources infra/k8s deploys.
 
-tests/unit/test_k8s.py validates the rendered KEDA, RabbitMQ-operator and
+tests/unit/infra/test_k8s.py validates the rendered KEDA, RabbitMQ-operator and
 Prometheus-operator objects against these schemas; tests run without network access, so
 the schemas live here. Each file is the CRD's `openAPIV3Schema` for one served version,
 with the `description` texts dropped (two thirds of the bytes, no constraint in them).

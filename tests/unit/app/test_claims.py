@@ -30,8 +30,8 @@ from tasks.envelope import (
     task_body,
 )
 from tasks.errors import ErrorCode, ShoalError
+from tests.unit.app.test_returns import Message
 from tests.unit.test_imports import _loaded_by
-from tests.unit.test_returns import Message
 
 BIG = os.urandom(300_000)
 

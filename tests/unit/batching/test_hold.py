@@ -157,4 +157,4 @@ def test_a_lone_workers_prefetch_follows_the_same_bound():
     assert prefetch_for(mean, LIMITS, HOLD, MODEL, 10) == 12  # (1 + 2) x 4
 
 
-# The policy as a whole, on the real scheduler: tests/unit/test_scheduler.py.
+# The policy as a whole, on the real scheduler: tests/unit/batching/test_scheduler.py.
