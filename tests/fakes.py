@@ -49,6 +49,7 @@ class Hub:
         self.soon: list[tuple[Callable[..., None], tuple]] = []
         self.later: list[tuple[float, Callable[..., None], tuple]] = []
         self.timers: list[Timer] = []  # of `later`, index by index
+        self.repeating: list[tuple[float, Callable[..., None], Timer]] = []
         self.lock = threading.Lock()
 
     def call_soon(self, callback: Callable[..., None], *args: Any) -> None:
@@ -60,6 +61,13 @@ class Hub:
         with self.lock:
             self.later.append((delay, callback, args))
             self.timers.append(timer)
+        return timer
+
+    def call_repeatedly(self, seconds: float, callback: Callable[..., None]) -> Timer:
+        """Recorded in `repeating` (seconds, callback, timer); the test runs it."""
+        timer = Timer()
+        with self.lock:
+            self.repeating.append((seconds, callback, timer))
         return timer
 
     def run_soon(self) -> None:

@@ -8,13 +8,14 @@ import logging
 import socket
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 import app.worker.metrics  # noqa: F401 (shoal's worker metrics, in the default registry)
 from app.tuning.stack import free_port
 from app.worker.health import WorkerHealth, serve
+from tests.fakes import Hub
 
 STALL_S = 30.0
 
@@ -30,26 +31,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@dataclass
-class Timer:
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-@dataclass
-class Hub:
-    """Celery's hub as far as the health needs it: `call_repeatedly` records its timers."""
-
-    timers: list[tuple[float, object, Timer]] = field(default_factory=list)
-
-    def call_repeatedly(self, seconds: float, callback: object) -> Timer:
-        timer = Timer()
-        self.timers.append((seconds, callback, timer))
-        return timer
 
 
 @pytest.fixture
@@ -91,7 +72,7 @@ def test_a_lost_broker_is_broker_disconnected_then_starting_until_consuming_agai
     assert health.readiness() == (503, {"status": "not-ready",
                                         "reason": "broker-disconnected"})
     health.stopped()  # Celery stops the step on the lost connection
-    assert hub.timers[0][2].cancelled
+    assert hub.repeating[0][2].cancelled
     assert health.readiness()[1]["reason"] == "broker-disconnected"
     link.up = True  # reconnected: the step not started again yet
     assert health.readiness() == (503, {"status": "not-ready", "reason": "starting"})
@@ -110,11 +91,11 @@ def test_draining_wins_over_everything_and_stays(health, link):
 
 def test_the_tick_timer_runs_on_the_hub_and_is_replaced_not_doubled(health, link):
     hub = _consuming(health, link)
-    [(seconds, callback, first)] = hub.timers
+    [(seconds, callback, first)] = hub.repeating
     assert 0 < seconds <= STALL_S / 4
     assert callback == health.tick
     health.consuming(hub)  # started again without a stop in between
-    assert first.cancelled and not hub.timers[1][2].cancelled
+    assert first.cancelled and not hub.repeating[1][2].cancelled
     assert WorkerHealth(0.4, link=link).tick_s == pytest.approx(0.1)  # type: ignore[arg-type]
 
 
