@@ -1,8 +1,11 @@
 """The model host: loads the served models and runs batches of requests.
 
-One host per device. It runs either inside the worker on a dedicated thread
-or, behind a socket, in its own process (`runtimes.server`); it keeps no
-reference to the broker, so both compute the same thing.
+One host per device and engine: PyTorch (`runtimes.pytorch.engine`) or ONNX Runtime
+(`runtimes.onnx.engine`); the engine says which adapter class serves an entry and how
+the device's memory and busy time are read, so this module imports neither. It runs
+either inside the worker on a dedicated thread or, behind a socket, in its own process
+(`runtimes.server`); it keeps no reference to the broker, so both compute the same
+thing.
 
 An inference exception propagates out of `run_batch`: the caller decides
 which request is to blame (`runtimes.bisection` bisects the batch). Only
@@ -13,23 +16,16 @@ outcomes here.
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import torch
-
+from runtimes.adapter import Adapter
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
-from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.pool import keys_of, lora_key
-from runtimes.precision import resolve_precision
-from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.device_time import Span, device_clock
-from runtimes.pytorch.emulated import emulation_stamp
 from runtimes.sources import resolve_source
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
@@ -37,11 +33,35 @@ from tasks.served import stamp_batch
 
 log = logging.getLogger(__name__)
 
+ENGINES = ("pytorch", "onnx")
 
-def adapter_class(entry: ModelEntry) -> type[Adapter]:
-    """The class that implements the entry's adapter (imported only when needed)."""
-    module, _, name = entry.contract.implementation.partition(":")
-    return getattr(importlib.import_module(module), name)
+
+class Engine(Protocol):
+    """What the host needs of the library that computes (see the module doc)."""
+
+    name: str
+    clock: Any  # take_span() after a batch's forward: a span whose seconds() it was busy
+
+    def adapter_class(self, entry: ModelEntry) -> type[Adapter]: ...
+    def precision(self, entry: ModelEntry, override: str | None) -> str: ...
+    def allocated(self) -> int: ...
+    def measure(self, adapter: Adapter, allocated_before: int) -> int: ...
+    def release(self) -> None: ...
+    def total_bytes(self) -> int: ...
+    def stamp(self) -> dict[str, Any] | None: ...
+
+
+def make_engine(name: str, device: str, threads: int = 0) -> Engine:
+    """The engine of that name (its library imported now, the other never)."""
+    if name == "onnx":
+        from runtimes.onnx.engine import OnnxEngine
+
+        return OnnxEngine(device, threads)
+    if name != "pytorch":
+        raise ValueError(f"engine {name!r} is none of {list(ENGINES)}")
+    from runtimes.pytorch.engine import TorchEngine
+
+    return TorchEngine(device, threads)
 
 
 @dataclass(slots=True)
@@ -57,7 +77,7 @@ class BatchWork:
     planned: Any = None
     stream: Any = None  # a streamed batch's Stream
     output: Any = None
-    device: Span | None = None  # its forward passes' device time
+    device: Any = None  # its forward passes' device time (the engine clock's span)
 
 
 class ModelHost:
@@ -68,13 +88,12 @@ class ModelHost:
     """
 
     def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, engine: str = "pytorch") -> None:
         self.device = device
         self.chunk_tokens = chunk_tokens
         self.precision = precision  # for every model; None: each entry's (runtimes.precision)
-        self.clock = device_clock(device)
-        if threads > 0:
-            torch.set_num_threads(threads)
+        self.engine = make_engine(engine, device, threads)
+        self.clock = self.engine.clock
         self._models: dict[str, Adapter] = {}
         self.footprints: dict[str, int] = {}  # measured device bytes, by model id
         self._loading = threading.Lock()  # one load at a time: their memory adds up
@@ -91,15 +110,13 @@ class ModelHost:
             if entry.id in self._models:
                 return self.footprints[entry.id]
             started = time.perf_counter()
-            allocated = self._allocated()
-            precision = resolve_precision(entry, self.device, self.precision)
-            adapter = adapter_class(entry)(
+            allocated = self.engine.allocated()
+            precision = self.engine.precision(entry, self.precision)
+            adapter = self.engine.adapter_class(entry)(
                 entry, resolve_source(entry.source), device=self.device,
                 chunk_tokens=self.chunk_tokens, precision=precision,
             )
-            # The tensors it holds; on CUDA the allocator also counts what loading left
-            # behind (rounding, workspaces), unless a concurrent batch blurs the delta.
-            measured = max(tensor_bytes(adapter), self._allocated() - allocated)
+            measured = self.engine.measure(adapter, allocated)
             self._models[entry.id] = adapter
             self.footprints[entry.id] = measured
             log.info("loaded %s (%s, %s, %.1f MiB) in %.1fs", entry.id, entry.adapter,
@@ -115,8 +132,7 @@ class ModelHost:
             return
         del adapter
         gc.collect()  # adapters hold reference cycles (modules, hooks)
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        self.engine.release()
         log.info("unloaded %s", model_id)
 
     def load_lora(self, model_id: str, lora: str) -> int:
@@ -147,20 +163,12 @@ class ModelHost:
             return
         adapter.unload_lora(lora)
         gc.collect()
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        self.engine.release()
         log.info("unloaded LoRA %s of %s", lora, model_id)
 
     def device_total_bytes(self) -> int:
         """The memory of the device models load into (RAM on CPU)."""
-        if self.device.startswith("cuda"):
-            return int(torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
-        return physical_memory_bytes()
-
-    def _allocated(self) -> int:
-        if self.device.startswith("cuda"):
-            return int(torch.cuda.memory_allocated(torch.device(self.device)))
-        return 0
+        return self.engine.total_bytes()
 
     def adapter(self, model_id: str) -> Adapter | None:
         return self._models.get(model_id)
@@ -225,7 +233,7 @@ class ModelHost:
             results = work.output if work.stream is not None else \
                 work.adapter.finish(work.planned, work.output)
             stamp_batch(results, work.model_id, (r.kwargs for r, _ in work.runnable),
-                        work.started, emulation_stamp(), device_s=work.device.seconds()
+                        work.started, self.engine.stamp(), device_s=work.device.seconds()
                         if work.device is not None else None)
             for (request, _), result in zip(work.runnable, results, strict=True):
                 work.outcomes[request.id] = Outcome(request.id, result=result)

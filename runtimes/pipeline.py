@@ -26,6 +26,7 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,7 +55,8 @@ def leaves_device_unusable(exc: BaseException, device: str) -> bool:
 
 
 def release_cached_memory(device: str) -> None:
-    if device.startswith("cuda"):
+    # Only where torch is loaded already: the ONNX runtime never imports it.
+    if device.startswith("cuda") and "torch" in sys.modules:
         import torch
 
         try:

@@ -126,6 +126,7 @@ class ProcessRuntime:
         spare: bool = False,
         precision: str | None = None,
         pipeline_depth: int = 2,
+        engine: str = "pytorch",
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.start_timeout = start_timeout
@@ -143,6 +144,7 @@ class ProcessRuntime:
             "--threads", str(threads), "--chunk-tokens", str(chunk_tokens),
             "--parent-pid", str(os.getpid()),
             *(["--precision", precision] if precision else []),
+            "--engine", engine,
         ]
         # OpenMP threads that spin between ops steal the cores the worker,
         # gateway and broker need on a CPU host: measured on 2 cores, passive

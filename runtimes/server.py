@@ -1,8 +1,8 @@
 """The model runtime process: loads models, then serves batches over a Unix socket.
 
     python -m runtimes.server --socket PATH --catalog-dir DIR [--model ID ...]
-        [--device cpu] [--threads N] [--chunk-tokens N] [--precision fp32|fp16|bf16]
-        [--parent-pid PID] [--spare]
+        [--device cpu] [--threads N] [--chunk-tokens N] [--precision fp32|fp16|bf16|int8]
+        [--parent-pid PID] [--spare] [--engine pytorch|onnx]
 
 Started by `runtimes.process.ProcessRuntime`, never forked from the worker
 (CUDA cannot be initialised again in a forked child). The socket appears only
@@ -61,6 +61,7 @@ from runtimes.frames import (
     StreamDelta,
     Unloaded,
 )
+from runtimes.host import ENGINES
 from runtimes.pipeline import (
     EXIT_FATAL,
     Pipeline,
@@ -79,6 +80,10 @@ from runtimes.protocol import (
 )
 from tasks.catalog import Catalog, load_catalog
 
+# What loading a model of each engine imports (a spare or an idle runtime makes it ahead).
+ENGINE_IMPORTS = {"pytorch": ["runtimes.host", "runtimes.pytorch.loading"],
+                  "onnx": ["runtimes.host", "runtimes.onnx.session"]}
+
 if TYPE_CHECKING:
     from runtimes.host import ModelHost
 
@@ -95,9 +100,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--chunk-tokens", type=int, default=16_384)
-    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None,
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
                         help="every model's forward in this format (default: each entry's "
                              "profile, else the device's: runtimes.precision)")
+    parser.add_argument("--engine", choices=list(ENGINES), default="pytorch",
+                        help="what computes: PyTorch (runtimes.pytorch) or ONNX Runtime "
+                             "(runtimes.onnx, which never imports torch)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent")
     parser.add_argument("--spare", action="store_true",
@@ -305,12 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     catalog = load_catalog(args.catalog_dir)
     entries = catalog.require(args.models)
     if args.spare:
-        _import_ahead(catalog)
+        _import_ahead(catalog, args.engine)
     from runtimes.host import ModelHost
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens,
-                     precision=args.precision)
-    if args.spare:
+                     precision=args.precision, engine=args.engine)
+    if args.spare and args.engine == "pytorch":
         _warm_cpu_ops()
     host.load(entries)
     for key in args.loras:
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         # Nothing pinned: the first load would also pay transformers' imports (~3 s of
         # the ~6 s measured by bench.coldstart, against 0.2 s for the load itself).
         # Made now, beside serving, they are done before most first requests come.
-        threading.Thread(target=_import_then_set, args=("runtimes.pytorch.loading", imported),
+        threading.Thread(target=_import_then_set,
+                         args=(ENGINE_IMPORTS[args.engine][-1], imported),
                          name="warm-imports", daemon=True).start()
     return serve(conn, host)
 
@@ -340,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
 SPARE_IMPORT_NICENESS = 10  # added to the importing thread's: the serving runtime goes first
 
 
-def _import_ahead(catalog: Catalog) -> None:
-    """A spare's imports: what loading any pytorch model of the catalog imports, made on a
-    thread of lower CPU priority (Linux sets it per thread, so the threads that later
+def _import_ahead(catalog: Catalog, engine: str) -> None:
+    """A spare's imports: what loading any model of the catalog on its engine imports, made
+    on a thread of lower CPU priority (Linux sets it per thread, so the threads that later
     compute, made by the main thread, keep the normal priority)."""
-    modules = ["runtimes.host", "runtimes.pytorch.loading", *sorted({
-        entry.contract.implementation.partition(":")[0]
-        for entry in catalog if entry.runtime == "pytorch"})]
+    modules = list(ENGINE_IMPORTS[engine])
+    if engine == "pytorch":
+        modules += sorted({entry.contract.implementation.partition(":")[0]
+                           for entry in catalog if entry.runtime == "pytorch"})
 
     def run() -> None:
         try:

@@ -28,7 +28,7 @@ from pydantic import (
 
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.errors import ErrorCode, ShoalError
-from tasks.precision import CPU_PRECISIONS, Precision
+from tasks.precision import Precision, cpu_precisions_of, precisions_of
 from tasks.schema import (
     GenerateOptions,
     ParsedRequest,
@@ -55,6 +55,10 @@ class CatalogError(ValueError):
 LORA_ADAPTERS = frozenset({"dense", "causal-lm"})
 # The adapters an SGLang server can serve (`runtime: sglang`; `runtimes.sglang`).
 SGLANG_ADAPTERS = frozenset({"causal-lm", "dense"})
+# The adapters ONNX Runtime serves (`runtime: onnx`, or every one of them on a worker with
+# SHOAL_RUNTIME=onnx; `runtimes.onnx`): the text encoders whose graph is one forward pass.
+ONNX_ADAPTERS = frozenset({"dense", "sparse", "cross-encoder", "token-classification",
+                           "sequence-classification", "zero-shot"})
 # A LoRA adapter's name: no ':' (OpenAI-style callers name one "model:lora", split on the
 # last ':'), no spaces; it travels in a message header and in URLs as it is.
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -147,9 +151,10 @@ class ModelEntry(BaseModel):
     loras: dict[str, Source] = Field(
         default_factory=dict, description="LoRA adapters (peft format) by name; a request "
         "picks one with options.lora")
-    runtime: Literal["pytorch", "sglang"] = Field(
-        "pytorch", description="what serves the model: shoal's PyTorch runtime, or an SGLang "
-        "server (causal-lm and dense only; docs/runtimes.md)")
+    runtime: Literal["pytorch", "sglang", "onnx"] = Field(
+        "pytorch", description="what serves the model: shoal's PyTorch runtime, an SGLang "
+        "server (causal-lm and dense only), or ONNX Runtime (the text encoders, from a graph "
+        "`shoal export` makes; docs/runtimes.md)")
 
     @field_validator("adapter")
     @classmethod
@@ -189,16 +194,33 @@ class ModelEntry(BaseModel):
             raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on sglang; the "
                              f"adapters that can: {sorted(SGLANG_ADAPTERS)} (or say runtime: "
                              "pytorch)")
-        cpu = self.profiles.get("cpu")
-        if cpu is not None and cpu.precision is not None and \
-                cpu.precision not in CPU_PRECISIONS:
-            raise ValueError(f"profiles.cpu.precision: {cpu.precision} is not served on a CPU "
-                             "(PyTorch's fp16 CPU kernels are slow or missing); use one of "
-                             f"{list(CPU_PRECISIONS)}")
+        if self.runtime == "onnx" and self.adapter not in ONNX_ADAPTERS:
+            raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on onnx; the "
+                             f"adapters that can: {sorted(ONNX_ADAPTERS)} (or say runtime: "
+                             "pytorch)")
+        if self.runtime == "onnx" and self.loras:
+            raise ValueError("loras: the ONNX runtime serves no LoRA adapters (a graph is "
+                             "exported without them); say runtime: pytorch to serve them per "
+                             "request")
+        self._check_precisions()
         if self.loras and self.adapter not in LORA_ADAPTERS:
             raise ValueError(f"loras: adapter {self.adapter!r} does not serve LoRA adapters; "
                              f"those that do: {sorted(LORA_ADAPTERS)}")
         return self
+
+    def _check_precisions(self) -> None:
+        known = precisions_of(self.runtime)
+        for device, profile in self.profiles.items():
+            if profile.precision is None:
+                continue
+            if profile.precision not in known:
+                raise ValueError(f"profiles.{device}.precision: {profile.precision} is not a "
+                                 f"format of runtime {self.runtime}; its formats: {list(known)}")
+            on_cpu = cpu_precisions_of(self.runtime)
+            if device == "cpu" and profile.precision not in on_cpu:
+                raise ValueError(f"profiles.cpu.precision: {profile.precision} is not served "
+                                 "on a CPU (its fp16 CPU kernels are slow or missing); use one "
+                                 f"of {list(on_cpu)}")
 
     @property
     def contract(self) -> AdapterContract:

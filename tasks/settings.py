@@ -155,12 +155,14 @@ class Settings(BaseSettings):
     precision: Precision | None = Field(
         None, description="worker: every model's forward pass in this format (default: the "
         "catalog profile's precision, else bf16 on a CUDA device that has it, fp16 on other "
-        "CUDA devices, fp32 on CPU)")
-    runtime: Literal["pytorch", "sglang", "sim"] = Field(
+        "CUDA devices, fp32 on CPU); a format only one runtime has (bf16: PyTorch, int8: ONNX) "
+        "applies to that runtime's models")
+    runtime: Literal["pytorch", "sglang", "onnx", "sim"] = Field(
         "pytorch", description="sglang: generate (causal-lm) and dense encode models run on "
         "SGLang servers (`make sglang`; a catalog entry's `runtime: sglang` does the same for "
-        "one model). sim: no model runs; batches sleep as long as SHOAL_DEVICE would take "
-        "(runtimes/sim) and results are fake, marked 'simulated'"
+        "one model). onnx: the text encoders ONNX Runtime serves run on it (`shoal export` "
+        "makes their graphs), the rest on PyTorch. sim: no model runs; batches sleep as long "
+        "as SHOAL_DEVICE would take (runtimes/sim) and results are fake, marked 'simulated'"
     )
     feed_return_after_ms: float = Field(
         200.0, ge=0, allow_inf_nan=False, description="continuous runtimes (SGLang): a "

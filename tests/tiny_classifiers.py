@@ -125,10 +125,11 @@ def build_tiny_ner(out: Path, architecture: str = "bert", seed: int = 0) -> Path
 
 
 def serve(model_id: str, adapter: str, path: Path, chunk_tokens: int = 16_384,
-          precision: str | None = None, **entry: Any) -> ModelHost:
+          precision: str | None = None, engine: str = "pytorch", **entry: Any) -> ModelHost:
     """A host serving the model at `path` as a catalog entry with that adapter (in
-    `precision` if given, else the entry's default: fp32 on CPU)."""
-    host = ModelHost(chunk_tokens=chunk_tokens, precision=precision)
+    `precision` if given, else the entry's default: fp32 on CPU), on PyTorch or ONNX
+    Runtime (`engine`)."""
+    host = ModelHost(chunk_tokens=chunk_tokens, precision=precision, engine=engine)
     host.load([ModelEntry.model_validate(
         {"id": model_id, "adapter": adapter, "source": {"path": str(path)}, **entry})])
     return host

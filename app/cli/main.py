@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from app.cli import flower, jobs, keys, models
+from app.cli import export, flower, jobs, keys, models
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("settings", help="print the settings in force").set_defaults(run=_settings)
     sub.add_parser("queues", help="print each served model's queues").set_defaults(run=_queues)
     models.add_parser(sub)
+    export.add_parser(sub)
     keys.add_parser(sub)
     flower.add_parser(sub)
     jobs.add_parsers(sub)

@@ -12,7 +12,7 @@ from tasks.adapters import ADAPTERS
 from tasks.catalog import CatalogError, ModelEntry, load_catalog, load_entry
 
 
-def _catalog_dir(args: argparse.Namespace) -> Path:
+def catalog_dir(args: argparse.Namespace) -> Path:
     """The user's folder (--catalog-dir, else SHOAL_CATALOG_DIR), else the packaged one."""
     if args.catalog_dir:
         return Path(args.catalog_dir)
@@ -34,7 +34,7 @@ def _print_table(rows: list[list[str]]) -> None:
 
 
 def list_models(args: argparse.Namespace) -> int:
-    catalog = load_catalog(_catalog_dir(args))
+    catalog = load_catalog(catalog_dir(args))
     entries = [e for e in catalog if args.adapter is None or e.adapter == args.adapter]
     header = ["ID", "ADAPTER", "TASK", "DIMS", "MAX_LEN", "PROFILES", "SOURCE"]
     _print_table([header] + [_row(e) for e in sorted(entries, key=lambda e: e.id)])
@@ -42,7 +42,7 @@ def list_models(args: argparse.Namespace) -> int:
 
 
 def show_model(args: argparse.Namespace) -> int:
-    catalog = load_catalog(_catalog_dir(args))
+    catalog = load_catalog(catalog_dir(args))
     entry = catalog.get(args.model)
     if entry is None:
         print(f"{args.model!r} is not in the catalog; known: {sorted(e.id for e in catalog)}",
@@ -61,7 +61,7 @@ def validate(args: argparse.Namespace) -> int:
     """Check every file (not stopping at the first error) and, with --sources, that local
     weights are where the entry says. Without paths: the files of the user's folder if one
     is set, else the packaged catalog's."""
-    paths = [Path(p) for p in args.paths] or sorted(_catalog_dir(args).glob("*.yaml"))
+    paths = [Path(p) for p in args.paths] or sorted(catalog_dir(args).glob("*.yaml"))
     if not paths:
         print("no catalog files found", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
-"""The model runtime a worker starts: simulated, PyTorch, SGLang, or both behind a router
-(by model). Its own process(es), started with the pinned models loaded."""
+"""The model runtime a worker starts: simulated, PyTorch, ONNX Runtime, SGLang, or several
+behind a router (by model). Its own process(es), started with the pinned models loaded."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import logging
 from typing import Any
 
 from runtimes.process import ProcessRuntime
-from tasks.catalog import ModelEntry
+from tasks.catalog import ONNX_ADAPTERS, ModelEntry
+from tasks.precision import precisions_of
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -31,21 +32,29 @@ def start_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
 
 def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Settings,
                   chunk_tokens: int) -> Any:
-    """The PyTorch runtime, SGLang servers, or both behind a router (by model)."""
+    """The PyTorch and ONNX runtime processes, SGLang servers, or several behind a router
+    (by model). The two runtime processes share the worker's memory budget through the
+    placement, which counts each model's bytes wherever it lives."""
     on = runtime_of_models(entries, settings.runtime)
     runtimes: dict[str, Any] = {}
-    if "pytorch" in on.values():
-        runtimes["pytorch"] = ProcessRuntime(
+    for engine in ("pytorch", "onnx"):
+        if engine not in on.values():
+            continue
+        # A worker-wide format applies to the runtime that has it (int8: ONNX only).
+        precision = settings.precision if settings.precision in precisions_of(engine) \
+            else None
+        runtimes[engine] = ProcessRuntime(
             catalog_dir=settings.catalog_dir,
-            models=[e.id for e in entries if e.id in pinned and on[e.id] == "pytorch"],
+            models=[e.id for e in entries if e.id in pinned and on[e.id] == engine],
             device=settings.device,
             threads=settings.torch_threads,
             chunk_tokens=chunk_tokens,
             start_timeout=settings.runtime_start_timeout_s,
             batch_timeout=settings.runtime_batch_timeout_s,
             spare=settings.runtime_spare,
-            precision=settings.precision,
+            precision=precision,
             pipeline_depth=settings.runtime_pipeline_depth,
+            engine=engine,
         )
     if "sglang" in on.values():
         from runtimes.sglang import SGLangRuntime
@@ -63,12 +72,24 @@ def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
 
 
 def runtime_of_models(entries: list[ModelEntry], worker_runtime: str) -> dict[str, str]:
-    """Which runtime serves each model: the entry's `runtime: sglang`; with
-    SHOAL_RUNTIME=sglang also every causal LM and last-token-pooled (decoder) embedder, the
-    models SGLang is built for (an encoder such as MiniLM stays on PyTorch unless its entry
-    says otherwise); else PyTorch."""
+    """Which runtime serves each model: the entry's `runtime` when it is not the default;
+    with SHOAL_RUNTIME=sglang also every causal LM and last-token-pooled (decoder)
+    embedder, the models SGLang is built for (an encoder such as MiniLM stays on PyTorch
+    unless its entry says otherwise); with SHOAL_RUNTIME=onnx every entry of a family ONNX
+    Runtime serves that has no LoRA adapters; else PyTorch."""
     def on_sglang(e: ModelEntry) -> bool:
         return e.adapter == "causal-lm" or (e.adapter == "dense" and e.pooling == "lasttoken")
 
-    return {e.id: "sglang" if e.runtime == "sglang" or (
-        worker_runtime == "sglang" and on_sglang(e)) else "pytorch" for e in entries}
+    def on_onnx(e: ModelEntry) -> bool:
+        return e.adapter in ONNX_ADAPTERS and not e.loras
+
+    def runtime(e: ModelEntry) -> str:
+        if e.runtime != "pytorch":
+            return e.runtime
+        if worker_runtime == "sglang" and on_sglang(e):
+            return "sglang"
+        if worker_runtime == "onnx" and on_onnx(e):
+            return "onnx"
+        return "pytorch"
+
+    return {e.id: runtime(e) for e in entries}

@@ -26,7 +26,7 @@ from transformers import AutoImageProcessor, AutoModel
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import length_chunks, max_length, too_long
-from runtimes.pytorch.vectors import dense_result
+from runtimes.vectors import dense_result
 from tasks.catalog import ModelEntry
 from tasks.errors import ShoalError
 from tasks.schema import ParsedRequest, check_encode_output, invalid

@@ -23,7 +23,6 @@ from runtimes.pytorch import emulated
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
-from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import (
     HostCopy,
     check_lengths,
@@ -32,7 +31,8 @@ from runtimes.pytorch.text import (
     max_length,
     to_device,
 )
-from runtimes.pytorch.vectors import dense_result, normalize_rows
+from runtimes.st_config import read_st_config
+from runtimes.vectors import dense_results, normalize_rows
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
 
@@ -184,13 +184,7 @@ class DenseAdapter(Adapter):
         return self.encoder.forward(planned.chunks, planned.loras)
 
     def finish(self, planned: _Planned, output: HostCopy) -> list[dict[str, Any]]:
-        prepared, tokens = planned.prepared, planned.tokens
+        tokens = planned.tokens
         vectors = self.encoder.gather(planned.chunks, output, len(tokens.input_ids))
-        results, offset = [], 0
-        for parsed in prepared:
-            n = len(parsed.items)
-            used = sum(len(ids) for ids in tokens.input_ids[offset : offset + n])
-            results.append(dense_result(vectors[offset : offset + n], parsed.options,
-                                        self.encoder.normalize, used))
-            offset += n
-        return results
+        return dense_results(planned.prepared, vectors, tokens.input_ids,
+                             self.encoder.normalize)

@@ -10,64 +10,20 @@ what the text says, not the vocabulary's size.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForMaskedLM
 
+from runtimes.files import encoder_ref
 from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.files import encoder_ref, model_file
 from runtimes.pytorch.loading import load_model
-from runtimes.pytorch.st_config import read_st_config
 from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
+from runtimes.splade import LOGITS_BUDGET, read_splade_config
+from runtimes.st_config import read_st_config
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
-
-# Each forward pass holds (tokens x vocabulary) float logits; this caps them at
-# 512 MiB whatever the batch's token budget (30k-term vocabularies: ~4k tokens).
-LOGITS_BUDGET = 1 << 27
-
-_POOLINGS = ("max", "sum")
-_ACTIVATIONS = ("relu", "log1p_relu")
-
-
-@dataclass(frozen=True)
-class SpladeConfig:
-    """What a sentence-transformers SparseEncoder save says; the defaults are SPLADE v2+."""
-
-    pooling: str = "max"
-    activation: str = "relu"
-    encoder_dir: str = ""  # the MLM transformer's folder inside the model
-
-
-def read_splade_config(ref: str) -> SpladeConfig:
-    modules_file = model_file(ref, "modules.json")
-    if modules_file is None:
-        return SpladeConfig()
-    config = SpladeConfig()
-    for module in json.loads(modules_file.read_text()):
-        kind = module.get("type", "")
-        path = module.get("path", "")
-        if kind.endswith(".SpladePooling"):
-            pooling_file = model_file(ref, f"{path}/config.json")
-            raw = json.loads(pooling_file.read_text()) if pooling_file else {}
-            config = SpladeConfig(raw.get("pooling_strategy", "max"),
-                                  raw.get("activation_function", "relu"), config.encoder_dir)
-        elif kind.endswith("Transformer"):  # Transformer (v6) or MLMTransformer (v5)
-            config = SpladeConfig(config.pooling, config.activation, path)
-        else:
-            # Inference-free (static query) and auto-encoder sparse models compute
-            # something else; serving them as SPLADE would be silently wrong.
-            raise ValueError(f"{ref}: sparse module {kind!r} is not supported; the sparse "
-                             "adapter serves an MLM transformer with SPLADE pooling")
-    if config.pooling not in _POOLINGS or config.activation not in _ACTIVATIONS:
-        raise ValueError(f"{ref}: SPLADE pooling {config.pooling!r} with activation "
-                         f"{config.activation!r} is not supported; supported: pooling "
-                         f"{list(_POOLINGS)}, activation {list(_ACTIVATIONS)}")
-    return config
 
 
 class SparseAdapter(Adapter):

@@ -1,85 +1,32 @@
-"""Text helpers every PyTorch adapter uses: length limits, padding, chunking."""
+"""Text helpers every PyTorch adapter uses: padded tensors, chunks on the device's side
+(the torch-free ones, limits and chunking, are `runtimes.text`)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
-from itertools import chain
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from runtimes.pytorch import emulated
-from tasks.errors import ErrorCode, ShoalError
+from runtimes.text import (
+    check_lengths,
+    chunked_inputs,
+    encode_texts,
+    filled,
+    length_chunks,
+    max_length,
+    padded,
+    padded_inputs,
+    row_lengths,
+    too_long,
+)
 
-# Tokenizers without a limit report a huge sentinel (int(1e30)).
+__all__ = [
+    "check_lengths", "encode_texts", "filled", "length_chunks", "max_length", "too_long",
+]
+
 GPU_WIDTH_MULTIPLE = 16
-_NO_LIMIT = 1_000_000
-
-
-def max_length(tokenizer: PreTrainedTokenizerBase, model_config: object,
-               *wanted: int | None) -> int:
-    """The sequence limit: the first of `wanted` given (catalog, model files), then the
-    tokenizer's own, never over the model's position embeddings."""
-    limit = next((n for n in wanted if n), None)
-    if limit is None and tokenizer.model_max_length < _NO_LIMIT:
-        limit = tokenizer.model_max_length
-    positions = getattr(model_config, "max_position_embeddings", None)
-    limits = [n for n in (limit, positions) if n]
-    return min(limits) if limits else 512
-
-
-_encoding = threading.Lock()  # a fast tokenizer's truncation setting is shared state
-
-
-def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int
-                 ) -> tuple[list[list[int]], list[list[int]] | None]:
-    """Token ids (and token type ids, where the model takes them) of `texts`, special
-    tokens added, truncated to `limit`: what `tokenizer(texts, truncation=True,
-    max_length=limit)` gives, straight from a fast tokenizer's Rust encoder (its batch
-    runs on several threads where TOKENIZERS_PARALLELISM allows) without transformers'
-    conversion of every encoding to dicts of lists (a fifth of the runtime's CPU
-    under load)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
-    types = "token_type_ids" in tokenizer.model_input_names
-    if backend is None:
-        encoded = tokenizer(texts, truncation=True, max_length=limit, padding=False)
-        return encoded["input_ids"], encoded.get("token_type_ids") if types else None
-    with _encoding:
-        backend.enable_truncation(limit, direction=tokenizer.truncation_side)
-        backend.no_padding()
-        # Without the character offsets nobody here reads: a sixth less CPU (tokenizers
-        # >= 0.21 has it).
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        encodings = encode(texts)
-    return [e.ids for e in encodings], [e.type_ids for e in encodings] if types else None
-
-
-def too_long(index: int, length: int, limit: int, what: str = "items") -> ShoalError:
-    return ShoalError(
-        ErrorCode.INPUT_TOO_LONG,
-        f"{what}[{index}] has {length} tokens, over the model's {limit}; shorten it or set "
-        "options.truncate to true",
-    )
-
-
-def check_lengths(lengths: Sequence[int], limit: int, what: str = "items") -> None:
-    """INPUT_TOO_LONG for the first of `lengths` (untruncated, in tokens) over `limit`."""
-    for i, length in enumerate(lengths):
-        if length > limit:
-            raise too_long(i, length, limit, what)
-
-
-def filled(lengths: np.ndarray, left: bool = False, multiple: int = 1) -> np.ndarray:
-    """The (rows, width) boolean mask of the places that rows of `lengths` fill when
-    padded on the right (or left): the attention mask. The width is the longest row's,
-    rounded up to a `multiple`."""
-    width = -(-int(lengths.max(initial=0)) // multiple) * multiple
-    places = np.arange(width)
-    if left:
-        return places >= (width - lengths)[:, None]
-    return places < lengths[:, None]
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False,
@@ -89,55 +36,20 @@ def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False,
 
     One numpy pass over all the rows (a masked assignment fills row-major, the rows'
     own order), not a tensor per row: the per-row loop was a third of the runtime's CPU."""
-    lengths = _lengths(rows)
-    return _placed(rows, lengths, filled(lengths, left, multiple), value)
-
-
-def _lengths(rows: Sequence[Sequence[int]]) -> np.ndarray:
-    return np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-
-
-def _placed(rows: Sequence[Sequence[int]], lengths: np.ndarray, mask: np.ndarray,
-            value: int) -> torch.Tensor:
-    """`rows` laid into `mask`'s places (row-major, their own order), `value` elsewhere."""
-    out = np.full(mask.shape, value, dtype=np.int64)
-    out[mask] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
-                            count=int(lengths.sum()))
-    return torch.from_numpy(out)
-
-
-def length_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices sorted by length, cut so each chunk's padded size (count x longest) fits
-    `budget`; one long sequence then does not pad a whole batch."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        # Sorted ascending, so the newcomer is the chunk's longest.
-        if current and (len(current) + 1) * lengths[i] > budget:
-            chunks.append(current)
-            current = []
-        current.append(i)
-    if current:
-        chunks.append(current)
-    return chunks
+    lengths = row_lengths(rows)
+    return torch.from_numpy(padded(rows, lengths, filled(lengths, left, multiple), value))
 
 
 def encoder_inputs(input_ids: Sequence[Sequence[int]],
                    token_type_ids: Sequence[Sequence[int]] | None, pad_id: int,
                    device: str, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask (and token_type_ids) on `device`, as wide
-    as the longest row rounded up to a `multiple`."""
-    # One mask for the three: token type rows are as long as their id rows.
-    lengths = _lengths(input_ids)
-    mask = filled(lengths, multiple=multiple)
-    inputs = {
-        "input_ids": _placed(input_ids, lengths, mask, pad_id),
-        "attention_mask": torch.from_numpy(mask.astype(np.int64)),
-    }
-    if token_type_ids is not None:
-        inputs["token_type_ids"] = _placed(token_type_ids, lengths, mask, 0)
-    return to_device(staged(inputs, device), device)
+    """`runtimes.text.padded_inputs` as tensors on `device`."""
+    inputs = padded_inputs(input_ids, token_type_ids, pad_id, multiple)
+    return to_device(staged(as_tensors(inputs), device), device)
+
+
+def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
 def staged(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
@@ -206,8 +118,6 @@ def padded_chunks(input_ids: Sequence[Sequence[int]],
                   token_type_ids: Sequence[Sequence[int]] | None, pad_id: int, device: str,
                   budget: int, multiple: int = 1
                   ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
-    """(indices, model inputs) per chunk of `length_chunks`: what every encoder loop runs."""
-    for chunk in length_chunks([len(ids) for ids in input_ids], budget):
-        types = None if token_type_ids is None else [token_type_ids[i] for i in chunk]
-        yield chunk, encoder_inputs([input_ids[i] for i in chunk], types, pad_id, device,
-                                    multiple)
+    """`runtimes.text.chunked_inputs` as tensors on `device`: what every encoder loop runs."""
+    for chunk, inputs in chunked_inputs(input_ids, token_type_ids, pad_id, budget, multiple):
+        yield chunk, to_device(staged(as_tensors(inputs), device), device)

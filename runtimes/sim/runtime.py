@@ -42,8 +42,8 @@ from runtimes.base import (
     prepare_each,
 )
 from runtimes.pool import keys_of, lora_key
-from runtimes.pytorch.vectors import dense_result
 from runtimes.sim.devices import SimConstants, sim_constants
+from runtimes.vectors import dense_result
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
 from tasks.catalog import BatchProfile, ModelEntry
 from tasks.errors import ErrorCode

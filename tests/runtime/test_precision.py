@@ -163,7 +163,7 @@ def test_the_model_runs_in_the_precision_asked(pair):
     family, hosts = pair
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         adapter = hosts[precision].adapter(family.model_id)
-        assert adapter.precision == precision and adapter.dtype == dtype
+        assert adapter.precision == precision
         floats = {p.dtype for p in _torch_model(adapter).parameters() if p.is_floating_point()}
         assert floats == {dtype}, (precision, floats)
 

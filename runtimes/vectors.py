@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.schema import EncodeOptions
+from tasks.schema import EncodeOptions, ParsedRequest
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:
@@ -49,3 +49,17 @@ def dense_result(rows: np.ndarray, options: EncodeOptions, normalize_default: bo
         "embeddings": quantize(rows, options.dtype),
         "usage": {"tokens": tokens},
     }
+
+
+def dense_results(prepared: list[ParsedRequest], vectors: np.ndarray,
+                  input_ids: list[list[int]], normalize_default: bool) -> list[dict[str, Any]]:
+    """Each request's `dense_result` from a batch's pooled vectors (its texts' rows, in
+    order) and the token ids they were computed from."""
+    results, offset = [], 0
+    for parsed in prepared:
+        n = len(parsed.items)
+        used = sum(len(ids) for ids in input_ids[offset : offset + n])
+        results.append(dense_result(vectors[offset : offset + n], parsed.options,
+                                    normalize_default, used))
+        offset += n
+    return results

@@ -1,0 +1,1 @@
+"""ONNX Runtime adapters: the encoder families without torch (docs/runtimes.md, "ONNX")."""

@@ -1,0 +1,87 @@
+"""What the model host asks of ONNX Runtime: the adapter class of an entry, its number
+format, the memory a model takes and the device's clock. No torch here, nor below."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+from typing import Any
+
+from runtimes.adapter import Adapter
+from runtimes.footprint import physical_memory_bytes
+from runtimes.onnx.adapter import OnnxAdapter
+from runtimes.onnx.session import SessionClock
+from runtimes.precision import device_kind
+from tasks.catalog import ModelEntry
+from tasks.precision import ONNX_CPU_PRECISIONS, ONNX_PRECISIONS
+
+# Catalog adapter -> "module:class" (imported when an entry of it loads).
+ADAPTERS = {
+    "dense": "runtimes.onnx.dense:OnnxDenseAdapter",
+    "sparse": "runtimes.onnx.sparse:OnnxSparseAdapter",
+    "cross-encoder": "runtimes.onnx.classify:OnnxCrossEncoderAdapter",
+    "sequence-classification": "runtimes.onnx.classify:OnnxSequenceClassificationAdapter",
+    "zero-shot": "runtimes.onnx.classify:OnnxZeroShotAdapter",
+    "token-classification": "runtimes.onnx.tokens:OnnxTokenClassificationAdapter",
+}
+
+
+class OnnxEngine:
+    name = "onnx"
+
+    def __init__(self, device: str, threads: int = 0) -> None:
+        self.device = device
+        self.threads = threads
+        self.clock = SessionClock()
+
+    def adapter_class(self, entry: ModelEntry) -> type[Adapter]:
+        """The entry's ONNX adapter, bound to this engine's threads and clock."""
+        path = ADAPTERS.get(entry.adapter)
+        if path is None:
+            raise ValueError(f"{entry.id}: the ONNX runtime serves {sorted(ADAPTERS)}, not "
+                             f"{entry.adapter!r}; say runtime: pytorch")
+        module, _, name = path.partition(":")
+        base: type[OnnxAdapter] = getattr(importlib.import_module(module), name)
+        return type(name, (base,), {"threads": self.threads, "clock": self.clock})
+
+    def precision(self, entry: ModelEntry, override: str | None) -> str:
+        """The override, else the profile's when ONNX Runtime computes in it, else fp16 on
+        CUDA and fp32 on CPU (int8 is asked for: it changes results a little)."""
+        cpu = device_kind(self.device) != "cuda"
+        allowed = ONNX_CPU_PRECISIONS if cpu else ONNX_PRECISIONS
+        if override:
+            if override not in allowed:
+                raise ValueError(f"precision {override!r}: the ONNX runtime computes in "
+                                 f"{list(allowed)} on {self.device}")
+            return override
+        tuned = entry.profile(device_kind(self.device))
+        if tuned is not None and tuned.precision in allowed:
+            return tuned.precision
+        return "fp32" if cpu else "fp16"
+
+    def allocated(self) -> int:
+        return 0
+
+    def measure(self, adapter: Adapter, allocated_before: int) -> int:
+        """Its graph's weights (ONNX Runtime adds an arena per session as it runs)."""
+        model = getattr(adapter, "model", None) or adapter.classifier.model
+        return model.graph_bytes
+
+    def release(self) -> None:
+        pass
+
+    def total_bytes(self) -> int:
+        if device_kind(self.device) == "cuda":
+            return _gpu_memory_bytes(self.device)
+        return physical_memory_bytes()
+
+    def stamp(self) -> dict[str, Any] | None:
+        return None
+
+
+def _gpu_memory_bytes(device: str) -> int:
+    """The GPU's memory as nvidia-smi reports it (ONNX Runtime does not say)."""
+    index = device.partition(":")[2] or "0"
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                          "nounits", "-i", index], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[0]) * 2**20

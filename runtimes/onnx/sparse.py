@@ -1,0 +1,70 @@
+"""SPLADE sparse embeddings on ONNX Runtime: the graph's masked-LM logits, pooled into
+term weights here (`runtimes.splade`, as `runtimes.pytorch.sparse` does with torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtimes.files import encoder_ref
+from runtimes.onnx.adapter import OnnxAdapter
+from runtimes.splade import LOGITS_BUDGET, nonzero_terms, read_splade_config, splade_weights
+from runtimes.st_config import read_st_config
+from runtimes.text import check_lengths
+from tasks.catalog import ModelEntry
+from tasks.schema import ParsedRequest, check_encode_output
+
+
+class OnnxSparseAdapter(OnnxAdapter):
+    """Catalog `adapter: sparse` on ONNX Runtime."""
+
+    family = "sparse"
+
+    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
+        super().__init__(entry, ref, **kwargs)
+        self.splade = read_splade_config(ref)
+        folder = encoder_ref(ref, self.splade.encoder_dir)
+        st = read_st_config(Path(folder))
+        self.model = self.open_model(folder, entry.max_seq_length, st.max_seq_length)
+        self.tokenizer = self.model.tokenizer
+        self.do_lower_case = st.do_lower_case
+        self.vocab_size = int(self.model.config.vocab_size)
+        if entry.dims is not None and entry.dims != self.vocab_size:
+            raise ValueError(f"{entry.id}: its sparse vectors span the {self.vocab_size}-term "
+                             f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
+                             f"to {self.vocab_size} or leave it out")
+        self.forward_tokens = max(1, min(self.chunk_tokens, LOGITS_BUDGET // self.vocab_size))
+
+    def _texts(self, parsed: ParsedRequest) -> list[str]:
+        return self.prompted(parsed, self.do_lower_case)
+
+    def check(self, parsed: ParsedRequest) -> ParsedRequest:
+        check_encode_output(parsed.options, self.entry.id, "sparse", self.entry.dims)
+        if not parsed.options.truncate:
+            ids = self.tokenizer(self._texts(parsed), truncation=False)["input_ids"]
+            check_lengths([len(row) for row in ids], self.model.max_length)
+        return parsed
+
+    def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
+        texts = [t for parsed in prepared for t in self._texts(parsed)]
+        encoded = self.tokenizer(texts, truncation=True, max_length=self.model.max_length)
+        input_ids = encoded["input_ids"]
+        vectors: list[dict[str, list]] = [{}] * len(input_ids)
+        for chunk, inputs in self.model.chunks(input_ids, encoded.get("token_type_ids"),
+                                               self.forward_tokens):
+            logits = self.model.run(inputs)
+            weights = splade_weights(logits, inputs["attention_mask"], self.splade)
+            for row, i in zip(weights, chunk, strict=True):
+                vectors[i] = nonzero_terms(row)
+        results, offset = [], 0
+        for parsed in prepared:
+            n = len(parsed.items)
+            results.append({
+                "output": "sparse",
+                "count": n,
+                "vocab_size": self.vocab_size,
+                "embeddings": vectors[offset : offset + n],
+                "usage": {"tokens": sum(len(ids) for ids in input_ids[offset : offset + n])},
+            })
+            offset += n
+        return results

@@ -1,0 +1,56 @@
+"""What the model host asks of PyTorch: the adapter class of an entry, its number format,
+the device's memory and clock, and freeing memory after an unload."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from runtimes.adapter import Adapter
+from runtimes.footprint import physical_memory_bytes, tensor_bytes
+from runtimes.precision import resolve_precision
+from runtimes.pytorch.device_time import device_clock
+from runtimes.pytorch.emulated import emulation_stamp
+from tasks.catalog import ModelEntry
+
+
+class TorchEngine:
+    name = "pytorch"
+
+    def __init__(self, device: str, threads: int = 0) -> None:
+        self.device = device
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.clock = device_clock(device)
+
+    def adapter_class(self, entry: ModelEntry) -> type[Adapter]:
+        """The class the entry's family names (imported only when needed)."""
+        module, _, name = entry.contract.implementation.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def precision(self, entry: ModelEntry, override: str | None) -> str:
+        return resolve_precision(entry, self.device, override)
+
+    def allocated(self) -> int:
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.memory_allocated(torch.device(self.device)))
+        return 0
+
+    def measure(self, adapter: Adapter, allocated_before: int) -> int:
+        """The tensors it holds; on CUDA the allocator also counts what loading left
+        behind (rounding, workspaces), unless a concurrent batch blurs the delta."""
+        return max(tensor_bytes(adapter), self.allocated() - allocated_before)
+
+    def release(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def total_bytes(self) -> int:
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.get_device_properties(torch.device(self.device)).total_memory)
+        return physical_memory_bytes()
+
+    def stamp(self) -> dict[str, Any] | None:
+        return emulation_stamp()
