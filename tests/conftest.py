@@ -30,6 +30,8 @@ NLI = "test/tiny-nli"
 LLAMA = "test/tiny-llama"
 STREAM_LLAMA = "test/stream-llama"  # a tiny causal LM of its own worker (tests/e2e/test_streaming)
 SGLANG_LLAMA = "test/sglang-serve"  # served on SGLang by a worker of its own (test_sglang_serving)
+ONNX_MINILM = "test/minilm-onnx"  # MiniLM with `runtime: onnx` (tests/e2e/test_onnx_serving)
+ONNX_NEIGHBOUR = "test/onnx-neighbour"  # a tiny causal LM beside it, on PyTorch
 FAMILY_ADAPTERS = {SPLADE: "sparse", COLBERT: "multivector", CLIP: "clip",
                    RERANKER: "cross-encoder", NER: "token-classification",
                    SENTIMENT: "sequence-classification", NLI: "zero-shot", LLAMA: "causal-lm"}
@@ -43,6 +45,7 @@ FAMILIES_DIR = WORK_DIR / "families"
 TINY_CLS_DIR = WORK_DIR / "tiny-cls"  # also the weights of FAULTY and DLQ
 STREAM_LLAMA_DIR = WORK_DIR / "stream-llama"  # built by the test that serves it
 SGLANG_LLAMA_DIR = WORK_DIR / "sglang-llama"  # likewise
+ONNX_NEIGHBOUR_DIR = WORK_DIR / "onnx-neighbour"  # likewise
 HEARTBEAT_S = 2
 # The session worker's Celery hostname names its pidbox queue (exclusive on the broker):
 # unique per session, so two test sessions on one broker never lock each other out.
@@ -69,6 +72,8 @@ os.environ.update(
     SHOAL_GATEWAY_UNSERVED="wait",
     # Claim-checked blobs of this session (never ~/.cache); removed with WORK_DIR.
     SHOAL_BLOB_URL=str(WORK_DIR / "blobs"),
+    # ONNX graphs exported by this session (never ~/.cache); removed with WORK_DIR.
+    SHOAL_ONNX_CACHE=str(WORK_DIR / "onnx"),
 )
 
 
@@ -100,6 +105,10 @@ def _write_catalog() -> None:
                                "source": {"path": str(STREAM_LLAMA_DIR)}}
     entries["sglang-serve"] = {"id": SGLANG_LLAMA, "adapter": "causal-lm", "runtime": "sglang",
                                "source": {"path": str(SGLANG_LLAMA_DIR)}}
+    entries["minilm-onnx"] = {**entries["unserved"], "id": ONNX_MINILM, "runtime": "onnx"}
+    entries["onnx-neighbour"] = {"id": ONNX_NEIGHBOUR, "adapter": "causal-lm",
+                                 "source": {"path": str(ONNX_NEIGHBOUR_DIR)},
+                                 "defaults": {"max_tokens": 8}}
     for name, entry in entries.items():
         (CATALOG_DIR / f"{name}.yaml").write_text(yaml.safe_dump(entry))
 

@@ -19,6 +19,8 @@ from tests.conftest import (
     MINILM,
     NER,
     NLI,
+    ONNX_MINILM,
+    ONNX_NEIGHBOUR,
     PREFIX,
     RERANKER,
     RESTART,
@@ -77,7 +79,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     worker = stack.worker(MAIN_WORKER, [MINILM, TINY_CLS])
     stack.gateway("gateway", port, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
-                                     STREAM_LLAMA, SGLANG_LLAMA, *FAMILY_ADAPTERS])
+                                     STREAM_LLAMA, SGLANG_LLAMA, ONNX_MINILM, ONNX_NEIGHBOUR,
+                                     *FAMILY_ADAPTERS])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, "the gateway to be ready",
@@ -92,7 +95,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     finally:
         stack.stop_all()
         delete_queues(prefix_queues(PREFIX, [MINILM, TINY_CLS, UNSERVED, RESTART, FAULTY, DLQ,
-                                             *FAMILY_ADAPTERS]))
+                                             ONNX_MINILM, ONNX_NEIGHBOUR, *FAMILY_ADAPTERS]))
 
 
 @pytest.fixture(scope="session")

