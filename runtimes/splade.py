@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from runtimes.files import model_file
+from tasks.catalog import ModelEntry
+from tasks.schema import ParsedRequest
 
 # Each forward pass holds (tokens x vocabulary) float logits; this caps them at
 # 512 MiB whatever the batch's token budget (30k-term vocabularies: ~4k tokens).
@@ -70,3 +73,29 @@ def nonzero_terms(row: np.ndarray) -> dict[str, list]:
     """`{"indices", "values"}` of a row's non-zero terms, ascending."""
     indices = np.flatnonzero(row)
     return {"indices": indices.tolist(), "values": row[indices].tolist()}
+
+
+def check_vocabulary(entry: ModelEntry, vocab_size: int) -> None:
+    """A sparse entry's `dims`, if given, must be the vocabulary's size."""
+    if entry.dims is not None and entry.dims != vocab_size:
+        raise ValueError(f"{entry.id}: its sparse vectors span the {vocab_size}-term "
+                         f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
+                         f"to {vocab_size} or leave it out")
+
+
+def sparse_results(prepared: list[ParsedRequest], vectors: list[dict[str, list]],
+                   input_ids: list[list[int]], vocab_size: int) -> list[dict[str, Any]]:
+    """Each request's result from a batch's vectors (its texts', in order) and the token
+    ids they were computed from."""
+    results, offset = [], 0
+    for parsed in prepared:
+        n = len(parsed.items)
+        results.append({
+            "output": "sparse",
+            "count": n,
+            "vocab_size": vocab_size,
+            "embeddings": vectors[offset : offset + n],
+            "usage": {"tokens": sum(len(ids) for ids in input_ids[offset : offset + n])},
+        })
+        offset += n
+    return results

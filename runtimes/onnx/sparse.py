@@ -8,7 +8,14 @@ from typing import Any
 
 from runtimes.files import encoder_ref
 from runtimes.onnx.adapter import OnnxAdapter
-from runtimes.splade import LOGITS_BUDGET, nonzero_terms, read_splade_config, splade_weights
+from runtimes.splade import (
+    LOGITS_BUDGET,
+    check_vocabulary,
+    nonzero_terms,
+    read_splade_config,
+    sparse_results,
+    splade_weights,
+)
 from runtimes.st_config import read_st_config
 from runtimes.text import check_lengths
 from tasks.catalog import ModelEntry
@@ -29,10 +36,7 @@ class OnnxSparseAdapter(OnnxAdapter):
         self.tokenizer = self.model.tokenizer
         self.do_lower_case = st.do_lower_case
         self.vocab_size = int(self.model.config.vocab_size)
-        if entry.dims is not None and entry.dims != self.vocab_size:
-            raise ValueError(f"{entry.id}: its sparse vectors span the {self.vocab_size}-term "
-                             f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
-                             f"to {self.vocab_size} or leave it out")
+        check_vocabulary(entry, self.vocab_size)
         self.forward_tokens = max(1, min(self.chunk_tokens, LOGITS_BUDGET // self.vocab_size))
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
@@ -56,15 +60,4 @@ class OnnxSparseAdapter(OnnxAdapter):
             weights = splade_weights(logits, inputs["attention_mask"], self.splade)
             for row, i in zip(weights, chunk, strict=True):
                 vectors[i] = nonzero_terms(row)
-        results, offset = [], 0
-        for parsed in prepared:
-            n = len(parsed.items)
-            results.append({
-                "output": "sparse",
-                "count": n,
-                "vocab_size": self.vocab_size,
-                "embeddings": vectors[offset : offset + n],
-                "usage": {"tokens": sum(len(ids) for ids in input_ids[offset : offset + n])},
-            })
-            offset += n
-        return results
+        return sparse_results(prepared, vectors, input_ids, self.vocab_size)

@@ -20,7 +20,12 @@ from runtimes.files import encoder_ref
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
-from runtimes.splade import LOGITS_BUDGET, read_splade_config
+from runtimes.splade import (
+    LOGITS_BUDGET,
+    check_vocabulary,
+    read_splade_config,
+    sparse_results,
+)
 from runtimes.st_config import read_st_config
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
@@ -40,10 +45,7 @@ class SparseAdapter(Adapter):
         self.max_seq_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
                                          st.max_seq_length)
         self.vocab_size = int(self.model.config.vocab_size)
-        if entry.dims is not None and entry.dims != self.vocab_size:
-            raise ValueError(f"{entry.id}: its sparse vectors span the {self.vocab_size}-term "
-                             f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
-                             f"to {self.vocab_size} or leave it out")
+        check_vocabulary(entry, self.vocab_size)
         self.forward_tokens = max(1, min(self.chunk_tokens, LOGITS_BUDGET // self.vocab_size))
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
@@ -85,15 +87,4 @@ class SparseAdapter(Adapter):
                                  padding=False)
         input_ids = encoded["input_ids"]
         vectors = self.embed(input_ids, encoded.get("token_type_ids"))
-        results, offset = [], 0
-        for parsed in prepared:
-            n = len(parsed.items)
-            results.append({
-                "output": "sparse",
-                "count": n,
-                "vocab_size": self.vocab_size,
-                "embeddings": vectors[offset : offset + n],
-                "usage": {"tokens": sum(len(ids) for ids in input_ids[offset : offset + n])},
-            })
-            offset += n
-        return results
+        return sparse_results(prepared, vectors, input_ids, self.vocab_size)
