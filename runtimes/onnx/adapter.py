@@ -15,6 +15,13 @@ class OnnxAdapter(Adapter):
     threads: ClassVar[int] = 0  # ONNX Runtime's intra-op threads; 0: its own choice
     clock: ClassVar[SessionClock] = SessionClock()
 
+    model: OnnxModel  # the session (a classifier's is its classifier's)
+
+    @property
+    def graph_bytes(self) -> int:
+        """What its graph's weights take (ONNX Runtime adds an arena per session)."""
+        return self.model.graph_bytes
+
     def open_model(self, folder: str | Path, *max_seq_length: int | None) -> OnnxModel:
         """The session of the entry's graph for `folder` (the model, or the transformer's
         folder inside a sentence-transformers save); its length limit the first of

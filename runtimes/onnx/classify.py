@@ -34,6 +34,10 @@ class _OnnxClassifierAdapter(OnnxAdapter):
     family = "sequence-classification"
     classifier_class = OnnxClassifier
 
+    @property
+    def graph_bytes(self) -> int:
+        return self.classifier.model.graph_bytes
+
     def classifier_options(self) -> dict[str, Any]:
         return {"model_id": self.entry.id, "threads": self.threads, "clock": self.clock}
 

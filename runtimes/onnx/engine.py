@@ -63,9 +63,8 @@ class OnnxEngine:
         return 0
 
     def measure(self, adapter: Adapter, allocated_before: int) -> int:
-        """Its graph's weights (ONNX Runtime adds an arena per session as it runs)."""
-        model = getattr(adapter, "model", None) or adapter.classifier.model
-        return model.graph_bytes
+        assert isinstance(adapter, OnnxAdapter)
+        return adapter.graph_bytes
 
     def release(self) -> None:
         pass
