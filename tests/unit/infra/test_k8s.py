@@ -39,7 +39,7 @@ CRD_SCHEMAS = REPO_ROOT / "tests" / "schemas" / "crds"
 KUBERNETES_VERSION = "1.33.0"  # the oldest release the deploy supports
 CORE_GROUPS = {"v1", "apps/v1", "autoscaling/v2", "policy/v1", "networking.k8s.io/v1"}
 NAMESPACE = "shoal"
-SHOAL_IMAGES = {"shoal-gateway", "shoal-worker-cpu", "shoal-worker-cuda"}
+SHOAL_IMAGES = {"shoal-gateway", "shoal-worker-cpu", "shoal-worker-cuda", "shoal-worker-onnx"}
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl (for `kubectl kustomize`) is not installed")
@@ -67,6 +67,10 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
     containers = deployment["spec"]["template"]["spec"]["containers"]
     assert [c["name"] for c in containers] == ["shoal"], deployment["metadata"]["name"]
     return containers[0]
+
+
+def image_of(deployment: dict[str, Any]) -> str:
+    return container(deployment)["image"].split(":")[0].rsplit("/", 1)[-1]
 
 
 def env_values(deployment: dict[str, Any]) -> dict[str, str]:
@@ -349,15 +353,57 @@ def test_api_keys_are_on_and_read_from_the_mounted_secret(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_images_are_the_ones_infra_docker_builds_and_match_the_device(overlay: str) -> None:
     for deployment in of_kind(rendered(overlay), "Deployment"):
-        image = container(deployment)["image"].split(":")[0].rsplit("/", 1)[-1]
+        image = image_of(deployment)
         assert image in SHOAL_IMAGES, image
         assert (REPO_ROOT / "infra" / "docker"
                 / f"{image.removeprefix('shoal-')}.Dockerfile").is_file()
         if deployment in workers(rendered(overlay)):
             gpus = container(deployment)["resources"].get("limits", {}).get("nvidia.com/gpu")
             device = env_values(deployment)["SHOAL_DEVICE"]
-            assert (image, device) == (("shoal-worker-cuda", "cuda") if gpus
-                                       else ("shoal-worker-cpu", "cpu"))
+            if gpus:
+                assert (image, device) == ("shoal-worker-cuda", "cuda")
+            else:
+                assert image in ("shoal-worker-cpu", "shoal-worker-onnx") and device == "cpu"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pools_on_the_torch_free_image_serve_only_the_graphs_it_holds(overlay: str) -> None:
+    from app.worker.runtime import runtime_of_models
+    from runtimes.host import make_engine
+    from tasks.precision import precisions_of
+    from tests.unit.infra.test_containers import docker_env, onnx_image_graphs
+
+    image_env = docker_env("worker-onnx")
+    for worker in workers(rendered(overlay)):
+        if image_of(worker) != "shoal-worker-onnx":
+            continue
+        name = worker["metadata"]["name"]
+        env = {**image_env, **env_values(worker)}
+        assert env["SHOAL_RUNTIME"] == "onnx", name
+        fields = {k.removeprefix("SHOAL_").lower(): v for k, v in env.items()
+                  if k.startswith("SHOAL_") and "$(" not in v and k != "SHOAL_ONNX_CACHE"}
+        settings = Settings(**fields)
+        entries = load_catalog(settings.catalog_dir).select(settings.models)
+        # Every model on ONNX Runtime: one on PyTorch would start a runtime this image
+        # has no torch for.
+        assert set(runtime_of_models(entries, settings.runtime).values()) == {"onnx"}, name
+        # ...each with its graph in the image, in the format it will run in (the worker's
+        # SHOAL_PRECISION, else the entry's profile, else fp32): without torch a missing
+        # graph cannot be exported.
+        override = settings.precision if settings.precision in precisions_of("onnx") else None
+        engine = make_engine("onnx", settings.device)
+        wanted = {(e.id, engine.precision(e, override)) for e in entries}
+        missing = wanted - onnx_image_graphs()
+        assert not missing, f"{name}: the image has no graph for {missing}"
+
+
+def test_the_cpu_overlay_serves_minilm_on_onnx_and_the_gpu_one_on_pytorch() -> None:
+    def minilm_pools(overlay: str) -> list[str]:
+        return [image_of(w) for w in workers(rendered(overlay))
+                if "sentence-transformers/all-MiniLM-L6-v2" in env_values(w)["SHOAL_MODELS"]]
+
+    assert minilm_pools("cpu") == ["shoal-worker-onnx"]
+    assert minilm_pools("gpu") == ["shoal-worker-cuda"]
 
 
 def test_the_gpu_overlay_runs_workers_on_gpus_and_the_cpu_one_on_cpus() -> None:
