@@ -62,9 +62,10 @@ faults: install services
 
 # shoal against a peer server (Infinity), same weights, texts and load: bench/peers.py.
 # Infinity lives in its own venv (its pins clash with shoal's transformers 5), torch first
-# so nothing pulls a CUDA build. PEERS_ARGS: e.g. "--clients 1,8 --duration 3 --rounds 1".
+# so nothing pulls a CUDA build; its optimum extra is its ONNX Runtime engine (issue 27).
+# PEERS_ARGS: e.g. "--clients 1,8 --duration 3 --rounds 1 --systems shoal,infinity".
 PEERS_VENV    := .venv-peers
-INFINITY_SPEC ?= infinity-emb[server,torch]==0.0.78
+INFINITY_SPEC ?= infinity-emb[server,torch,optimum]==0.0.78
 PEERS_ARGS    ?=
 
 $(PEERS_VENV)/.installed: bench/peers-constraints.txt

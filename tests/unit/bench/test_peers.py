@@ -139,3 +139,96 @@ def test_closed_loop_calls_counts_results_and_errors_like_the_raw_loop() -> None
     assert {tuple(t) for t in seen} == {("a",), ("b",), ("bad",)}
     with pytest.raises(ValueError):
         asyncio.run(closed_loop_calls(call, [["a"]], 0, warmup=0.0, duration=0.05))
+
+
+# --------------------------------------------------------------------------- ONNX systems
+
+
+def test_schedule_rotates_any_number_of_systems() -> None:
+    plan = peers.schedule(3, [8], peers.SYSTEMS[:3])
+    assert [s for _, _, s in plan] == ["shoal", "shoal-onnx", "shoal-onnx-int8",
+                                       "shoal-onnx", "shoal-onnx-int8", "shoal",
+                                       "shoal-onnx-int8", "shoal", "shoal-onnx"]
+    assert peers.schedule(2, [1], peers.SERVERS) == peers.schedule(2, [1])
+
+
+def test_parse_systems_keeps_the_canonical_order() -> None:
+    assert peers.parse_systems("infinity-onnx,shoal") == ["shoal", "infinity-onnx"]
+    assert peers.parse_args(["--systems", "shoal,infinity"]).systems == ["shoal", "infinity"]
+    assert peers.parse_args([]).systems is None
+    for bad in ("", "shoal,vllm"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peers.parse_systems(bad)
+
+
+def test_chosen_systems_drop_infinity_onnx_without_optimum(tmp_path: Path) -> None:
+    assert "infinity-onnx" not in peers.chosen_systems(None, venv=tmp_path)
+    assert peers.chosen_systems(["shoal", "infinity"], venv=tmp_path) == ["shoal", "infinity"]
+    with pytest.raises(SystemExit, match="optimum"):
+        peers.chosen_systems(["infinity-onnx"], venv=tmp_path)
+    site = tmp_path / "lib/python3.11/site-packages/optimum/onnxruntime"
+    site.mkdir(parents=True)
+    (site / "modeling.py").write_text("")
+    assert peers.chosen_systems(None, venv=tmp_path) == list(peers.SYSTEMS)
+
+
+def _five(clients: int, rnd: int, scale: float) -> list[dict[str, Any]]:
+    rates = {"shoal": 100.0, "shoal-onnx": 200.0, "shoal-onnx-int8": 300.0,
+             "infinity": 50.0, "infinity-onnx": 150.0}
+    return [_run(s, clients, rnd, rate * scale, p99=1000.0 / rate) for s, rate in rates.items()]
+
+
+def test_summarise_ratios_every_shoal_system_to_every_infinity_engine() -> None:
+    runs = _five(8, 0, 1.0) + _five(8, 1, 2.0) + _five(8, 2, 1.5)
+    (row,) = peers.summarise(runs)
+    assert row["shoal-onnx_req_per_s"] == 300.0 and row["infinity-onnx_req_per_s"] == 225.0
+    assert row["ratio_req_per_s"] == 2.0  # shoal / Infinity, as before
+    assert row["ratio_req_per_s_shoal-onnx_vs_infinity"] == 4.0
+    assert row["ratio_req_per_s_shoal-onnx-int8_vs_infinity-onnx"] == 2.0
+    assert row["ratio_p99_ms_shoal-onnx_vs_infinity"] == 0.25
+    assert "ratio_req_per_s_infinity_vs_shoal" not in row
+    assert row["shoal-onnx-int8_errors"] == 0
+
+
+def test_systems_table_has_a_row_per_level_and_system() -> None:
+    runs = _five(1, 0, 1.0) + _five(32, 0, 1.0)
+    lines = peers.table(peers.summarise(runs), peers.SYSTEMS).splitlines()
+    assert len(lines) == 2 + 2 * len(peers.SYSTEMS)
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert lines[3].startswith("| 1 | shoal ORT fp32 | 200 |")
+    assert "| 4.00 | 0.25 | 1.33 |" in lines[3]  # vs Infinity torch, then vs its ORT
+
+
+def test_verdicts_check_targets_at_8_and_32_clients() -> None:
+    runs = _five(1, 0, 1.0) + _five(8, 0, 1.0)
+    lines = peers.verdicts(peers.summarise(runs))
+    assert len(lines) == 4 and all(line.startswith("8 clients") for line in lines)
+    assert lines[0].endswith(": met")  # ORT fp32 4x Infinity torch, lower p99
+    slow = [{**r, "req_per_s": 90.0} if r["server"] == "shoal-onnx" else r for r in runs]
+    assert peers.verdicts(peers.summarise(slow))[0].endswith("NOT met")
+
+
+def test_infinity_optimum_command() -> None:
+    flags = dict(itertools.pairwise(peers.infinity_argv(Path("/v"), ".", 1, "optimum")))
+    assert (flags["--engine"], flags["--model-id"]) == ("optimum", ".")
+
+
+def test_onnx_model_folder_renames_the_output_and_leaves_weights(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["output"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph), str(tmp_path / "g.onnx"))
+    model = tmp_path / "model"
+    (model / "1_Pooling").mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "model.safetensors", "1_Pooling/config.json"):
+        (model / name).write_text("{}")
+    out = peers.onnx_model_folder(model, tmp_path / "g.onnx", tmp_path / "copy")
+    assert (out / "config.json").is_file() and (out / "1_Pooling/config.json").is_file()
+    assert not (out / "model.safetensors").exists()
+    saved = onnx.load(str(out / "model.onnx"))
+    assert [o.name for o in saved.graph.output] == ["last_hidden_state"]
+    assert list(saved.graph.node[0].output) == ["last_hidden_state"]
