@@ -107,21 +107,25 @@ def exec_form(image: str, word: str) -> list[str]:
     return argv
 
 
+def simple_commands(command: str) -> list[list[str]]:
+    """The words of each simple command of a shell command line (split at ;, && and ||)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    commands, words = [], []
+    for word in [*lexer, ";"]:
+        if word not in ("&&", "||", ";"):
+            words.append(word)
+            continue
+        if words:
+            commands.append(words)
+        words = []
+    return commands
+
+
 def pip_installs(commands: list[str]) -> list[list[str]]:
     """The arguments after `pip install` of each pip call in these shell commands."""
-    calls = []
-    for command in commands:
-        lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|")
-        lexer.whitespace_split = True
-        words: list[str] = []
-        for word in [*lexer, ";"]:
-            if word not in ("&&", "||", ";"):
-                words.append(word)
-                continue
-            if len(words) > 2 and words[0].endswith("pip") and words[1] == "install":
-                calls.append(words[2:])
-            words = []
-    return calls
+    return [words[2:] for command in commands for words in simple_commands(command)
+            if len(words) > 2 and words[0].endswith("pip") and words[1] == "install"]
 
 
 def docker_pip_installs(image: str, stage: int | None = None) -> list[list[str]]:
@@ -134,21 +138,8 @@ def docker_pip_installs(image: str, stage: int | None = None) -> list[list[str]]
 
 def shoal_commands(image: str, stage: int) -> list[list[str]]:
     """The arguments of each `shoal ...` call in that stage's RUN lines."""
-    calls = []
-    for word, rest in stages(image)[stage]:
-        if word != "RUN":
-            continue
-        lexer = shlex.shlex(rest, posix=True, punctuation_chars=";&|")
-        lexer.whitespace_split = True
-        words: list[str] = []
-        for token in [*lexer, ";"]:
-            if token not in ("&&", "||", ";"):
-                words.append(token)
-                continue
-            if words and words[0] == "shoal":
-                calls.append(words[1:])
-            words = []
-    return calls
+    return [words[1:] for word, rest in stages(image)[stage] if word == "RUN"
+            for words in simple_commands(rest) if words[0] == "shoal"]
 
 
 def shoal_exports(image: str, stage: int) -> set[tuple[str, str]]:
