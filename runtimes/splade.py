@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from runtimes.files import model_file
+from runtimes.text import check_lengths
 from tasks.catalog import ModelEntry
-from tasks.schema import ParsedRequest
+from tasks.schema import ParsedRequest, check_encode_output
 
 # Each forward pass holds (tokens x vocabulary) float logits; this caps them at
 # 512 MiB whatever the batch's token budget (30k-term vocabularies: ~4k tokens).
@@ -81,6 +82,16 @@ def check_vocabulary(entry: ModelEntry, vocab_size: int) -> None:
         raise ValueError(f"{entry.id}: its sparse vectors span the {vocab_size}-term "
                          f"vocabulary, but the catalog entry says dims: {entry.dims}; set dims "
                          f"to {vocab_size} or leave it out")
+
+
+def check_sparse_request(parsed: ParsedRequest, entry: ModelEntry, tokenizer: Any,
+                         texts: list[str], limit: int) -> None:
+    """A sparse request's output options, and its `texts` (prompted) within `limit`
+    tokens unless it asks for truncation."""
+    check_encode_output(parsed.options, entry.id, "sparse", entry.dims)
+    if not parsed.options.truncate:
+        ids = tokenizer(texts, truncation=False, padding=False)["input_ids"]
+        check_lengths([len(row) for row in ids], limit)
 
 
 def sparse_results(prepared: list[ParsedRequest], vectors: list[dict[str, list]],

@@ -10,6 +10,7 @@ from runtimes.files import encoder_ref
 from runtimes.onnx.adapter import OnnxAdapter
 from runtimes.splade import (
     LOGITS_BUDGET,
+    check_sparse_request,
     check_vocabulary,
     nonzero_terms,
     read_splade_config,
@@ -17,9 +18,8 @@ from runtimes.splade import (
     splade_weights,
 )
 from runtimes.st_config import read_st_config
-from runtimes.text import check_lengths
 from tasks.catalog import ModelEntry
-from tasks.schema import ParsedRequest, check_encode_output
+from tasks.schema import ParsedRequest
 
 
 class OnnxSparseAdapter(OnnxAdapter):
@@ -43,10 +43,8 @@ class OnnxSparseAdapter(OnnxAdapter):
         return self.prompted(parsed, self.do_lower_case)
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
-        check_encode_output(parsed.options, self.entry.id, "sparse", self.entry.dims)
-        if not parsed.options.truncate:
-            ids = self.tokenizer(self._texts(parsed), truncation=False)["input_ids"]
-            check_lengths([len(row) for row in ids], self.model.max_length)
+        check_sparse_request(parsed, self.entry, self.tokenizer, self._texts(parsed),
+                             self.model.max_length)
         return parsed
 
     def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:

@@ -19,16 +19,17 @@ from transformers import AutoModelForMaskedLM
 from runtimes.files import encoder_ref
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
-from runtimes.pytorch.text import check_lengths, max_length, padded_chunks
+from runtimes.pytorch.text import max_length, padded_chunks
 from runtimes.splade import (
     LOGITS_BUDGET,
+    check_sparse_request,
     check_vocabulary,
     read_splade_config,
     sparse_results,
 )
 from runtimes.st_config import read_st_config
 from tasks.catalog import ModelEntry
-from tasks.schema import ParsedRequest, check_encode_output
+from tasks.schema import ParsedRequest
 
 
 class SparseAdapter(Adapter):
@@ -52,11 +53,8 @@ class SparseAdapter(Adapter):
         return self.prompted(parsed, self.do_lower_case)
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
-        options = parsed.options
-        check_encode_output(options, self.entry.id, "sparse", self.entry.dims)
-        if not options.truncate:
-            encoded = self.tokenizer(self._texts(parsed), truncation=False, padding=False)
-            check_lengths([len(ids) for ids in encoded["input_ids"]], self.max_seq_length)
+        check_sparse_request(parsed, self.entry, self.tokenizer, self._texts(parsed),
+                             self.max_seq_length)
         return parsed
 
     def _pool(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
