@@ -91,8 +91,12 @@ def private(tmp_path: Path) -> Iterator[PrivateStack]:
 
 
 def _worker(private: PrivateStack, name: str, **env: str) -> MeteredWorker:
+    # One batch in flight: these tests count what is held behind the slow batch. With a
+    # pipelined runtime (depth 2) requests that arrive as the slow batch nears its
+    # predicted end start a second batch, queued in the runtime, and are not held.
     return start_metered_worker(private.stack, name, FAULTY, private.queue, 120,
-                                SHOAL_QUEUE_PREFIX=private.prefix, **env)
+                                SHOAL_QUEUE_PREFIX=private.prefix,
+                                SHOAL_RUNTIME_PIPELINE_DEPTH="1", **env)
 
 
 def _runtimes(worker: MeteredWorker) -> list[int]:
@@ -118,8 +122,16 @@ def _hold_behind_a_slow_batch(worker: MeteredWorker, replies: Replies, queue: st
     wait_for(lambda: worker.metric("shoal_batch_requests_count") >= 1, 60,
              "the slow batch to start")
     rest = [replies.publish(queue, f"request {i}") for i in range(held)]
-    wait_for(lambda: worker.metric("shoal_held_messages") == held
-             and queue_counts(queue)[0] == 0, 60, f"the worker to hold {held} requests")
+    seen: list[tuple[float, int]] = []
+
+    def holds_them() -> bool:
+        seen[:] = [(worker.metric("shoal_held_messages"), queue_counts(queue)[0])]
+        return seen[0] == (held, 0)
+
+    try:
+        wait_for(holds_them, 60, f"the worker to hold {held} requests")
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; last (held, ready in the queue): {seen}") from None
     return slow, rest
 
 
