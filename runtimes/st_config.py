@@ -26,7 +26,7 @@ class SentenceTransformerConfig:
     do_lower_case: bool = False
 
 
-def _pooling_mode(config: dict, model_dir: Path) -> str:
+def pooling_mode(config: dict, model_dir: Path) -> str:
     """The single pooling mode of a Pooling config (v6 `pooling_mode` or older flags)."""
     if "pooling_mode" in config:  # sentence-transformers >= 6
         mode = config["pooling_mode"]
@@ -55,7 +55,7 @@ def read_st_config(model_dir: Path) -> SentenceTransformerConfig:
         kind = module.get("type", "")
         if kind.endswith(".Pooling"):
             config = json.loads((model_dir / module["path"] / "config.json").read_text())
-            pooling = _pooling_mode(config, model_dir)
+            pooling = pooling_mode(config, model_dir)
         elif kind.endswith(".Normalize"):
             normalize = True
     bert_config_file = model_dir / "sentence_bert_config.json"

@@ -128,9 +128,17 @@ def _tune(argv: list[str]) -> int:
     return tune_main(argv)
 
 
+def _onboard(argv: list[str]) -> int:
+    from app.cli.onboard import main as onboard_main
+
+    return onboard_main(argv)
+
+
 # Commands whose arguments belong to their own parser (imported only when used).
 _DELEGATED = {"bench": (_bench, "load a gateway, find the knee (app/cli/bench.py)"),
-              "tune": (_tune, "tune a model's batching profile (app/cli/tune.py)")}
+              "tune": (_tune, "tune a model's batching profile (app/cli/tune.py)"),
+              "onboard": (_onboard, "a model's files to a verified, tuned catalog entry "
+                          "(app/cli/onboard.py)")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,12 +124,14 @@ def write_profile(path: Path, device: str, profile: dict[str, Any]) -> None:
 
 
 def calibrate(entry: Any, requests: list[list[str]], sizes: Iterable[int] = (1, 4, 16, 64),
-              reps: int = 3) -> list[tuple[int, int, float]]:
-    """(estimated padded tokens, estimated longest, seconds) of in-process batches."""
+              reps: int = 3, engine: str = "pytorch", precision: str | None = None
+              ) -> list[tuple[int, int, float]]:
+    """(estimated padded tokens, estimated longest, seconds) of in-process batches, on
+    `engine` (pytorch, onnx) at `precision` (None: the entry's)."""
     from runtimes.base import Request
     from runtimes.host import ModelHost
 
-    host = ModelHost()
+    host = ModelHost(engine=engine, precision=precision)
     host.load([entry])
     op = entry.operation
     samples = []
@@ -162,8 +164,9 @@ def measured_line(knee: Knee | None, args: argparse.Namespace, cost: tuple) -> s
 
 
 def measure_live(model: str, setting: dict[str, float], args: argparse.Namespace,
-                 requests: list[list[str]]) -> Knee | None:
-    """The knee of a closed-loop sweep against a fresh stack running `setting`."""
+                 requests: list[list[str]], curve: list | None = None) -> Knee | None:
+    """The knee of a closed-loop sweep against a fresh stack running `setting`; the
+    sweep's points are added to `curve` when one is given."""
     import uvloop
 
     from app.tuning.bench_stack import bench_stack
@@ -184,6 +187,8 @@ def measure_live(model: str, setting: dict[str, float], args: argparse.Namespace
                                          duration=args.duration))
             points.append(result.point())
             step = next_load(points, policy)
+    if curve is not None:
+        curve.extend(points)
     knee = find_knee(points, args.p99_factor)
     label = ", ".join(f"{k}={v:g}" for k, v in setting.items())
     if knee is None:

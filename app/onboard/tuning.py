@@ -1,0 +1,228 @@
+"""Tuning on the present device: for each runtime and precision it offers, parity at that
+precision, the cost fit in process, and the knee against the live stack; the fastest
+candidate whose parity holds wins.
+
+A full `shoal tune` coordinate search restarts the stack for every setting (minutes per
+model). Onboarding spends its live sweeps where they decide something: every candidate's
+cost is fitted in process (seconds), the live sweep runs for PyTorch fp32 (the baseline
+every profile is compared with) and for each candidate within `SCREEN_MARGIN` of the
+best fitted one, and the winner's token budget is searched over `TOKEN_BUDGETS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app.onboard.entry import render
+from app.onboard.results import Candidate, CurvePoint
+from app.tuning.knee import Knee
+
+# Candidates within this fraction of the best fitted throughput get a live sweep.
+SCREEN_MARGIN = 0.25
+TOKEN_BUDGETS = (2048, 4096, 8192)
+REFERENCE_TOKENS = 4096  # the batch size (padded tokens) fitted throughputs are compared at
+START = {"max_tokens": 4096.0, "max_items": 64.0, "max_delay_ms": 0.0,
+         "hold_horizon_batches": 2.0}
+
+
+def device_candidates(adapter: str) -> list[tuple[str, str]]:
+    """(runtime, precision) pairs this machine can serve the adapter with."""
+    from tasks.catalog import ONNX_ADAPTERS
+
+    cuda = _cuda()
+    found = [("pytorch", "fp32"), ("pytorch", "bf16")]
+    if cuda:
+        found.append(("pytorch", "fp16"))
+    if adapter in ONNX_ADAPTERS:
+        found += [("onnx", "fp32"), ("onnx", "fp16" if cuda else "int8")]
+    return found
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def device_name() -> str:
+    if _cuda():
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU ({platform.node()})"
+
+
+def sweep_args(catalog_dir: Path, duration: float, warmup: float) -> argparse.Namespace:
+    """What `app.tuning.tune.measure_live` reads from `shoal tune`'s options."""
+    return argparse.Namespace(env={}, catalog_dir=catalog_dir, start=1.0, growth=2.0,
+                              max_clients=64.0, p99_factor=2.0, warmup=warmup,
+                              duration=duration)
+
+
+def fitted_throughput(cost: tuple[float, float, float]) -> float:
+    """Padded tokens per second of a REFERENCE_TOKENS batch under the fitted cost."""
+    a_ms, b_us, _ = cost
+    seconds = a_ms / 1e3 + b_us / 1e6 * REFERENCE_TOKENS
+    return REFERENCE_TOKENS / seconds if seconds > 0 else 0.0
+
+
+def _knee_fields(candidate: Candidate, knee: Knee | None, points: list[Any]) -> None:
+    candidate.curve = [CurvePoint(p.load, p.throughput, p.p50_ms, p.p99_ms) for p in points]
+    if knee is not None:
+        candidate.knee_throughput = knee.point.throughput
+        candidate.knee_p99_ms = knee.point.p99_ms
+        candidate.knee_load = knee.point.load
+
+
+def candidate_fields(fields: dict[str, Any], candidate: Candidate) -> dict[str, Any]:
+    """The entry fields that serve `fields`' model with `candidate`."""
+    out = dict(fields)
+    if candidate.runtime != "pytorch":
+        out["runtime"] = candidate.runtime
+    return out
+
+
+def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str], Any],
+         duration: float = 3.0, warmup: float = 1.0, search: bool = True,
+         say: Callable[[str], None] = print) -> tuple[list[Candidate], dict[str, Any] | None]:
+    """Every candidate's parity and cost, the live knee of those worth a sweep, and the
+    winner's profile fields (None when no candidate holds parity and has a knee).
+
+    `parity_at(runtime, precision)` returns a ParityResult (app.onboard.parity)."""
+    from app.tuning.mix import make_requests
+    from app.tuning.tune import calibrate, fit_cost
+    from tasks.catalog import ModelEntry
+
+    requests = make_requests(300, "uniform:1:4", "uniform:5:15")
+    candidates: list[Candidate] = []
+    costs: dict[int, tuple[float, float, float]] = {}
+    for runtime, precision in device_candidates(fields["adapter"]):
+        candidate = Candidate(runtime, precision)
+        candidates.append(candidate)
+        try:
+            parity = parity_at(runtime, precision)
+        except Exception as exc:  # a runtime that cannot load the model is not a candidate
+            candidate.note = f"could not run: {str(exc).splitlines()[0][:160]}"
+            say(f"  {candidate.label}: {candidate.note}")
+            continue
+        candidate.parity, candidate.parity_ok = parity.figures, parity.ok
+        candidate.tolerance = parity.tolerance
+        if not parity.ok:
+            candidate.note = f"parity failed: {parity.detail}"
+            say(f"  {candidate.label}: {candidate.note}")
+            continue
+        entry = ModelEntry.model_validate(candidate_fields(fields, candidate))
+        costs[id(candidate)] = fit_cost(calibrate(entry, requests, reps=2, engine=runtime,
+                                                  precision=precision))
+        say(f"  {candidate.label}: parity ok, cost a={costs[id(candidate)][0]:.1f} ms "
+            f"b={costs[id(candidate)][1]:.1f} us/token")
+    if not costs:
+        return candidates, None
+    best_fit = max(fitted_throughput(c) for c in costs.values())
+    with tempfile.TemporaryDirectory(prefix="shoal-onboard-") as tmp:
+        catalog_dir = Path(tmp)
+        args = sweep_args(catalog_dir, duration, warmup)
+        knees: dict[int, tuple[Knee | None, dict[str, float]]] = {}
+        for candidate in candidates:
+            cost = costs.get(id(candidate))
+            if cost is None:
+                continue
+            baseline = (candidate.runtime, candidate.precision) == ("pytorch", "fp32")
+            if not baseline and fitted_throughput(cost) < (1 - SCREEN_MARGIN) * best_fit:
+                candidate.note = (f"not swept: fitted throughput "
+                                  f"{fitted_throughput(cost) / best_fit:.0%} of the best")
+                continue
+            knees[id(candidate)] = _sweep(fields, detection, candidate, cost, dict(START),
+                                          args, requests, say)
+        winner = _winner(candidates, knees)
+        if winner is None:
+            return candidates, None
+        knee, setting = knees[id(winner)]
+        if search:
+            for budget in TOKEN_BUDGETS:
+                if budget == setting["max_tokens"]:
+                    continue
+                trial = {**setting, "max_tokens": float(budget)}
+                other = _sweep(fields, detection, winner, costs[id(winner)], trial, args,
+                               requests, say, keep_curve=False)
+                from app.tuning.tune import better
+
+                if better(other[0], knee):
+                    knee, setting = other
+        _knee_fields_best(winner, knee)
+    winner.chosen = True
+    return candidates, profile_fields(winner, setting, costs[id(winner)], knee)
+
+
+def _knee_fields_best(candidate: Candidate, knee: Knee | None) -> None:
+    if knee is not None:
+        candidate.knee_throughput = knee.point.throughput
+        candidate.knee_p99_ms = knee.point.p99_ms
+        candidate.knee_load = knee.point.load
+
+
+def _winner(candidates: list[Candidate],
+            knees: dict[int, tuple[Knee | None, dict[str, float]]]) -> Candidate | None:
+    from app.tuning.tune import better
+
+    best: Candidate | None = None
+    for candidate in candidates:
+        if id(candidate) not in knees or knees[id(candidate)][0] is None:
+            continue
+        if best is None or better(knees[id(candidate)][0], knees[id(best)][0]):
+            best = candidate
+    return best
+
+
+def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
+           cost: tuple[float, float, float], setting: dict[str, float],
+           args: argparse.Namespace, requests: list[list[str]], say: Callable[[str], None],
+           keep_curve: bool = True) -> tuple[Knee | None, dict[str, float]]:
+    """The live knee of `candidate` at `setting`, its entry in the sweep's own catalog."""
+    from app.tuning.tune import measure_live
+
+    profile = {"precision": candidate.precision, "cost_a_ms": round(cost[0], 3),
+               "cost_b_us": round(cost[1], 3), "cost_c_ns": round(cost[2], 3)}
+    text = render(candidate_fields(fields, candidate), detection, [],
+                  ("cpu" if not _cuda() else "cuda", profile, []))
+    (Path(args.catalog_dir) / "candidate.yaml").write_text(text, encoding="utf-8")
+    say(f"  {candidate.label}: live sweep at max_tokens={setting['max_tokens']:g}")
+    points: list[Any] = []
+    knee = measure_live(fields["id"], setting, args, requests, curve=points)
+    if keep_curve:
+        _knee_fields(candidate, knee, points)
+        if knee is None:
+            candidate.note = "no knee found (p99 past its bound from the lowest load)"
+    return knee, setting
+
+
+def profile_fields(candidate: Candidate, setting: dict[str, float],
+                   cost: tuple[float, float, float], knee: Knee | None) -> dict[str, Any]:
+    """The `profiles.<device>` fields of the winner, with its provenance line."""
+    point = knee.point if knee is not None else None
+    parity = ", ".join(f"{k} {v:.5g}" for k, v in candidate.parity.items())
+    measured = (f"shoal onboard on {dt.date.today().isoformat()} ({device_name()}): "
+                f"{candidate.runtime} {candidate.precision}, knee "
+                f"{point.throughput:.0f} req/s, p99 {point.p99_ms:.0f} ms at "
+                f"{point.load:g} clients; parity {parity}; cost fit a={cost[0]:.1f} ms "
+                f"b={cost[1]:.1f} us/token" if point is not None else "no knee found")
+    return {
+        "max_tokens": int(setting["max_tokens"]), "max_items": int(setting["max_items"]),
+        "max_delay_ms": setting["max_delay_ms"],
+        "hold_horizon_batches": setting["hold_horizon_batches"],
+        "cost_a_ms": round(cost[0], 3), "cost_b_us": round(cost[1], 3),
+        "cost_c_ns": round(cost[2], 3), "precision": candidate.precision,
+        "measured": measured,
+    }
+
+
+def profile_key() -> str:
+    return "cuda" if _cuda() else "cpu"
