@@ -29,7 +29,8 @@ def onboard_one(args: argparse.Namespace) -> int:
     try:
         outcome = onboard(args.source, args.catalog_dir, given_id=args.id, pooling=args.pooling,
                           tune_it=not args.no_tune, write=not args.dry_run, force=args.force,
-                          duration=args.duration, search=not args.no_search, say=_say)
+                          duration=args.duration, search=not args.no_search,
+                          candidates=args.candidates, say=_say)
     except OnboardError as exc:
         print(f"shoal onboard: {exc}", file=sys.stderr)
         return 2
@@ -76,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tune", action="store_true", help="detect and verify only")
     parser.add_argument("--no-search", action="store_true",
                         help="one live sweep per candidate, no token-budget search")
-    parser.add_argument("--duration", type=float, default=3.0,
+    parser.add_argument("--candidates", type=lambda v: v.split(","), metavar="R:P,...",
+                        help="tune only these runtime:precision pairs (e.g. pytorch:fp32); "
+                        "default: every one the device offers")
+    parser.add_argument("--duration", type=float, default=4.0,
                         help="seconds per load level of a live sweep")
     parser.add_argument("--dry-run", action="store_true", help="print, write nothing")
     parser.add_argument("--force", action="store_true", help="replace an existing entry file")

@@ -66,14 +66,14 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
 
 
 def run_catalog(catalog_dir: Path, out_dir: Path, *, tune_it: bool = True,
-                duration: float = 3.0, write: bool = True, only: list[str] | None = None,
+                duration: float = 4.0, write: bool = True, only: list[str] | None = None,
                 say: Callable[[str], None] = print) -> list[ModelReport]:
     """Every entry with local weights; reports kept in `out_dir/state.json`."""
     from tqdm import tqdm
 
     from app.onboard.tuning import profile_key
     from app.tuning.tune import write_profile
-    from runtimes.onnx.graphs import weights_digest
+    from runtimes.onnx.graphs import hash_weights
     from runtimes.sources import SourceError, resolve_source
     from tasks.catalog import Catalog
 
@@ -82,12 +82,12 @@ def run_catalog(catalog_dir: Path, out_dir: Path, *, tune_it: bool = True,
     state_path = out_dir / "state.json"
     state = _state(state_path)
     reports: list[ModelReport] = []
-    entries = [e for e in catalog.entries.values() if not only or e.id in only]
+    entries = catalog.select(only) if only else list(catalog)
     for entry in tqdm(entries, desc="onboard", unit="model"):
         started = time.perf_counter()
         try:
             folder = Path(resolve_source(entry.source, local_only=True))
-            digest = weights_digest(folder)
+            digest = hash_weights(folder)
         except (SourceError, ValueError) as exc:
             report = ModelReport(entry.id, entry.adapter, "skipped",
                                  reason=f"weights not here: {str(exc).splitlines()[0]}")

@@ -53,14 +53,15 @@ class Detection:
 def detect(files: ModelFiles) -> Detection:
     """The family and settings the files state; OnboardError when no family fits."""
     arch = files.architecture
-    if files.modules:
+    if arch.endswith("ForSequenceClassification"):
+        # sentence-transformers >= 5 saves a CrossEncoder with a modules.json too.
+        detection = _sequence_classifier(files)
+    elif files.modules:
         detection = _from_sentence_transformers(files)
     elif files.config.get("model_type") in _CLIP_TYPES:
         detection = _clip(files)
     elif arch == "HF_ColBERT":
         detection = _stanford_colbert(files)
-    elif arch.endswith("ForSequenceClassification"):
-        detection = _sequence_classifier(files)
     elif arch.endswith("ForTokenClassification"):
         detection = Detection("token-classification", f"config.json architectures {arch}")
         detection.labels = _labels(files)
@@ -162,11 +163,13 @@ def _sequence_classifier(files: ModelFiles) -> Detection:
     arch = files.architecture
     labels = _labels(files)
     lowered = {label.lower() for label in labels}
-    if len(labels) <= 1 or "sentence_transformers" in files.config:
+    saved_as_cross_encoder = ("sentence_transformers" in files.config
+                              or files.st_config.get("model_type") == "CrossEncoder")
+    if len(labels) <= 1 or saved_as_cross_encoder:
         detection = Detection("cross-encoder", f"config.json architectures {arch} with "
                               f"{max(len(labels), 1)} output" + (
                                   ", saved by sentence-transformers' CrossEncoder"
-                                  if "sentence_transformers" in files.config else ""))
+                                  if saved_as_cross_encoder else ""))
     elif lowered & _NLI_LABELS and "entailment" in lowered:
         detection = Detection("zero-shot", f"config.json architectures {arch}, NLI labels "
                               f"{labels} (id2label)")
@@ -233,18 +236,23 @@ def _plain_encoder(files: ModelFiles) -> Detection:
 def _add_length(files: ModelFiles, detection: Detection) -> None:
     if detection.adapter in ("causal-lm", "clip"):
         return
-    if "max_seq_length" in files.bert_config:
-        detection.settings["max_seq_length"] = Setting(
-            int(files.bert_config["max_seq_length"]), "sentence_bert_config.json max_seq_length")
-        return
-    limit = files.tokenizer_config.get("model_max_length")
-    if isinstance(limit, int | float) and 0 < limit < _HUGE:
-        detection.settings["max_seq_length"] = Setting(
-            int(limit), "tokenizer_config.json model_max_length")
-        return
     positions = files.config.get("max_position_embeddings")
     if isinstance(positions, int):
         # RoBERTa-family position tables count the padding offset too.
         offset = 2 if files.config.get("model_type") in ("roberta", "xlm-roberta") else 0
-        detection.settings["max_seq_length"] = Setting(
-            positions - offset, "config.json max_position_embeddings")
+        positions -= offset
+    else:
+        positions = None
+    stated: Setting | None = None
+    limit = files.tokenizer_config.get("model_max_length")
+    if "max_seq_length" in files.bert_config:
+        stated = Setting(int(files.bert_config["max_seq_length"]),
+                         "sentence_bert_config.json max_seq_length")
+    elif isinstance(limit, int | float) and 0 < limit < _HUGE:
+        stated = Setting(int(limit), "tokenizer_config.json model_max_length")
+    if positions is not None and (stated is None or stated.value > positions):
+        why = "config.json max_position_embeddings" + (
+            f" (below {stated.source}: {stated.value})" if stated else "")
+        stated = Setting(positions, why)
+    if stated is not None:
+        detection.settings["max_seq_length"] = stated

@@ -32,6 +32,13 @@ def _headline(figures: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.6g}" for k, v in list(figures.items())[:2]) or "no figures"
 
 
+def _candidate_line(c: Candidate) -> str:
+    parity = "parity " + (_headline(c.parity) if c.parity else "not run")
+    measured = (f"knee {c.knee_throughput:.0f} req/s, p99 {c.knee_p99_ms:.0f} ms"
+                if c.knee_throughput else c.note)
+    return f"onboard tried {c.label}: {parity}; {measured}".rstrip("; ")
+
+
 def verify(fields: dict[str, Any], detection: Detection, folder: Path,
            say: Callable[[str], None]) -> tuple[dict[str, Any], Any, Any]:
     """Parity in fp32 on PyTorch for the detected settings, else for the first alternative
@@ -89,7 +96,8 @@ def check_pooling(fields: dict[str, Any], detection: Detection,
 
 def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
             pooling: str | None = None, tune_it: bool = True, write: bool = True,
-            force: bool = False, duration: float = 3.0, search: bool = True,
+            force: bool = False, duration: float = 4.0, search: bool = True,
+            candidates: list[str] | None = None,
             say: Callable[[str], None] = print) -> Outcome:
     """Onboard SOURCE into `catalog_dir`. Raises OnboardError (bad input) or ParityRefused."""
     from tasks.catalog import CatalogError, ModelEntry
@@ -139,7 +147,7 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
 
         say("tuning on this device:")
         report.candidates, values = tune(fields, detection, parity_at, duration=duration,
-                                         search=search, say=say)
+                                         search=search, only=candidates, say=say)
         if values is not None:
             chosen = report.chosen
             assert chosen is not None
@@ -147,11 +155,7 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
                 fields = {**fields, "runtime": chosen.runtime}
                 detection.settings["runtime"] = Setting(
                     chosen.runtime, "the fastest candidate whose parity held (profile below)")
-            profile = (profile_key(), values, [
-                f"onboarded: {c.label}: " + (f"knee {c.knee_throughput:.0f} req/s, p99 "
-                                              f"{c.knee_p99_ms:.0f} ms" if c.knee_throughput
-                                              else c.note or "parity ok")
-                for c in report.candidates])
+            profile = (profile_key(), values, [_candidate_line(c) for c in report.candidates])
             report.status = "tuned"
     elif tune_it:
         say(f"not tuned: tuning drives /v1/encode, and {detection.adapter} models serve "

@@ -4,9 +4,10 @@ candidate whose parity holds wins.
 
 A full `shoal tune` coordinate search restarts the stack for every setting (minutes per
 model). Onboarding spends its live sweeps where they decide something: every candidate's
-cost is fitted in process (seconds), the live sweep runs for PyTorch fp32 (the baseline
-every profile is compared with) and for each candidate within `SCREEN_MARGIN` of the
-best fitted one, and the winner's token budget is searched over `TOKEN_BUDGETS`.
+cost is fitted and its full-batch throughput measured in process (seconds), the live
+sweep runs for PyTorch fp32 (the baseline every profile is compared with) and for each
+candidate within `SCREEN_MARGIN` of the best in process, and the winner's token budget
+is searched over `TOKEN_BUDGETS`.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from app.onboard.entry import render
 from app.onboard.results import Candidate, CurvePoint
 from app.tuning.knee import Knee
 
-# Candidates within this fraction of the best fitted throughput get a live sweep.
+# Candidates within this fraction of the best in-process throughput get a live sweep.
 SCREEN_MARGIN = 0.25
 TOKEN_BUDGETS = (2048, 4096, 8192)
-REFERENCE_TOKENS = 4096  # the batch size (padded tokens) fitted throughputs are compared at
 START = {"max_tokens": 4096.0, "max_items": 64.0, "max_delay_ms": 0.0,
          "hold_horizon_batches": 2.0}
 
 
-def device_candidates(adapter: str) -> list[tuple[str, str]]:
-    """(runtime, precision) pairs this machine can serve the adapter with."""
+def device_candidates(adapter: str, only: list[str] | None = None) -> list[tuple[str, str]]:
+    """(runtime, precision) pairs this machine can serve the adapter with; `only`:
+    those named as 'runtime:precision' among them."""
     from tasks.catalog import ONNX_ADAPTERS
 
     cuda = _cuda()
@@ -41,6 +42,8 @@ def device_candidates(adapter: str) -> list[tuple[str, str]]:
         found.append(("pytorch", "fp16"))
     if adapter in ONNX_ADAPTERS:
         found += [("onnx", "fp32"), ("onnx", "fp16" if cuda else "int8")]
+    if only:
+        found = [c for c in found if f"{c[0]}:{c[1]}" in only]
     return found
 
 
@@ -67,11 +70,14 @@ def sweep_args(catalog_dir: Path, duration: float, warmup: float) -> argparse.Na
                               duration=duration)
 
 
-def fitted_throughput(cost: tuple[float, float, float]) -> float:
-    """Padded tokens per second of a REFERENCE_TOKENS batch under the fitted cost."""
-    a_ms, b_us, _ = cost
-    seconds = a_ms / 1e3 + b_us / 1e6 * REFERENCE_TOKENS
-    return REFERENCE_TOKENS / seconds if seconds > 0 else 0.0
+def measured_throughput(samples: list[tuple[int, int, float]]) -> float:
+    """Estimated padded tokens per second over the largest quarter of the calibration
+    batches: what the device does with full batches, measured, not extrapolated from a
+    fit (a fit's slope is unreliable beyond the sizes it saw)."""
+    ordered = sorted(samples, key=lambda s: s[0])
+    top = ordered[len(ordered) - max(1, len(ordered) // 4):]
+    seconds = sum(s[2] for s in top)
+    return sum(s[0] for s in top) / seconds if seconds > 0 else 0.0
 
 
 def _knee_fields(candidate: Candidate, knee: Knee | None, points: list[Any]) -> None:
@@ -91,8 +97,9 @@ def candidate_fields(fields: dict[str, Any], candidate: Candidate) -> dict[str, 
 
 
 def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str], Any],
-         duration: float = 3.0, warmup: float = 1.0, search: bool = True,
-         say: Callable[[str], None] = print) -> tuple[list[Candidate], dict[str, Any] | None]:
+         duration: float = 4.0, warmup: float = 1.0, search: bool = True,
+         only: list[str] | None = None, say: Callable[[str], None] = print
+         ) -> tuple[list[Candidate], dict[str, Any] | None]:
     """Every candidate's parity and cost, the live knee of those worth a sweep, and the
     winner's profile fields (None when no candidate holds parity and has a knee).
 
@@ -104,7 +111,8 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
     requests = make_requests(300, "uniform:1:4", "uniform:5:15")
     candidates: list[Candidate] = []
     costs: dict[int, tuple[float, float, float]] = {}
-    for runtime, precision in device_candidates(fields["adapter"]):
+    rates: dict[int, float] = {}  # in-process tokens/s of full batches
+    for runtime, precision in device_candidates(fields["adapter"], only):
         candidate = Candidate(runtime, precision)
         candidates.append(candidate)
         try:
@@ -120,13 +128,15 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
             say(f"  {candidate.label}: {candidate.note}")
             continue
         entry = ModelEntry.model_validate(candidate_fields(fields, candidate))
-        costs[id(candidate)] = fit_cost(calibrate(entry, requests, reps=2, engine=runtime,
-                                                  precision=precision))
-        say(f"  {candidate.label}: parity ok, cost a={costs[id(candidate)][0]:.1f} ms "
+        samples = calibrate(entry, requests, reps=2, engine=runtime, precision=precision)
+        costs[id(candidate)] = fit_cost(samples)
+        rates[id(candidate)] = measured_throughput(samples)
+        say(f"  {candidate.label}: parity ok ({_figures(parity.figures)}); in process "
+            f"{rates[id(candidate)]:.0f} tokens/s, cost a={costs[id(candidate)][0]:.1f} ms "
             f"b={costs[id(candidate)][1]:.1f} us/token")
     if not costs:
         return candidates, None
-    best_fit = max(fitted_throughput(c) for c in costs.values())
+    best_rate = max(rates.values())
     with tempfile.TemporaryDirectory(prefix="shoal-onboard-") as tmp:
         catalog_dir = Path(tmp)
         args = sweep_args(catalog_dir, duration, warmup)
@@ -136,9 +146,10 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
             if cost is None:
                 continue
             baseline = (candidate.runtime, candidate.precision) == ("pytorch", "fp32")
-            if not baseline and fitted_throughput(cost) < (1 - SCREEN_MARGIN) * best_fit:
-                candidate.note = (f"not swept: fitted throughput "
-                                  f"{fitted_throughput(cost) / best_fit:.0%} of the best")
+            # The baseline is swept even when slower: every profile is compared with it.
+            if not baseline and rates[id(candidate)] < (1 - SCREEN_MARGIN) * best_rate:
+                candidate.note = (f"not swept: in process {rates[id(candidate)] / best_rate:.0%}"
+                                  " of the best")
                 continue
             knees[id(candidate)] = _sweep(fields, detection, candidate, cost, dict(START),
                                           args, requests, say)
@@ -204,11 +215,15 @@ def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
     return knee, setting
 
 
+def _figures(figures: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.5g}" for k, v in figures.items())
+
+
 def profile_fields(candidate: Candidate, setting: dict[str, float],
                    cost: tuple[float, float, float], knee: Knee | None) -> dict[str, Any]:
     """The `profiles.<device>` fields of the winner, with its provenance line."""
     point = knee.point if knee is not None else None
-    parity = ", ".join(f"{k} {v:.5g}" for k, v in candidate.parity.items())
+    parity = _figures(candidate.parity)
     measured = (f"shoal onboard on {dt.date.today().isoformat()} ({device_name()}): "
                 f"{candidate.runtime} {candidate.precision}, knee "
                 f"{point.throughput:.0f} req/s, p99 {point.p99_ms:.0f} ms at "

@@ -42,9 +42,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("SHOAL_ONNX_CACHE") or Path.home() / ".cache/shoal/onnx")
 
 
-@cache
-def weights_digest(folder: Path) -> str:
-    """A short hash of the files from_pretrained reads the model from."""
+def hash_weights(folder: Path) -> str:
+    """A short hash of the files from_pretrained reads the model from (read now; see
+    `weights_digest` for the cached one)."""
     digest = hashlib.sha256()
     files = sorted({p for pattern in _WEIGHTS for p in folder.glob(pattern)})
     if not files:
@@ -56,6 +56,10 @@ def weights_digest(folder: Path) -> str:
             while block := f.read(1 << 20):
                 digest.update(block)
     return digest.hexdigest()[:16]
+
+
+# A serving process hashes a model's weights once (they do not change under it).
+weights_digest = cache(hash_weights)
 
 
 def shipped_graph(folder: Path, precision: str) -> Path | None:
