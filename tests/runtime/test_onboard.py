@@ -16,7 +16,7 @@ from app.onboard.files import OnboardError
 from app.onboard.onboard import onboard
 from app.onboard.pooling_probe import PAIRS
 from tasks.catalog import load_entry
-from tests.tiny_classifiers import build_tiny_nli, build_tiny_ner, build_tiny_sentiment
+from tests.tiny_classifiers import build_tiny_ner, build_tiny_nli, build_tiny_sentiment
 from tests.tiny_clip import build_tiny_clip
 from tests.tiny_encoders import build_tiny_colbert_st
 from tests.tiny_models import MINILM_DIR, build_tiny_bert
@@ -96,7 +96,7 @@ def test_the_packaged_minilm_matches_its_hand_written_entry(tmp_path):
 def test_files_that_claim_mean_for_weights_trained_with_cls_are_refused(tmp_path):
     folder = build_cls_trained_saved_as_mean(tmp_path / "lying", list(PAIRS))
     catalog = tmp_path / "catalog"
-    with pytest.raises(OnboardError, match="files say mean pooling.*far better with cls"):
+    with pytest.raises(OnboardError, match=r"files say mean pooling.*far better with cls"):
         onboard(str(folder), catalog, tune_it=False, say=quiet)
     assert not catalog.exists()
     # Told, the user serves CLS: checked against the reference rebuilt with CLS pooling.

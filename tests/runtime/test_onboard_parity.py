@@ -157,13 +157,16 @@ def test_a_dense_module_shoal_does_not_apply_fails(tmp_path: Path) -> None:
 
 def test_another_pooling_choice_gets_its_own_reference(folders: dict[str, Path],
                                                        dense_reference: Reference) -> None:
-    """A reference of other settings is not reused: the user's choice is checked against
-    sentence-transformers with that choice (the same modules, another Pooling)."""
+    """Without a reference, the user's choice is checked against sentence-transformers
+    with that choice (the same modules, another Pooling); held to the files' reference
+    (onboarding's search among alternatives), the same choice fails."""
     chosen = entry_of("dense", folders["dense"], pooling="cls", normalize=False)
-    result, reference = check_parity(chosen, folders["dense"], reference=dense_reference)
-    assert reference is not dense_reference and reference.settings == settings_key(chosen)
+    result, reference = check_parity(chosen, folders["dense"])
+    assert reference.settings == settings_key(chosen)
     assert "rebuilt with Pooling(cls)" in reference.library
     assert result.ok, result.detail
+    against_files, kept = check_parity(chosen, folders["dense"], reference=dense_reference)
+    assert kept is dense_reference and not against_files.ok
 
 
 def test_a_family_without_a_reference_says_so() -> None:
