@@ -105,6 +105,8 @@ def render(fields: dict[str, Any], detection: Detection, header: list[str],
     comments = {name: s.source for name, s in detection.settings.items()}
     comments["adapter"] = detection.why
     for name, value in fields.items():
+        if isinstance(value, dict) and not value:
+            continue  # an empty mapping would read back as null
         if isinstance(value, dict):
             lines.append(f"{name}:")
             for key, inner in value.items():

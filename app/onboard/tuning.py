@@ -162,26 +162,32 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
             return candidates, None
         knee, setting = knees[id(winner)]
         if search:
+            tried = {setting["max_tokens"]}
             for budget in TOKEN_BUDGETS:
-                if budget == setting["max_tokens"]:
+                if budget in tried:
                     continue
+                tried.add(budget)
                 trial = {**setting, "max_tokens": float(budget)}
+                points: list[Any] = []
                 other = _sweep(fields, detection, winner, costs[id(winner)], trial, args,
-                               requests, say, keep_curve=False)
-                from app.tuning.tune import better
-
-                if better(other[0], knee, SEARCH_TIE):
+                               requests, say, points)
+                if clearly_better(other[0], knee):
                     knee, setting = other
-        _knee_fields_best(winner, knee)
+                    _knee_fields(winner, knee, points)  # the report shows the chosen sweep
     winner.chosen = True
+    winner.note = f"max_tokens {setting['max_tokens']:g}" + (
+        f" (searched {', '.join(str(b) for b in TOKEN_BUDGETS)})" if search else "")
     return candidates, profile_fields(winner, setting, costs[id(winner)], knee)
 
 
-def _knee_fields_best(candidate: Candidate, knee: Knee | None) -> None:
-    if knee is not None:
-        candidate.knee_throughput = knee.point.throughput
-        candidate.knee_p99_ms = knee.point.p99_ms
-        candidate.knee_load = knee.point.load
+def clearly_better(trial: Knee | None, current: Knee | None) -> bool:
+    """Whether a trial setting's knee beats the current one by more than SEARCH_TIE in
+    throughput (`app.tuning.tune.better` also takes a near-equal knee with a lower p99,
+    which a tie this wide would turn into trading throughput away)."""
+    if trial is None:
+        return False
+    return current is None or trial.point.throughput > current.point.throughput * (
+        1 + SEARCH_TIE)
 
 
 def _winner(candidates: list[Candidate],
@@ -200,8 +206,10 @@ def _winner(candidates: list[Candidate],
 def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
            cost: tuple[float, float, float], setting: dict[str, float],
            args: argparse.Namespace, requests: list[list[str]], say: Callable[[str], None],
-           keep_curve: bool = True) -> tuple[Knee | None, dict[str, float]]:
-    """The live knee of `candidate` at `setting`, its entry in the sweep's own catalog."""
+           points: list[Any] | None = None) -> tuple[Knee | None, dict[str, float]]:
+    """The live knee of `candidate` at `setting`, its entry in the sweep's own catalog.
+    Without `points` the sweep is the candidate's own (its curve and knee are kept on
+    it); with them, a trial whose points the caller keeps if it wins."""
     from app.tuning.tune import measure_live
 
     profile = {"precision": candidate.precision, "cost_a_ms": round(cost[0], 3),
@@ -210,9 +218,10 @@ def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
                   ("cpu" if not _cuda() else "cuda", profile, []))
     (Path(args.catalog_dir) / "candidate.yaml").write_text(text, encoding="utf-8")
     say(f"  {candidate.label}: live sweep at max_tokens={setting['max_tokens']:g}")
-    points: list[Any] = []
+    own = points is None
+    points = [] if points is None else points
     knee = measure_live(fields["id"], setting, args, requests, curve=points)
-    if keep_curve:
+    if own:
         _knee_fields(candidate, knee, points)
         if knee is None:
             candidate.note = "no knee found (p99 past its bound from the lowest load)"

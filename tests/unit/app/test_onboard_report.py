@@ -221,3 +221,4 @@ def test_a_perfect_or_missing_cosine_still_plots_on_the_log_axis(tmp_path, cosin
     report.candidates[0].parity = {"cosine_min": cosine_min}
     write(tmp_path, [report])
     assert is_png(tmp_path / "parity.png")
+
