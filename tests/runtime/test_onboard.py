@@ -188,3 +188,19 @@ def test_a_catalog_run_verifies_reports_and_resumes(tmp_path):
     assert "local/two:" in lines
     assert again["local/two"].weights_hash != next(
         r.weights_hash for r in reports if r.model == "local/two")
+
+
+def test_an_entry_read_back_renders_as_a_valid_entry(tmp_path):
+    """The catalog run re-renders entries it read (empty defaults, loras, prompts
+    included) for its sweeps' own catalog: that text must load again."""
+    from app.onboard.detect import Detection
+    from app.onboard.entry import render
+    from tasks.catalog import ModelEntry
+
+    entry = ModelEntry.model_validate({"id": "x/y", "adapter": "dense", "dims": 8,
+                                       "source": {"path": str(tmp_path)}})
+    fields = entry.model_dump(exclude_none=True, exclude={"profiles", "tasks"})
+    path = tmp_path / "y.yaml"
+    path.write_text(render(fields, Detection("dense", "catalog entry"), [],
+                           ("cpu", {"precision": "fp32"}, [])))
+    assert load_entry(path).profile("cpu").precision == "fp32"
