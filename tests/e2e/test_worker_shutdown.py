@@ -94,9 +94,9 @@ def _worker(private: PrivateStack, name: str, **env: str) -> MeteredWorker:
     # One batch in flight: these tests count what is held behind the slow batch. With a
     # pipelined runtime (depth 2) requests that arrive as the slow batch nears its
     # predicted end start a second batch, queued in the runtime, and are not held.
+    env = {"SHOAL_RUNTIME_PIPELINE_DEPTH": "1", **env}
     return start_metered_worker(private.stack, name, FAULTY, private.queue, 120,
-                                SHOAL_QUEUE_PREFIX=private.prefix,
-                                SHOAL_RUNTIME_PIPELINE_DEPTH="1", **env)
+                                SHOAL_QUEUE_PREFIX=private.prefix, **env)
 
 
 def _runtimes(worker: MeteredWorker) -> list[int]:
@@ -222,11 +222,9 @@ def test_a_split_request_that_started_is_finished(private, replies):
     """A request run in parts whose first part runs when SIGTERM comes gets all its parts
     run and is answered; the requests held behind it go back."""
     queue = private.queue
-    # A batch of at most 12 tokens: a request of 4 texts of 8 runs as 4 parts. One batch in
-    # flight: with two (the default), the requests behind the first part would join the
-    # runtime as a second batch, which counts as started and is finished, not handed back.
-    a = _worker(private, "split-a", SHOAL_FAULTY_SLOW_S="5", SHOAL_BATCH_MAX_TOKENS="12",
-                SHOAL_RUNTIME_PIPELINE_DEPTH="1")
+    # A batch of at most 12 tokens: a request of 4 texts of 8 runs as 4 parts (one batch in
+    # flight, as every worker here: see _worker).
+    a = _worker(private, "split-a", SHOAL_FAULTY_SLOW_S="5", SHOAL_BATCH_MAX_TOKENS="12")
     split = replies.publish(queue, f"{SLOW} first", "second", "third", "fourth")
     wait_for(lambda: a.metric("shoal_split_requests_total") == 1
              and a.metric("shoal_batch_requests_count") >= 1, 60, "its first part to run")
