@@ -36,7 +36,7 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
             say: Callable[[str], None]) -> tuple[ModelReport, dict[str, Any] | None]:
     """Parity of the entry as written, then the tuning candidates; the new profile."""
     from app.onboard.detect import Detection
-    from app.onboard.onboard import _TUNABLE
+    from app.onboard.onboard import TUNABLE
     from app.onboard.parity import check_parity
     from app.onboard.tuning import tune
 
@@ -50,7 +50,7 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
     if not parity.ok:
         report.status, report.reason = "refused", f"parity failed: {parity.detail}"
         return report, None
-    if not tune_it or entry.adapter not in _TUNABLE:
+    if not tune_it or entry.adapter not in TUNABLE:
         return report, None
 
     def parity_at(runtime: str, precision: str) -> Any:

@@ -213,9 +213,10 @@ def _causal_lm(files: ModelFiles) -> Detection:
         detection.notes.append("no chat template: serves completions; chat requests are "
                                "refused")
     if files.generation_config:
-        detection.notes.append("generation_config.json: " + ", ".join(
-            f"{k}={v}" for k, v in files.generation_config.items()
-            if k in ("max_new_tokens", "do_sample", "temperature", "top_p")) or "defaults")
+        stated = ", ".join(f"{k}={v}" for k, v in files.generation_config.items()
+                           if k in ("max_new_tokens", "do_sample", "temperature", "top_p"))
+        detection.notes.append(f"generation_config.json: {stated or 'token ids only'} "
+                               "(requests set their own sampling options)")
     return detection
 
 

@@ -133,7 +133,7 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
     fp32 = Candidate("pytorch", "fp32", parity.figures, True, parity.tolerance)
     report.candidates = [fp32]
     profile = None
-    if tune_it and detection.adapter in _TUNABLE:
+    if tune_it and detection.adapter in TUNABLE:
         from app.onboard.parity import check_parity
         from app.onboard.tuning import profile_key, tune
 
@@ -172,4 +172,4 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
 
 
 # Tuning drives /v1/encode (app.tuning.load); the other operations keep profile defaults.
-_TUNABLE = {"dense", "sparse", "multivector", "clip"}
+TUNABLE = {"dense", "sparse", "multivector", "clip"}
