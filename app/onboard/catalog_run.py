@@ -38,7 +38,7 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
     from app.onboard.detect import Detection
     from app.onboard.onboard import TUNABLE
     from app.onboard.parity import check_parity
-    from app.onboard.tuning import tune
+    from app.onboard.tuning import parity_at_each, tune
 
     fields = entry.model_dump(exclude_none=True, exclude={"profiles", "tasks"})
     fields["runtime"] = "pytorch"
@@ -53,13 +53,9 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
     if not tune_it or entry.adapter not in TUNABLE:
         return report, None
 
-    def parity_at(runtime: str, precision: str) -> Any:
-        trial = entry.model_validate({**fields, "runtime": runtime})
-        return check_parity(trial, folder, engine=runtime, precision=precision,
-                            reference=reference)[0]
-
     report.candidates, values = tune(fields, Detection(entry.adapter, "catalog entry"),
-                                     parity_at, duration=duration, say=say)
+                                     parity_at_each(fields, folder, parity, reference),
+                                     duration=duration, say=say)
     if values is not None:
         report.status = "tuned"
     return report, values

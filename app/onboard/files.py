@@ -33,7 +33,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _optional_json(path: Path) -> dict[str, Any]:
+def optional_json(path: Path) -> dict[str, Any]:
     return read_json(path) if path.is_file() else {}
 
 
@@ -103,11 +103,11 @@ class ModelFiles:
             raise OnboardError(f"modules.json cannot be read as JSON: {exc}") from None
         files = cls(
             folder=folder, config=config, modules=modules if isinstance(modules, list) else [],
-            st_config=_optional_json(folder / "config_sentence_transformers.json"),
-            bert_config=_optional_json(folder / "sentence_bert_config.json"),
-            tokenizer_config=_optional_json(folder / "tokenizer_config.json"),
-            generation_config=_optional_json(folder / "generation_config.json"),
-            processor_config=_optional_json(folder / "preprocessor_config.json"),
+            st_config=optional_json(folder / "config_sentence_transformers.json"),
+            bert_config=optional_json(folder / "sentence_bert_config.json"),
+            tokenizer_config=optional_json(folder / "tokenizer_config.json"),
+            generation_config=optional_json(folder / "generation_config.json"),
+            processor_config=optional_json(folder / "preprocessor_config.json"),
             weights=sorted({p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)}),
         )
         files._check()
@@ -149,7 +149,7 @@ class ModelFiles:
         return next((m for m in self.modules if str(m.get("type", "")).endswith(suffix)), None)
 
     def module_config(self, module: dict[str, Any]) -> dict[str, Any]:
-        return _optional_json(self.folder / module.get("path", "") / "config.json")
+        return optional_json(self.folder / module.get("path", "") / "config.json")
 
     def has_chat_template(self) -> bool:
         return bool(self.tokenizer_config.get("chat_template")) or any(

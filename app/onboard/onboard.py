@@ -134,20 +134,12 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
     report.candidates = [fp32]
     profile = None
     if tune_it and detection.adapter in TUNABLE:
-        from app.onboard.parity import check_parity
-        from app.onboard.tuning import profile_key, tune
-
-        def parity_at(runtime: str, precision: str) -> Any:
-            if (runtime, precision) == ("pytorch", "fp32"):
-                return parity
-            entry = ModelEntry.model_validate(
-                {**fields, **({"runtime": runtime} if runtime != "pytorch" else {})})
-            return check_parity(entry, folder, engine=runtime, precision=precision,
-                                reference=reference)[0]
+        from app.onboard.tuning import parity_at_each, profile_key, tune
 
         say("tuning on this device:")
-        report.candidates, values = tune(fields, detection, parity_at, duration=duration,
-                                         search=search, only=candidates, say=say)
+        report.candidates, values = tune(
+            fields, detection, parity_at_each(fields, folder, parity, reference),
+            duration=duration, search=search, only=candidates, say=say)
         if values is not None:
             chosen = report.chosen
             assert chosen is not None

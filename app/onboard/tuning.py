@@ -100,6 +100,23 @@ def candidate_fields(fields: dict[str, Any], candidate: Candidate) -> dict[str, 
     return out
 
 
+def parity_at_each(fields: dict[str, Any], folder: Path, fp32: Any, reference: Any
+                   ) -> Callable[[str, str], Any]:
+    """`tune`'s parity_at: each candidate against the fp32 reference, PyTorch fp32's
+    being `fp32`, the result already in hand."""
+    from app.onboard.parity import check_parity
+    from tasks.catalog import ModelEntry
+
+    def parity_at(runtime: str, precision: str) -> Any:
+        if (runtime, precision) == ("pytorch", "fp32"):
+            return fp32
+        entry = ModelEntry.model_validate(candidate_fields(fields, Candidate(runtime, precision)))
+        return check_parity(entry, folder, engine=runtime, precision=precision,
+                            reference=reference)[0]
+
+    return parity_at
+
+
 def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str], Any],
          duration: float = 4.0, warmup: float = 1.0, search: bool = True,
          only: list[str] | None = None, say: Callable[[str], None] = print
@@ -144,7 +161,7 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
     with tempfile.TemporaryDirectory(prefix="shoal-onboard-") as tmp:
         catalog_dir = Path(tmp)
         args = sweep_args(catalog_dir, duration, warmup)
-        knees: dict[int, tuple[Knee | None, dict[str, float]]] = {}
+        knees: dict[int, Knee | None] = {}  # at START
         for candidate in candidates:
             cost = costs.get(id(candidate))
             if cost is None:
@@ -160,7 +177,7 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
         winner = _winner(candidates, knees)
         if winner is None:
             return candidates, None
-        knee, setting = knees[id(winner)]
+        knee, setting = knees[id(winner)], dict(START)
         if search:
             tried = {setting["max_tokens"]}
             for budget in TOKEN_BUDGETS:
@@ -171,8 +188,8 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
                 points: list[Any] = []
                 other = _sweep(fields, detection, winner, costs[id(winner)], trial, args,
                                requests, say, points)
-                if clearly_better(other[0], knee):
-                    knee, setting = other
+                if clearly_better(other, knee):
+                    knee, setting = other, trial
                     _knee_fields(winner, knee, points)  # the report shows the chosen sweep
     winner.chosen = True
     winner.note = f"max_tokens {setting['max_tokens']:g}" + (
@@ -190,15 +207,14 @@ def clearly_better(trial: Knee | None, current: Knee | None) -> bool:
         1 + SEARCH_TIE)
 
 
-def _winner(candidates: list[Candidate],
-            knees: dict[int, tuple[Knee | None, dict[str, float]]]) -> Candidate | None:
+def _winner(candidates: list[Candidate], knees: dict[int, Knee | None]) -> Candidate | None:
     from app.tuning.tune import better
 
     best: Candidate | None = None
     for candidate in candidates:
-        if id(candidate) not in knees or knees[id(candidate)][0] is None:
+        if knees.get(id(candidate)) is None:
             continue
-        if best is None or better(knees[id(candidate)][0], knees[id(best)][0]):
+        if best is None or better(knees[id(candidate)], knees[id(best)]):
             best = candidate
     return best
 
@@ -206,7 +222,7 @@ def _winner(candidates: list[Candidate],
 def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
            cost: tuple[float, float, float], setting: dict[str, float],
            args: argparse.Namespace, requests: list[list[str]], say: Callable[[str], None],
-           points: list[Any] | None = None) -> tuple[Knee | None, dict[str, float]]:
+           points: list[Any] | None = None) -> Knee | None:
     """The live knee of `candidate` at `setting`, its entry in the sweep's own catalog.
     Without `points` the sweep is the candidate's own (its curve and knee are kept on
     it); with them, a trial whose points the caller keeps if it wins."""
@@ -225,7 +241,7 @@ def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
         _knee_fields(candidate, knee, points)
         if knee is None:
             candidate.note = "no knee found (p99 past its bound from the lowest load)"
-    return knee, setting
+    return knee
 
 
 def _figures(figures: dict[str, float]) -> str:

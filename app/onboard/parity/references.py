@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from app.onboard import probes
+from app.onboard.files import optional_json
 from app.onboard.parity.common import (
     NEW_TOKENS,
     Outputs,
@@ -286,10 +287,6 @@ def _reference_generate(entry: ModelEntry, folder: Path) -> tuple[Outputs, str]:
                               f"(greedy, {NEW_TOKENS} tokens, chat template)")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def _linear(path: Path) -> tuple[np.ndarray, np.ndarray | None] | None:
     from safetensors.numpy import load_file
 
@@ -335,9 +332,9 @@ def _reference_multivector(entry: ModelEntry, folder: Path) -> tuple[Outputs, st
     tokenizer = AutoTokenizer.from_pretrained(str(encoder), local_files_only=True)
     model = AutoModel.from_pretrained(str(encoder), local_files_only=True,
                                       dtype=torch.float32).eval()
-    st = _read_json(encoder / "sentence_bert_config.json")
-    saved = (_read_json(folder / "config_sentence_transformers.json").get("document_length")
-             or _read_json(folder / "artifact.metadata").get("doc_maxlen")
+    st = optional_json(encoder / "sentence_bert_config.json")
+    saved = (optional_json(folder / "config_sentence_transformers.json").get("document_length")
+             or optional_json(folder / "artifact.metadata").get("doc_maxlen")
              or st.get("max_seq_length"))
     limit = truncation_limit(tokenizer, model.config, entry.max_seq_length or saved)
     rows = []
