@@ -149,10 +149,16 @@ class ProcessRuntime:
         # OpenMP threads that spin between ops steal the cores the worker,
         # gateway and broker need on a CPU host: measured on 2 cores, passive
         # waiting cut the runtime's CPU per sentence from ~10 ms to ~6.5 ms.
+        # But a thread that sleeps at once pays a futex wake-up at each of the forward's
+        # hundreds of parallel regions: MiniLM's one-text forward took 12.5 ms instead of
+        # 6.0. A short spin first (libgomp's GOMP_SPINCOUNT, which overrides the policy:
+        # ~10k iterations, microseconds) keeps the threads awake between the ops of one
+        # forward and asleep between batches: 6.0 ms, and a lone request 15 -> 10 ms
+        # (BENCHMARKS.md, "A lone request").
         # The child is spawned and never forks, so its fast tokenizers may encode a batch
         # on several threads (the usual `false` guards processes that fork after using
         # one): tokenizing is most of the runtime's CPU per text.
-        child_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
+        child_env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", **os.environ,
                      "TOKENIZERS_PARALLELISM": "true", **(env or {}), "PYTHONUNBUFFERED": "1"}
         # The child imports the very code the worker runs, installed or not.
         child_env["PYTHONPATH"] = os.pathsep.join(
