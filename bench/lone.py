@@ -2,6 +2,9 @@
 
     .venv/bin/python -m bench.lone --requests 300 --rounds 3
 
+Each response's `X-Shoal-Trace` (asked for with the request header) splits the time
+into hops (`gateway.calls.request_trace`); the second table holds their medians.
+
 One client sends one short text at a time over a keep-alive connection.
 Per round, for the real MiniLM and for the zero-cost `sim` runtime (the
 pipeline alone), on quorum and on classic queues: the client's end-to-end
@@ -30,6 +33,7 @@ from app.tuning.inproc import machine_info
 from app.tuning.mix import make_texts
 from bench.baselines import ZERO_COST_SIM
 from bench.lib.output import emit
+from gateway.calls.request_trace import HOPS, parse_trace
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 HEADERS = ("x-total-time-ms", "x-queue-time-ms", "x-inference-time-ms")
@@ -57,11 +61,12 @@ def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, flo
     host, port = url.split("//", 1)[1].split(":")
     connection = http.client.HTTPConnection(host, int(port))
     rows: list[tuple[float, ...]] = []
+    traces: list[dict[str, float]] = []
     for i, text in enumerate([*texts[:warmup], *texts]):
         body = json.dumps({"items": [{"text": text}]})
         started = time.perf_counter()
         connection.request("POST", f"/v1/encode/{MINILM}", body,
-                           {"content-type": "application/json"})
+                           {"content-type": "application/json", "x-shoal-trace": "1"})
         response = connection.getresponse()
         response.read()
         elapsed = (time.perf_counter() - started) * 1000
@@ -69,9 +74,17 @@ def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, flo
             raise SystemExit(f"request failed: {response.status}")
         if i >= warmup:
             rows.append((elapsed, *(float(response.getheader(h)) for h in HEADERS)))
+            hops = parse_trace(response.getheader("x-shoal-trace") or "")
+            if hops:  # a tree without the trace answers without it
+                hops["client_http"] = elapsed - sum(hops.values())
+                traces.append(hops)
     connection.close()
     names = ("e2e_ms", "total_ms", "queue_ms", "inference_ms")
-    return {name: statistics.median(r[k] for r in rows) for k, name in enumerate(names)}
+    out = {name: statistics.median(r[k] for r in rows) for k, name in enumerate(names)}
+    if traces and all(t.keys() == traces[0].keys() for t in traces):
+        out.update({f"hop_{hop}": statistics.median(t[hop] for t in traces)
+                    for hop in traces[0]})
+    return out
 
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -85,18 +98,19 @@ CONFIGS: dict[str, dict[str, str]] = {
 def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = make_texts(args.requests)
     floor = inproc_ms(texts)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
-    with tqdm(total=args.rounds * len(CONFIGS), desc="lone requests", file=sys.stderr) as bar:
+    configs = {name: env for name, env in CONFIGS.items() if args.only in name}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    with tqdm(total=args.rounds * len(configs), desc="lone requests", file=sys.stderr) as bar:
         for _ in range(args.rounds):
-            for name, env in CONFIGS.items():
+            for name, env in configs.items():
                 # A queue type of its own per stack: RabbitMQ refuses to redeclare a queue
                 # with another type.
                 prefix = f"shoal-lone-{'classic' if 'classic' in name else 'quorum'}"
                 with bench_stack(MINILM, env, prefix=prefix) as stack:
                     runs[name].append(one_at_a_time(stack.url, texts))
                 bar.update()
-    summary = {name: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-               for name, rows in runs.items()}
+    summary = {name: {key: statistics.median(r[key] for r in rows if key in r)
+                      for key in rows[0]} for name, rows in runs.items() if rows}
     for name, row in summary.items():
         if name.startswith("minilm"):
             row["overhead_ms"] = row["e2e_ms"] - floor
@@ -113,6 +127,13 @@ def table(result: dict[str, Any]) -> str:
                    f"{row['queue_ms']:.2f}", f"{row['inference_ms']:.2f}",
                    f"{row['overhead_ms']:.2f}" if "overhead_ms" in row else "n/a"]
                   for name, row in result["summary"].items()], align="l" * 6)]
+    traced = {name: row for name, row in result["summary"].items() if "hop_batch" in row}
+    if traced:  # the gateway's X-Shoal-Trace, medians per hop (gateway.calls.request_trace)
+        hops = [*HOPS, "client_http"]
+        lines += ["", "Hop trace, median ms per hop:", "", *markdown.table(
+            ["stack", *hops],
+            [[name, *(f"{row.get(f'hop_{hop}', float('nan')):.2f}" for hop in hops)]
+             for name, row in traced.items()], align="l" + "r" * len(hops))]
     return "\n".join(lines)
 
 
@@ -121,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="",
+                        help="run only the stacks whose name holds this (e.g. 'sim')")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result = run(args)

@@ -40,6 +40,12 @@ class BatchStats(TypedDict):
 class Timing(TypedDict):
     queue_ms: float | None  # sent to the start of its batch; None without a sent time
     inference_ms: float  # its batch's
+    # Epoch microseconds along the worker's part of the path, for a gateway's trace of a
+    # request (`X-Shoal-Trace`): the worker took its message, its batch started, its
+    # result was handed to the reply publisher. Absent in an older worker's results.
+    received_us: NotRequired[int]
+    started_us: NotRequired[int]
+    answered_us: NotRequired[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +93,16 @@ def batch_device_ms(results: Iterable[Mapping[str, Any] | None]) -> float | None
     return None
 
 
-def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str) -> None:
-    """Mark a result with how long its request queued and which worker answered it."""
+def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
+                   received_s: float | None = None, started_s: float | None = None) -> None:
+    """Mark a result with how long its request queued, which worker answered it, and when
+    (epoch seconds) the worker took its message and started its batch."""
     batch = result.get(BATCH) or {}
-    result[TIMING] = Timing(queue_ms=queue_ms,
-                            inference_ms=round(batch.get("inference_ms", 0.0), 3))
+    timing = Timing(queue_ms=queue_ms, inference_ms=round(batch.get("inference_ms", 0.0), 3))
+    if received_s and started_s:
+        timing.update(received_us=round(received_s * 1e6), started_us=round(started_s * 1e6),
+                      answered_us=round(time.time() * 1e6))
+    result[TIMING] = timing
     result[WORKER] = worker
 
 

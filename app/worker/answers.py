@@ -56,7 +56,7 @@ class Answers:
         assert result is not None
         sent = held.annotations.sent_ms
         stamp_delivery(result, round(max(0.0, held.started * 1000 - sent), 2) if sent else None,
-                       self.c.hostname)
+                       self.c.hostname, held.delivery.received, held.started)
         metrics.RESULTS.labels(model, "ok").inc()
         if any(c.get("finish_reason") == CANCELLED for c in result.get("choices") or ()):
             metrics.CANCELLED.labels(model).inc()

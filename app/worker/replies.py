@@ -58,11 +58,12 @@ class Delivery:
     requeued as a whole at most once, after which nothing more of it is acked (a
     second ack or reject of a tag closes the channel)."""
 
-    __slots__ = ("closed", "message", "on_acked", "open", "reply_batch", "reply_to",
-                 "requests")
+    __slots__ = ("closed", "message", "on_acked", "open", "received", "reply_batch",
+                 "reply_to", "requests")
 
     def __init__(self, message: Any, requests: int = 1) -> None:
         self.message = message
+        self.received = time.time()  # epoch seconds: a request's trace starts here
         self.requests = requests
         self.open = requests
         self.closed = False

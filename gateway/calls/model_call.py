@@ -10,13 +10,14 @@ from starlette.requests import Request
 
 from gateway.auth.access import check_model_allowed, models_visible
 from gateway.calls.blob_offload import check_out, submit_claimed
+from gateway.calls.request_trace import TRACE_HEADER, hop_trace
 from gateway.edge.api_errors import ApiError, invalid
 from tasks.catalog import ModelEntry
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
 from tasks.render import shown
 from tasks.schema import ParsedRequest
-from tasks.served import reply_headers
+from tasks.served import read_served, reply_headers
 
 
 @dataclass(slots=True)
@@ -121,9 +122,15 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
                                      settings.blob_url, settings.claim_upload_timeout_s)
     else:
         reply = await broker.submit(entry.id, part, budget_ms / 1000)
+    replied = time.time()
     if reply.get("status") != SUCCESS:
         raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]
     out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}",
                    **reply_headers(result)}
+    if TRACE_HEADER in request.headers:
+        # The outer middleware stamped its arrival (`gateway.calls.request_trace`).
+        arrived = getattr(request.state, "arrived", replied)
+        out_headers["X-Shoal-Trace"] = hop_trace(arrived, part.annotations.sent_ms,
+                                                 read_served(result).timing, replied, time.time())
     return Reply(result, out_headers)

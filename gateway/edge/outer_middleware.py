@@ -100,6 +100,7 @@ class RequestIdMiddleware:
         request_id = request_id_of(scope["headers"])
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        state["arrived"] = time.time()  # epoch: where a request's trace starts
         started = time.perf_counter()
         route = route_label(scope["path"])
         response_started = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 
 import httpx
 import msgpack
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
+from gateway.calls.request_trace import HOPS, parse_trace
 from runtimes.pytorch.dense import DenseEncoder
 from tests.conftest import MINILM, TINY_CLS
 from tests.tiny_models import MINILM_DIR
@@ -36,6 +38,24 @@ def test_native_json(stack, reference):
     assert body["usage"]["tokens"] > 256  # the long text counts its 256 truncated tokens
     for header in ("x-request-id", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms"):
         assert header in r.headers
+
+
+def test_a_traced_request_says_where_its_time_went(stack):
+    untraced = httpx.post(f"{stack.url}/v1/encode/{MINILM}",
+                          json={"items": [{"text": "x"}]}, timeout=30)
+    assert untraced.status_code == 200 and "x-shoal-trace" not in untraced.headers
+    started = time.perf_counter()
+    r = httpx.post(f"{stack.url}/v1/encode/{MINILM}", json={"items": [{"text": "x"}]},
+                   headers={"x-shoal-trace": "1"}, timeout=30)
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    assert r.status_code == 200, r.text
+    hops = parse_trace(r.headers["x-shoal-trace"])
+    assert list(hops) == list(HOPS)  # every hop, in path order: the worker stamped its part
+    # One clock on one host: no hop is negative beyond float rounding, and together they
+    # fit inside what the client waited.
+    assert min(hops.values()) > -0.01, hops
+    assert sum(hops.values()) <= elapsed_ms
+    assert hops["batch"] == pytest.approx(float(r.headers["x-inference-time-ms"]), abs=0.1)
 
 
 def test_native_msgpack_both_ways(stack, reference):
