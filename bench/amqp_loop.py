@@ -25,11 +25,14 @@ import aio_pika
 from tasks.settings import get_settings
 from tasks.topology import model_queue
 
+DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
+
 
 @dataclass
 class LoopResult:
     in_flight: int
     queue_type: str
+    reply: str
     round_trips: int
     per_s: float
     p50_ms: float
@@ -37,7 +40,10 @@ class LoopResult:
 
 
 async def run_loop(in_flight: int, duration: float, warmup: float = 1.0,
-                   queue_type: str = "quorum", body_bytes: int = 200) -> LoopResult:
+                   queue_type: str = "quorum", body_bytes: int = 200,
+                   reply: str = "queue") -> LoopResult:
+    """`reply`: "queue" (an exclusive reply queue, as shoal's gateway) or "direct"
+    (RabbitMQ's direct reply-to: no queue, consumed on the publishing channel)."""
     url = get_settings().broker_url
     name = f"shoal-amqp-loop-{uuid.uuid4().hex[:8]}"
     mq = model_queue("loop", prefix=name, max_length=100_000, delivery_limit=20,
@@ -58,7 +64,10 @@ async def run_loop(in_flight: int, duration: float, warmup: float = 1.0,
 
         consumer_tag = await queue.consume(answer)
         channel = await client.channel(publisher_confirms=True)
-        replies = await channel.declare_queue(exclusive=True, auto_delete=True)
+        if reply == "direct":
+            replies = await channel.get_queue(DIRECT_REPLY_TO, ensure=False)
+        else:
+            replies = await channel.declare_queue(exclusive=True, auto_delete=True)
         pending: dict[str, asyncio.Future] = {}
 
         def on_reply(message: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -95,7 +104,7 @@ async def run_loop(in_flight: int, duration: float, warmup: float = 1.0,
         await client.close()
         await server.close()
     cuts = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
-    return LoopResult(in_flight, queue_type, len(latencies), len(latencies) / duration,
+    return LoopResult(in_flight, queue_type, reply, len(latencies), len(latencies) / duration,
                       cuts[49], cuts[98])
 
 
@@ -105,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--queue-type", choices=["quorum", "classic"], default="quorum")
+    parser.add_argument("--reply", choices=["queue", "direct"], default="queue",
+                        help="replies through an exclusive queue or direct reply-to")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = asyncio.run(run_loop(args.in_flight, args.duration, queue_type=args.queue_type))
+    result = asyncio.run(run_loop(args.in_flight, args.duration, queue_type=args.queue_type,
+                                  reply=args.reply))
     print(json.dumps(asdict(result)) if args.json else
-          f"{result.per_s:.0f} round trips/s ({result.queue_type} queue, {result.in_flight} in "
-          f"flight), p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms")
+          f"{result.per_s:.0f} round trips/s ({result.queue_type} queue, replies by "
+          f"{result.reply}, {result.in_flight} in flight), p50 {result.p50_ms:.2f} ms, "
+          f"p99 {result.p99_ms:.2f} ms")
     return 0
 
 
