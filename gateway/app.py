@@ -64,7 +64,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     # Every catalog model the deployment allows, whether or not a worker has it loaded
     # (SHOAL_MODELS is the workers' list); a model's queue is declared on first use.
     served = {entry.id: entry for entry in catalog.select(settings.gateway_models)}
-    broker = Broker(settings, list(served))
+    broker = Broker(settings, list(served), {m: e.queue_type for m, e in served.items()})
     job_store = JobStore(settings.redis_url, settings.queue_prefix, settings.job_ttl_s)
 
     def blobs() -> Any:
