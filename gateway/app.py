@@ -17,7 +17,6 @@ from starlette.routing import Route
 from gateway.auth.install import install_auth
 from gateway.broker.link import Broker
 from gateway.calls.blob_offload import sweep_forever
-from gateway.edge.codecs import encode_response
 from gateway.edge.gateway_metrics import metrics
 from gateway.edge.outer_middleware import RequestIdMiddleware
 from gateway.edge.sigterm_drain import Drain
@@ -26,36 +25,25 @@ from gateway.jobs.part_replies import JobReplies
 from gateway.jobs.store import JobStore, warn_if_jobs_are_volatile
 from gateway.routes.completions import create_chat_completion, create_completion
 from gateway.routes.embeddings import create_embeddings
+from gateway.routes.hot_path import HotRoutes, error_response, http_error_response
 from gateway.routes.job_routes import cancel_job, create_job, get_job, get_result
 from gateway.routes.native import classify, encode, extract, score
 from gateway.routes.status import healthz, list_models, readyz
 from tasks.catalog import load_catalog
-from tasks.errors import ErrorCode, ShoalError
+from tasks.errors import ShoalError
 from tasks.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
 
-def _error_response(request: Request, error: ShoalError) -> Response:
-    headers = {"X-Request-Id": getattr(request.state, "request_id", "")}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(error.retry_after)
-    return encode_response(request, error.body(), error.status, headers)
-
-
 async def _on_shoal_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ShoalError)
-    return _error_response(request, exc)
+    return error_response(request, exc)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
-        exc.status_code, ErrorCode.INVALID_REQUEST
-    )
-    error = ShoalError(code, f"{request.method} {request.url.path}: {exc.detail}")
-    error.status = exc.status_code
-    return _error_response(request, error)
+    return http_error_response(request, exc)
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -120,6 +108,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
         },
         lifespan=lifespan,
     )
+    # Innermost of the gateway's middleware: the keys and the request ids apply first.
+    app.add_middleware(HotRoutes, exact={"/v1/embeddings": create_embeddings},
+                       prefixed={"/v1/encode/": encode, "/v1/score/": score})
     install_auth(app, settings)  # inside RequestIdMiddleware: a refusal is counted too
     app.add_middleware(RequestIdMiddleware)
     app.state.settings = settings
