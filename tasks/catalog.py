@@ -43,6 +43,7 @@ from tasks.token_estimate import (
     Estimate,
     estimate_request,
 )
+from tasks.topology import QueueType
 
 
 class CatalogError(ValueError):
@@ -155,6 +156,12 @@ class ModelEntry(BaseModel):
         "pytorch", description="what serves the model: shoal's PyTorch runtime, an SGLang "
         "server (causal-lm and dense only), or ONNX Runtime (the text encoders, from a graph "
         "`shoal export` makes; docs/runtimes.md)")
+    queue_type: QueueType | None = Field(
+        None, description="the type of the model's queue: quorum (replicated, poison "
+        "messages dead-lettered after SHOAL_QUEUE_DELIVERY_LIMIT deliveries) or classic (one "
+        "node, no delivery limit, less broker work per message); default: SHOAL_QUEUE_TYPE. "
+        "One value for the model everywhere, not per device: the gateway and every worker "
+        "declare the same queue (docs/models.md, \"Queue type\")")
 
     @field_validator("adapter")
     @classmethod

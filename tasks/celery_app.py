@@ -76,10 +76,14 @@ app.conf.update(
 def route_to_model_queue(
     name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **_: Any
 ) -> dict[str, Any] | None:
-    """Send shoal.* tasks to the queue of `kwargs['model']` (declared with its arguments)."""
+    """Send shoal.* tasks to the queue of `kwargs['model']` (declared with its arguments,
+    of the type its catalog entry gives it: the one the gateway and the workers declare)."""
     if name not in OPERATION_OF_TASK or not isinstance(kwargs, dict) or "model" not in kwargs:
         return None
-    queue = model_kombu_queue(str(kwargs["model"]), settings)
+    model = str(kwargs["model"])
+    catalog = _configured_catalog()
+    entry = catalog.get(model) if catalog is not None else None
+    queue = model_kombu_queue(model, settings, entry.queue_type if entry is not None else None)
     return {"queue": queue, "exchange": queue.exchange, "routing_key": queue.routing_key}
 
 

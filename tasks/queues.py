@@ -10,7 +10,7 @@ from __future__ import annotations
 from kombu import Exchange, Queue
 
 from tasks.settings import Settings
-from tasks.topology import DEAD_LETTER_ARGUMENTS, ModelQueue, queue_for
+from tasks.topology import DEAD_LETTER_ARGUMENTS, ModelQueue, QueueType, queue_for
 
 
 def kombu_queues(mq: ModelQueue) -> tuple[Queue, Queue]:
@@ -27,5 +27,7 @@ def kombu_queues(mq: ModelQueue) -> tuple[Queue, Queue]:
     return queue, dead
 
 
-def model_kombu_queue(model_id: str, settings: Settings) -> Queue:
-    return kombu_queues(queue_for(model_id, settings))[0]
+def model_kombu_queue(model_id: str, settings: Settings,
+                      queue_type: QueueType | None = None) -> Queue:
+    """The model's queue; `queue_type` is its catalog entry's (`tasks.topology.queue_for`)."""
+    return kombu_queues(queue_for(model_id, settings, queue_type))[0]

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tasks.precision import Precision
+from tasks.topology import QueueType
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _TASKS_DIR = Path(__file__).resolve().parent
@@ -42,8 +43,9 @@ class Settings(BaseSettings):
     queue_prefix: str = "shoal"
     queue_max_length: int = Field(10_000, ge=1, description="messages per model queue")
     queue_delivery_limit: int = Field(20, ge=2)
-    queue_type: Literal["quorum", "classic"] = Field(
-        "quorum", description="classic: less broker CPU, but no delivery limit nor replication"
+    queue_type: QueueType = Field(
+        "quorum", description="the model queues' type, where a model's catalog entry sets no "
+        "queue_type; classic: less broker CPU, but no delivery limit nor replication"
     )
 
     # --- models ---

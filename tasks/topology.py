@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 _UNSAFE = re.compile(r"[^a-z0-9._-]")
+
+# A model queue's type: SHOAL_QUEUE_TYPE for every model, or a catalog entry's
+# `queue_type` for its own model (docs/models.md, "Queue type").
+QueueType = Literal["quorum", "classic"]
 
 
 def model_slug(model_id: str) -> str:
@@ -41,7 +45,7 @@ def dead_letter_exchange(prefix: str) -> str:
 
 def model_queue(
     model_id: str, *, prefix: str, max_length: int, delivery_limit: int,
-    queue_type: str = "quorum",
+    queue_type: QueueType = "quorum",
 ) -> ModelQueue:
     """A model's queue. `classic` trades the delivery limit (poison messages that
     kill workers are never dead-lettered) and replication for less broker CPU."""
@@ -68,12 +72,17 @@ def model_queue(
 DEAD_LETTER_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
 
 
-def queue_for(model_id: str, settings: Any) -> ModelQueue:
-    """The queue of `model_id` under the given `tasks.settings.Settings`."""
+def queue_for(model_id: str, settings: Any, queue_type: QueueType | None = None) -> ModelQueue:
+    """The queue of `model_id` under the given `tasks.settings.Settings`.
+
+    `queue_type` is the model's catalog entry's `queue_type`; None (an entry that sets
+    none, or a model the catalog does not know) is the deployment's SHOAL_QUEUE_TYPE.
+    The one place that rule lives: every process that declares a model's queue (gateway,
+    worker, Celery client) calls this with the entry's value, so they all agree."""
     return model_queue(
         model_id,
         prefix=settings.queue_prefix,
         max_length=settings.queue_max_length,
         delivery_limit=settings.queue_delivery_limit,
-        queue_type=settings.queue_type,
+        queue_type=queue_type or settings.queue_type,
     )

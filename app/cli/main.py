@@ -97,8 +97,8 @@ def _queues(_: argparse.Namespace) -> int:
 
     settings = get_settings()
     for entry in load_catalog(settings.catalog_dir).select(settings.models):
-        mq = queue_for(entry.id, settings)
-        print(f"{entry.id}\t{mq.name}\t{mq.dead_letter_queue}")
+        mq = queue_for(entry.id, settings, entry.queue_type)
+        print(f"{entry.id}\t{mq.name}\t{mq.dead_letter_queue}\t{mq.arguments['x-queue-type']}")
     return 0
 
 

@@ -137,7 +137,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.dispatcher.replier.open(c.connection)
         self.consumers = []
         for entry in self.entries:
-            queue, dead = kombu_queues(queue_for(entry.id, self.settings))
+            queue, dead = kombu_queues(queue_for(entry.id, self.settings, entry.queue_type))
             channel = c.connection.channel()
             consumer = Consumer(channel, queues=[queue], on_message=self.dispatcher.on_message,
                                 accept=["msgpack", "json"])

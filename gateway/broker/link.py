@@ -37,7 +37,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aio_pika
 
@@ -53,13 +53,16 @@ from tasks.broker_metrics import gateway_link
 from tasks.broker_urls import split_urls
 from tasks.envelope import Part, single_message
 from tasks.settings import Settings
-from tasks.topology import dead_letter_exchange, task_exchange
+from tasks.topology import QueueType, dead_letter_exchange, task_exchange
 
 log = logging.getLogger(__name__)
 
 
 class Broker:
-    def __init__(self, settings: Settings, models: list[str]) -> None:
+    def __init__(self, settings: Settings, models: list[str],
+                 queue_types: Mapping[str, QueueType | None] | None = None) -> None:
+        """`models`: the models it accepts requests for; `queue_types`: their catalog
+        entries' `queue_type`, where set (a model without one gets SHOAL_QUEUE_TYPE's)."""
         self.settings = settings
         self.models = models
         tag = uuid.uuid4().hex
@@ -67,7 +70,7 @@ class Broker:
         # This gateway's copy of the workers' pool states (exclusive, bound to the fanout).
         self.pool_queue = f"{settings.queue_prefix}.pool.{tag}"
         self.origin = f"gateway@{socket.gethostname()}:{os.getpid()}"
-        self.queues = ModelQueues(settings, models)
+        self.queues = ModelQueues(settings, {m: (queue_types or {}).get(m) for m in models})
         self.served = ServedModels(settings, self.queues, self.pool_queue)
         self.outbox = Outbox(settings, self.queues, self.origin, self.reply_to)
         self.replies = AwaitedReplies()

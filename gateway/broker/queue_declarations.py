@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import aio_pika
 
 from gateway.broker.broker_errors import unavailable
 from tasks.settings import Settings
-from tasks.topology import DEAD_LETTER_ARGUMENTS, queue_for
+from tasks.topology import DEAD_LETTER_ARGUMENTS, QueueType, queue_for
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ class ModelQueues:
     """Each model's queue (and its dead-letter queue), declared by the first request that
     needs it, and how many consumers it had when last asked."""
 
-    def __init__(self, settings: Settings, models: list[str]) -> None:
-        self.queues = {m: queue_for(m, settings) for m in models}
+    def __init__(self, settings: Settings, models: Mapping[str, QueueType | None]) -> None:
+        """`models`: each model the gateway accepts, with its catalog entry's `queue_type`
+        (None: SHOAL_QUEUE_TYPE), so that it declares the queue the workers declare."""
+        self.queues = {m: queue_for(m, settings, queue_type) for m, queue_type in models.items()}
         # Queues are declared on their own channel, so that a refused declaration (a queue
         # that exists with other arguments) never closes the publishing channel.
         self._topology: aio_pika.abc.AbstractChannel | None = None

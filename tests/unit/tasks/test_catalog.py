@@ -223,3 +223,31 @@ def test_an_unknown_precision_is_refused_with_the_known_ones(tmp_path):
         load_entry(path)
     assert "profiles.cuda.precision" in str(err.value)
     assert all(f"'{p}'" in str(err.value) for p in ("fp32", "fp16", "bf16"))
+
+
+# --- queue type -----------------------------------------------------------------------------
+
+_ENTRY = "id: me/q\nadapter: dense\ndims: 8\nsource: {hub: me/q}\n"
+
+
+@pytest.mark.parametrize("value", ["classic", "quorum"])
+def test_an_entry_may_choose_its_queue_type(tmp_path, value):
+    assert load_entry(_write(tmp_path, _ENTRY + f"queue_type: {value}\n")).queue_type == value
+    assert load_entry(_write(tmp_path, _ENTRY)).queue_type is None  # SHOAL_QUEUE_TYPE's
+
+
+@pytest.mark.parametrize("value", ["stream", "Classic", "1", "[classic]"])
+def test_another_queue_type_is_refused_naming_the_field(tmp_path, value):
+    path = _write(tmp_path, _ENTRY + f"queue_type: {value}\n")
+    with pytest.raises(CatalogError) as refused:
+        load_entry(path)
+    message = str(refused.value)
+    assert str(path) in message and "field 'queue_type'" in message, message
+    assert "'quorum' or 'classic'" in message, message
+
+
+def test_the_queue_type_is_the_models_not_a_devices(tmp_path):
+    # One queue per model, declared alike by the gateway and workers on every device.
+    path = _write(tmp_path, _ENTRY + "profiles: {cpu: {queue_type: classic}}\n")
+    with pytest.raises(CatalogError, match=r"field 'profiles\.cpu\.queue_type'"):
+        load_entry(path)

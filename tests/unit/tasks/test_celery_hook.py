@@ -42,3 +42,22 @@ def test_headers_already_written_are_kept():
                        shoal_op="encode", shoal_items=9, shoal_cost=9)
     ann = read_annotations(headers)
     assert ann is not None and ann.items == 9
+
+
+def test_a_celery_client_declares_the_queue_type_of_the_models_entry(monkeypatch, tmp_path):
+    """A client's publish declares the model's queue: with the type the gateway and the
+    workers give it, the entry's, or RabbitMQ would refuse the declaration."""
+    from tasks import celery_app
+
+    (tmp_path / "c.yaml").write_text("id: me/classic\nadapter: dense\ndims: 8\n"
+                                     "source: {hub: me/classic}\nqueue_type: classic\n")
+    monkeypatch.setattr(settings, "catalog_dir", tmp_path)
+
+    def queue_type(model: str) -> str:
+        route = celery_app.route_to_model_queue(ENCODE, [], {"model": model, "items": []}, {})
+        assert route is not None
+        return route["queue"].queue_arguments["x-queue-type"]
+
+    assert queue_type("me/classic") == "classic"
+    assert queue_type(MINILM) == settings.queue_type  # the entry sets none
+    assert queue_type("nobody/knows") == settings.queue_type  # no entry
