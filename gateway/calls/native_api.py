@@ -12,6 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway.calls.model_call import check_items, served_model, wire_items
+from gateway.calls.vectors import dense_array
 from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import read_body
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, EXTRACT, IMAGE, MULTIVECTOR, SCORE
@@ -54,12 +55,13 @@ def body_limit(request: Request, entry: ModelEntry) -> int:
     return settings.max_body_bytes
 
 
-def _encode_payload(parsed: ParsedRequest, result: dict[str, Any]) -> dict[str, Any]:
+def _encode_payload(parsed: ParsedRequest, result: dict[str, Any],
+                    arrays: bool = False) -> dict[str, Any]:
     output = result.get("output", DENSE)
     payload: dict[str, Any] = {"output": output}
     if output == DENSE:
         payload.update(dims=result["dims"], dtype=result["dtype"],
-                       embeddings=embedding_rows(result))
+                       embeddings=dense_array(result) if arrays else embedding_rows(result))
     elif output == MULTIVECTOR:
         payload.update(dims=result["dims"], dtype=result["dtype"],
                        embeddings=multivector_rows(result))
@@ -80,13 +82,17 @@ def _classify_payload(parsed: ParsedRequest, result: dict[str, Any]) -> dict[str
     return {"labels": result["labels"]}
 
 
-_SHAPES = {ENCODE: _encode_payload, SCORE: _score_payload, EXTRACT: _extract_payload,
-           CLASSIFY: _classify_payload}
+_SHAPES = {SCORE: _score_payload, EXTRACT: _extract_payload, CLASSIFY: _classify_payload}
 
 
-def payload(op: str, parsed: ParsedRequest, result: dict[str, Any]) -> dict[str, Any]:
+def payload(op: str, parsed: ParsedRequest, result: dict[str, Any],
+            arrays: bool = False) -> dict[str, Any]:
     """The sync route's response body for a result (a job's inline result too); generate's
-    result as the runtime gave it (its choices per prompt)."""
-    shape = _SHAPES.get(op)
-    body = shape(parsed, result) if shape is not None else {"choices": result["choices"]}
+    result as the runtime gave it (its choices per prompt). `arrays`: dense vectors as one
+    numpy array (`gateway.calls.vectors`; `encode_response` writes it), not lists."""
+    if op == ENCODE:
+        body = _encode_payload(parsed, result, arrays)
+    else:
+        shape = _SHAPES.get(op)
+        body = shape(parsed, result) if shape is not None else {"choices": result["choices"]}
     return {"model": result.get("model"), **body, "usage": result.get("usage")}

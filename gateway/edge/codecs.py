@@ -90,7 +90,17 @@ def encode_response(
     request: Request | None, payload: Any, status: int = 200, headers: dict | None = None
 ) -> Response:
     if request is not None and wants_msgpack(request):
-        body = msgpack.packb(payload, use_bin_type=True)
+        body = msgpack.packb(payload, use_bin_type=True, default=_as_list)
         return Response(body, status, headers, media_type=MSGPACK)
-    # orjson: serialising 384 floats costs 0.02 ms instead of json's 0.3 ms.
-    return Response(orjson.dumps(payload), status, headers, media_type=JSON)
+    # orjson: serialising 384 floats costs 0.02 ms instead of json's 0.3 ms; a numpy
+    # array (`gateway.calls.vectors`) is written without a list of floats in between.
+    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), status,
+                    headers, media_type=JSON)
+
+
+def _as_list(value: Any) -> Any:
+    """msgpack's fallback: a numpy array as (nested) lists of numbers."""
+    to_list = getattr(value, "tolist", None)
+    if to_list is None:
+        raise TypeError(f"cannot serialise {type(value).__name__}")
+    return to_list()

@@ -12,11 +12,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.calls.model_call import call_model, check_items
+from gateway.calls.vectors import dense_array
 from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import encode_response, read_body
 from gateway.routes.lora_names import openai_model
 from tasks.adapters import DENSE, ENCODE
-from tasks.results import embedding_arrays
 
 ENCODING_FORMATS = ("float", "base64")
 
@@ -57,11 +57,10 @@ async def create_embeddings(request: Request) -> Response:
     reply = await call_model(request, entry, kwargs)
     result = reply.result
     data = []
-    for index, row in enumerate(embedding_arrays(result)):
-        embedding: Any = (
-            base64.b64encode(row.tobytes()).decode() if encoding_format == "base64"
-            else row.tolist()
-        )
+    for index, row in enumerate(dense_array(result)):
+        # float: the row itself (`encode_response` writes arrays); base64: its float32 bytes
+        embedding: Any = (base64.b64encode(row.tobytes()).decode()
+                          if encoding_format == "base64" else row)
         data.append({"object": "embedding", "index": index, "embedding": embedding})
     tokens = result["usage"]["tokens"]
     payload = {

@@ -34,7 +34,7 @@ def _endpoint(op: str) -> Callable[[Request], Awaitable[Response]]:
         if prefers_async(request):  # RFC 7240: run it as a job, answer 202 + Location
             return await accept_native(request, op)
         parsed, reply = await submit(request, op)
-        return encode_response(request, payload(op, parsed, reply.result),
+        return encode_response(request, payload(op, parsed, reply.result, arrays=True),
                                headers=reply.headers)
 
     endpoint.__name__ = op

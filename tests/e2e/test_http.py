@@ -58,6 +58,23 @@ def test_a_traced_request_says_where_its_time_went(stack):
     assert hops["batch"] == pytest.approx(float(r.headers["x-inference-time-ms"]), abs=0.1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "binary"])
+def test_json_vectors_read_back_as_the_exact_values_msgpack_carries(stack, dtype):
+    # JSON writes float32 in its shortest form: parsed back and cast to float32 it must be
+    # the very value (msgpack carries the same rows as plain numbers).
+    body = {"items": [{"text": t} for t in TEXTS[:3]], "options": {"dtype": dtype}}
+    as_json = httpx.post(f"{stack.url}/v1/encode/{MINILM}", json=body, timeout=30)
+    as_msgpack = httpx.post(f"{stack.url}/v1/encode/{MINILM}", json=body, timeout=30,
+                            headers={"accept": "application/msgpack"})
+    assert as_json.status_code == as_msgpack.status_code == 200, as_json.text
+    rows = msgpack.unpackb(as_msgpack.content)["embeddings"]
+    got = as_json.json()["embeddings"]
+    assert len(got) == len(rows) == 3
+    kind = {"float32": np.float32, "float16": np.float16}.get(dtype, np.int64)
+    np.testing.assert_array_equal(np.array(got, dtype=kind), np.array(rows, dtype=kind))
+    assert np.array(got).dtype == (np.float64 if dtype.startswith("float") else np.int64)
+
+
 def test_native_msgpack_both_ways(stack, reference):
     r = httpx.post(
         f"{stack.url}/v1/encode/{MINILM}",
