@@ -152,14 +152,12 @@ class ProcessRuntime:
         # But a thread that sleeps at once pays a futex wake-up at each of the forward's
         # hundreds of parallel regions: MiniLM's one-text forward took 12.5 ms instead of
         # 6.0. A short spin first (libgomp's GOMP_SPINCOUNT, which overrides the policy;
-        # its default is 300k) keeps the threads awake between the ops of one forward and
-        # asleep between batches: a lone request 15 -> 10 ms at 10k, its batch 0.7 ms
-        # shorter again at 100k, with the same throughput and CPU at 32 clients
-        # (BENCHMARKS.md, "A lone request").
-        # The child is spawned and never forks, so its fast tokenizers may encode a batch
-        # on several threads (the usual `false` guards processes that fork after using
-        # one): tokenizing is most of the runtime's CPU per text.
-        child_env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "100000", **os.environ,
+        # its default is 300k) keeps the threads awake between the ops of one forward:
+        # at 10k a lone request took 10 ms instead of 15. Spinning longer takes the cores
+        # the rest of the stack needs under load: at 32 clients p99 was 136-153 ms with
+        # no spin, 206-211 at 10k, 539-549 at 100k (BENCHMARKS.md, "A lone request").
+        # GOMP_SPINCOUNT=0 in the worker's environment puts the tail first.
+        child_env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", **os.environ,
                      "TOKENIZERS_PARALLELISM": "true", **(env or {}), "PYTHONUNBUFFERED": "1"}
         # The child imports the very code the worker runs, installed or not.
         child_env["PYTHONPATH"] = os.pathsep.join(
