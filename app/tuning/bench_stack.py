@@ -74,8 +74,16 @@ def management_get(management_url: str, path: str, timeout: float = 10.0) -> Any
 def reply_queues(prefix: str, management_url: str) -> dict[str, int]:
     """The gateways' reply queues on `prefix` ({prefix}.reply.<uuid>, one per gateway
     process) and their consumers, from RabbitMQ's management API (its queue list lags
-    by up to its statistics interval)."""
-    queues = management_get(management_url, "queues?columns=name,consumers")
+    by up to its statistics interval), or, where the broker runs without that plugin,
+    from `rabbitmqctl` on this host."""
+    try:
+        queues = management_get(management_url, "queues?columns=name,consumers")
+    except OSError:  # no management plugin: a local broker answers rabbitmqctl
+        listed = subprocess.run(["rabbitmqctl", "list_queues", "-q", "--no-table-headers",
+                                 "name", "consumers"], capture_output=True, text=True,
+                                timeout=60, check=True).stdout
+        queues = [{"name": name, "consumers": int(count)} for name, count in
+                  (line.rsplit("\t", 1) for line in listed.splitlines() if "\t" in line)]
     return {q["name"]: q.get("consumers") or 0 for q in queues
             if q["name"].startswith(f"{prefix}.reply.")}
 
