@@ -9,7 +9,7 @@ import httpx
 import msgpack
 import pytest
 
-from tests.conftest import MINILM, UNSERVED, queue_name
+from tests.conftest import MINILM, RERANKER, UNSERVED, queue_name
 from tests.stack import delete_queues, free_port, http_status, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -64,6 +64,9 @@ def test_unsupported_media_type_415(stack):
      "encoding_format"),
     ("/v1/embeddings", {"model": MINILM, "input": "x", "dimensions": "8"}, "dimensions"),
     ("/v1/embeddings", {"input": "x"}, "model"),
+    (f"/v1/score/{RERANKER}", {"query": 5, "items": [{"text": "x"}]}, "query"),
+    (f"/v1/score/{RERANKER}", {"query": "q", "items": [{"text": "x"}],
+                               "options": {"top_n": "2"}}, "top_n"),
 ])
 def test_wrong_types_422(stack, path, body, fragment):
     assert fragment in _error(post(stack, path, json=body), 422, "VALIDATION_ERROR")
