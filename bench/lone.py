@@ -98,7 +98,8 @@ CONFIGS: dict[str, dict[str, str]] = {
 def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = make_texts(args.requests)
     floor = inproc_ms(texts)
-    configs = {name: env for name, env in CONFIGS.items() if args.only in name}
+    extra = dict(pair.split("=", 1) for pair in args.env)
+    configs = {name: {**env, **extra} for name, env in CONFIGS.items() if args.only in name}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with tqdm(total=args.rounds * len(configs), desc="lone requests", file=sys.stderr) as bar:
         for _ in range(args.rounds):
@@ -144,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default="",
                         help="run only the stacks whose name holds this (e.g. 'sim')")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in every stack's environment (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if any("=" not in pair for pair in args.env):
+        parser.error("--env takes NAME=VALUE")
     result = run(args)
     return emit(table(result), result, args.json)
 
