@@ -223,7 +223,7 @@ def gather(store: Any, folder: str, metas: list[dict[str, Any]]) -> tuple[str, s
     key = f"{folder}/result.{kind}"
     with store.open_write(key) as out:
         if kind == NPY:
-            import numpy.lib.format as npy
+            import numpy.lib.format as npy  # loaded when a job writes one
 
             rows = sum(m["items"] for m in metas)
             npy.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False,
