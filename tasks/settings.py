@@ -201,6 +201,13 @@ class Settings(BaseSettings):
         "once: 2 lets the runtime tokenize and pad the next batch (and send the last one's "
         "results) while the device computes one; 1 runs them one after another")
 
+    runtime_replicas: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", description="PyTorch runtime processes per device, each with every model "
+        "loaded: several prepare (tokenize, pad, pool, answer) batches on several cores "
+        "while the device runs them; auto = 1 on a CPU (its forward uses every core "
+        "already), a quarter of the host's cores (at most 8) on a GPU "
+        "(runtimes/replicas.py)")
+
     # --- runtime recovery (spare runtime) ---
     runtime_spare: bool = Field(
         True, description="keep a spare PyTorch runtime process imported ahead (torch, "

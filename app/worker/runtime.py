@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from runtimes.process import ProcessRuntime
+from runtimes.replicas import ReplicaSet, default_replicas
 from tasks.catalog import ONNX_ADAPTERS, ModelEntry
 from tasks.precision import precisions_of
 from tasks.settings import Settings
@@ -43,19 +44,9 @@ def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
         # A worker-wide format applies to the runtime that has it (int8: ONNX only).
         precision = settings.precision if settings.precision in precisions_of(engine) \
             else None
-        runtimes[engine] = ProcessRuntime(
-            catalog_dir=settings.catalog_dir,
-            models=[e.id for e in entries if e.id in pinned and on[e.id] == engine],
-            device=settings.device,
-            threads=settings.torch_threads,
-            chunk_tokens=chunk_tokens,
-            start_timeout=settings.runtime_start_timeout_s,
-            batch_timeout=settings.runtime_batch_timeout_s,
-            spare=settings.runtime_spare,
-            precision=precision,
-            pipeline_depth=settings.runtime_pipeline_depth,
-            engine=engine,
-        )
+        runtimes[engine] = _process_runtimes(
+            settings, engine, precision, chunk_tokens,
+            [e.id for e in entries if e.id in pinned and on[e.id] == engine])
     if "sglang" in on.values():
         from runtimes.sglang import SGLangRuntime
 
@@ -69,6 +60,27 @@ def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
     from runtimes.router import RuntimeRouter
 
     return RuntimeRouter(runtimes, on)
+
+
+def _process_runtimes(settings: Settings, engine: str, precision: str | None,
+                      chunk_tokens: int, models: list[str]) -> ProcessRuntime | ReplicaSet:
+    """The runtime process of `engine`, or SHOAL_RUNTIME_REPLICAS of them on the device."""
+    def start(index: int, env: dict[str, str] | None = None) -> ProcessRuntime:
+        return ProcessRuntime(
+            catalog_dir=settings.catalog_dir, models=models, device=settings.device,
+            threads=settings.torch_threads, chunk_tokens=chunk_tokens,
+            start_timeout=settings.runtime_start_timeout_s,
+            batch_timeout=settings.runtime_batch_timeout_s,
+            spare=settings.runtime_spare, precision=precision,
+            pipeline_depth=settings.runtime_pipeline_depth, engine=engine, env=env)
+
+    replicas = settings.runtime_replicas
+    count = default_replicas(settings.device) if replicas == "auto" else replicas
+    if count == 1:
+        return start(0)
+    log.info("%s: %d runtime processes on %s (SHOAL_RUNTIME_REPLICAS=%s)", engine, count,
+             settings.device, replicas)
+    return ReplicaSet(start, count)
 
 
 def runtime_of_models(entries: list[ModelEntry], worker_runtime: str) -> dict[str, str]:
