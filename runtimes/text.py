@@ -118,17 +118,70 @@ def encode_texts(tokenizer: Any, texts: list[str], limit: int
     max_length=limit)` gives, straight from a fast tokenizer's Rust encoder (its batch
     runs on several threads where TOKENIZERS_PARALLELISM allows) without transformers'
     conversion of every encoding to dicts of lists (a fifth of the runtime's CPU
-    under load)."""
+    under load). Plain texts go through the tokenizer's `plain_text_twin` where it has
+    one."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
     types = "token_type_ids" in tokenizer.model_input_names
     if backend is None:
         encoded = tokenizer(texts, truncation=True, max_length=limit, padding=False)
         return encoded["input_ids"], encoded.get("token_type_ids") if types else None
+    twin = plain_text_twin(tokenizer)
+    plain = [] if twin is None else [i for i, t in enumerate(texts) if is_plain(t)]
     with encoding_lock:
-        backend.enable_truncation(limit, direction=tokenizer.truncation_side)
-        backend.no_padding()
-        # Without the character offsets nobody here reads: a sixth less CPU (tokenizers
-        # >= 0.21 has it).
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        encodings = encode(texts)
+        if len(plain) == len(texts):
+            encodings = _encode(twin, texts, limit, tokenizer.truncation_side)
+        elif not plain:
+            encodings = _encode(backend, texts, limit, tokenizer.truncation_side)
+        else:
+            others = sorted(set(range(len(texts))) - set(plain))
+            encodings = [None] * len(texts)
+            for indices, encoder in ((plain, twin), (others, backend)):
+                done = _encode(encoder, [texts[i] for i in indices], limit,
+                               tokenizer.truncation_side)
+                for i, encoding in zip(indices, done, strict=True):
+                    encodings[i] = encoding
     return [e.ids for e in encodings], [e.type_ids for e in encodings] if types else None
+
+
+def _encode(backend: Any, texts: list[str], limit: int, side: str) -> list[Any]:
+    backend.enable_truncation(limit, direction=side)
+    backend.no_padding()
+    # Without the character offsets nobody here reads: a sixth less CPU (tokenizers
+    # >= 0.21 has it).
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return encode(texts)
+
+
+def is_plain(text: str) -> bool:
+    """Printable ASCII only: nothing for a BERT normaliser to do but lowercase."""
+    return text.isascii() and text.isprintable()
+
+
+def plain_text_twin(tokenizer: Any) -> Any | None:
+    """A copy of a fast tokenizer's Rust backend that gives the same ids for `is_plain`
+    texts with less work, or None where none does (made once per tokenizer).
+
+    A BERT normaliser (MiniLM, BGE, most English encoders) removes control characters,
+    turns whitespace into spaces, splits CJK characters apart, strips accents (a
+    Unicode decomposition of every text) and lowercases: on printable ASCII all of that
+    but lowercasing leaves the text as it was, and it was a third of the tokenizer's
+    time (MiniLM, texts of 5-40 words: 35.7 -> 24.3 us per text on this CPU)."""
+    twin = getattr(tokenizer, "_shoal_plain_twin", _UNSET)
+    if twin is _UNSET:
+        twin = _twin_of(tokenizer.backend_tokenizer)
+        tokenizer._shoal_plain_twin = twin
+    return twin
+
+
+_UNSET = object()
+
+
+def _twin_of(backend: Any) -> Any | None:
+    from tokenizers import Tokenizer, normalizers
+
+    normalizer = backend.normalizer
+    if not isinstance(normalizer, normalizers.BertNormalizer):
+        return None
+    twin = Tokenizer.from_str(backend.to_str())
+    twin.normalizer = normalizers.Lowercase() if normalizer.lowercase else None
+    return twin
