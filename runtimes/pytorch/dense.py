@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import AutoModel
 
-from runtimes.pytorch import emulated
+from runtimes.pytorch import buckets, emulated
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
@@ -68,7 +68,8 @@ class DenseEncoder:
         dtype: torch.dtype | None = None,
     ) -> None:
         st = read_st_config(Path(model_ref))
-        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, device, dtype)
+        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, device, dtype,
+                                                             bucket_tokens=chunk_tokens)
         self.device = device
         self.pooling = pooling or st.pooling or "mean"
         self.normalize = st.normalize if normalize is None else normalize
@@ -126,7 +127,8 @@ class DenseEncoder:
             for chunk, staged_inputs in chunks:
                 inputs = to_device(staged_inputs, self.device)
                 names = None if loras is None else [loras[i] for i in chunk]
-                hidden = self.loras.forward(names, **inputs).last_hidden_state
+                hidden = buckets.forward(self.model, inputs, "last_hidden_state", names,
+                                         self.loras)
                 pooled.append(self._pool(hidden, inputs["attention_mask"]).float())
             return HostCopy(pooled)
 

@@ -11,6 +11,7 @@ import torch
 from runtimes.adapter import Adapter
 from runtimes.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.precision import resolve_precision
+from runtimes.pytorch.buckets import graph_bytes
 from runtimes.pytorch.device_time import device_clock
 from runtimes.pytorch.emulated import emulation_stamp
 from tasks.catalog import ModelEntry
@@ -40,8 +41,10 @@ class TorchEngine:
 
     def measure(self, adapter: Adapter, allocated_before: int) -> int:
         """The tensors it holds; on CUDA the allocator also counts what loading left
-        behind (rounding, workspaces), unless a concurrent batch blurs the delta."""
-        return max(tensor_bytes(adapter), self.allocated() - allocated_before)
+        behind (rounding, workspaces, graphs' static buffers), unless a concurrent batch
+        blurs the delta; plus its CUDA graphs' memory pool (`runtimes.pytorch.buckets`)."""
+        return (max(tensor_bytes(adapter), self.allocated() - allocated_before)
+                + graph_bytes(adapter))
 
     def release(self) -> None:
         if self.device.startswith("cuda"):

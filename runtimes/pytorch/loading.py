@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from runtimes.pytorch import buckets
 from runtimes.pytorch.device_time import watch_forward
-from runtimes.pytorch.emulated import emulate_forward
+from runtimes.pytorch.emulated import configured_profile, emulate_forward
+from runtimes.text import max_length
 
 
 class LoadedModel(NamedTuple):
@@ -17,14 +20,19 @@ class LoadedModel(NamedTuple):
     pad_id: int  # what sequences are padded with
 
 
-def load_model(model_class: Any, ref: str, device: str,
-               dtype: torch.dtype | None = None) -> LoadedModel:
+def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | None = None,
+               bucket_tokens: int | Callable[[Any], int] | None = None) -> LoadedModel:
     """The tokenizer and the model (`model_class.from_pretrained`, in eval mode on `device`,
     its weights in `dtype`, float32 when None) of the local directory `ref`, with PyTorch's
     fused attention (SDPA) where the architecture has it.
 
     Every source is a local directory by now (hub models are snapshots too), so nothing is
     fetched here: `local_files_only` keeps a missing file an error instead of a download.
+
+    A text encoder's family gives `bucket_tokens` (its padded-token budget per pass, or a
+    function of the model's config that says it): its passes then go through shape
+    buckets and, on CUDA, graphs captured here, before the device clock watches the
+    model (`runtimes.pytorch.buckets`, SHOAL_CUDA_GRAPHS).
     """
     tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=True)
     options: dict[str, Any] = {"local_files_only": True, "dtype": dtype or torch.float32}
@@ -33,6 +41,14 @@ def load_model(model_class: Any, ref: str, device: str,
     except (ValueError, ImportError):  # an architecture without an SDPA path
         model = model_class.from_pretrained(ref, **options)
     model.eval().to(device)
+    if bucket_tokens is not None:
+        budget = bucket_tokens(model.config) if callable(bucket_tokens) else bucket_tokens
+        inputs = [k for k in buckets.INPUTS
+                  if k in ("input_ids", "attention_mask") or k in tokenizer.model_input_names]
+        buckets.install(model, field="last_hidden_state" if model_class is AutoModel else "logits",
+                        device=device, pad_id=pad_id(tokenizer),
+                        limit=max_length(tokenizer, model.config), max_tokens=budget,
+                        inputs=inputs, name=ref, emulated=configured_profile() is not None)
     watch_forward(model)
     emulate_forward(model, model_class, ref)  # benchmarks only: SHOAL_EMULATE_DEVICE, else a no-op
     return LoadedModel(tokenizer, model, pad_id(tokenizer))

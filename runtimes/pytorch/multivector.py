@@ -28,6 +28,7 @@ from safetensors import safe_open
 from transformers import AddedToken, AutoModel, PreTrainedTokenizerBase
 
 from runtimes.files import encoder_ref, model_file
+from runtimes.pytorch import buckets
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import check_lengths, length_chunks, max_length, pad
@@ -173,7 +174,7 @@ class MultiVectorAdapter(Adapter):
                 "model.safetensors (colbert-ir/colbertv2.0)")
         model_ref = encoder_ref(ref, self.colbert.encoder_dir)
         self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, self.device,
-                                                             self.dtype)
+                                                             self.dtype, self.chunk_tokens)
         keep_prompt_markers(self.tokenizer, entry.prompts)
 
         hidden = int(self.model.config.hidden_size)
@@ -235,7 +236,7 @@ class MultiVectorAdapter(Adapter):
             if token_type_ids is not None:
                 inputs["token_type_ids"] = pad([token_type_ids[i] for i in chunk], 0)
             inputs = {k: v.to(self.device) for k, v in inputs.items()}
-            hidden = self.model(**inputs).last_hidden_state.float()
+            hidden = buckets.forward(self.model, inputs, "last_hidden_state").float()
             vectors = self._project(hidden).cpu().numpy()
             for row, i in enumerate(chunk):
                 out[i] = vectors[row, : len(input_ids[i])]

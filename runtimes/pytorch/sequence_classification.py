@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification
 from runtimes import classifiers
 from runtimes.classifiers import Tokens
 from runtimes.precision import torch_dtype
+from runtimes.pytorch import buckets
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import padded_chunks
 
@@ -26,7 +27,8 @@ class SequenceClassifier(classifiers.Classifier):
 
     def load(self, ref: str, precision: str, **options: Any) -> None:
         self.tokenizer, self.model, self.pad_id = load_model(
-            AutoModelForSequenceClassification, ref, self.device, torch_dtype(precision))
+            AutoModelForSequenceClassification, ref, self.device, torch_dtype(precision),
+            self.chunk_tokens)
         self.config = self.model.config
 
     @torch.inference_mode()
@@ -34,7 +36,7 @@ class SequenceClassifier(classifiers.Classifier):
         out = np.empty((len(tokens), self.num_labels), dtype=np.float32)
         for chunk, inputs in padded_chunks(tokens.input_ids, tokens.token_type_ids,
                                            self.pad_id, self.device, self.chunk_tokens):
-            out[chunk] = self.model(**inputs).logits.float().cpu().numpy()
+            out[chunk] = buckets.forward(self.model, inputs, "logits").float().cpu().numpy()
         return out
 
 

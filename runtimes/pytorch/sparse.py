@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForMaskedLM
 
 from runtimes.files import encoder_ref
+from runtimes.pytorch import buckets
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import max_length, padded_chunks
@@ -40,14 +41,19 @@ class SparseAdapter(Adapter):
         self.splade = read_splade_config(ref)
         model_ref = encoder_ref(ref, self.splade.encoder_dir)
         st = read_st_config(Path(model_ref))
-        self.tokenizer, self.model, self.pad_id = load_model(AutoModelForMaskedLM, model_ref,
-                                                             self.device, self.dtype)
+        self.tokenizer, self.model, self.pad_id = load_model(
+            AutoModelForMaskedLM, model_ref, self.device, self.dtype,
+            bucket_tokens=lambda config: self._forward_tokens(int(config.vocab_size)))
         self.do_lower_case = st.do_lower_case
         self.max_seq_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
                                          st.max_seq_length)
         self.vocab_size = int(self.model.config.vocab_size)
         check_vocabulary(entry, self.vocab_size)
-        self.forward_tokens = max(1, min(self.chunk_tokens, LOGITS_BUDGET // self.vocab_size))
+        self.forward_tokens = self._forward_tokens(self.vocab_size)
+
+    def _forward_tokens(self, vocab_size: int) -> int:
+        """Padded tokens per pass: the logits (tokens x vocabulary) stay in LOGITS_BUDGET."""
+        return max(1, min(self.chunk_tokens, LOGITS_BUDGET // vocab_size))
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
         return self.prompted(parsed, self.do_lower_case)
@@ -72,7 +78,7 @@ class SparseAdapter(Adapter):
         out: list[dict[str, list]] = [{}] * len(input_ids)
         for chunk, inputs in padded_chunks(input_ids, token_type_ids, self.pad_id, self.device,
                                            self.forward_tokens):
-            logits = self.model(**inputs).logits
+            logits = buckets.forward(self.model, inputs, "logits")
             pooled = self._pool(logits, inputs["attention_mask"]).cpu()
             for row, i in zip(pooled, chunk, strict=True):
                 indices = row.nonzero().squeeze(1)

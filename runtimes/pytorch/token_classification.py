@@ -9,6 +9,7 @@ from transformers import AutoModelForTokenClassification
 
 from runtimes.entities import EntityAdapter
 from runtimes.precision import torch_dtype
+from runtimes.pytorch import buckets
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import padded_chunks
 
@@ -16,7 +17,8 @@ from runtimes.pytorch.text import padded_chunks
 class TokenClassificationAdapter(EntityAdapter):
     def load(self, ref: str) -> None:
         self.tokenizer, self.model, self.pad_id = load_model(
-            AutoModelForTokenClassification, ref, self.device, torch_dtype(self.precision))
+            AutoModelForTokenClassification, ref, self.device, torch_dtype(self.precision),
+            self.chunk_tokens)
         self.config = self.model.config
 
     @torch.inference_mode()
@@ -26,7 +28,8 @@ class TokenClassificationAdapter(EntityAdapter):
         lengths = [len(ids) for ids in input_ids]
         for chunk, inputs in padded_chunks(input_ids, token_type_ids, self.pad_id, self.device,
                                            self.chunk_tokens):
-            probs = self.model(**inputs).logits.float().softmax(dim=-1).cpu().numpy()
+            logits = buckets.forward(self.model, inputs, "logits")
+            probs = logits.float().softmax(dim=-1).cpu().numpy()
             for row, i in enumerate(chunk):
                 out[i] = probs[row, : lengths[i]]
         return out
