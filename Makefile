@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services run test lint bench bench-peers clean sglang faults gpu-check
+.PHONY: install services run test lint bench bench-peers clean sglang faults gpu-check gpu-bundle
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,19 @@ bench: install services
 # bge-small/-base shapes in fp32 and bf16, in process and through the runtime process;
 # without a GPU it says so and exits 0. A GPU machine needs a CUDA build of torch in the
 # venv (TORCH_SPEC with PyTorch's CUDA index, see docs/runtimes.md).
+# GPU_CHECK_ARGS="--stack ..." adds the whole stack (RabbitMQ + Redis from `make gpu-bundle`'s
+# debs, gateway, worker, runtime; bench/gpu_stack.py). A lent GPU host has no network and no
+# venv: there the entry is `bash infra/gpu-host/check.sh` (everything, unattended), with
+# .gpu-bundle carried; docs/runtimes.md, "On a GPU host".
 GPU_CHECK_ARGS ?= --json bench/out/gpu-check.json
 gpu-check: install
 	$(BIN)/python -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# What a GPU host without network needs for the check above, made here (~41 MiB, ignored):
+# RabbitMQ/Erlang/Redis .debs (apt-get download), cp312 wheels of shoal's dependencies the
+# GPU image lacks, MiniLM's config and tokenizer (infra/gpu-host/bundle.sh).
+gpu-bundle:
+	./infra/gpu-host/bundle.sh
 
 # Fault drills under load (as root: network namespaces, a private RabbitMQ node, a private
 # 3-node cluster; ~25 min in all): lost, answered twice, p99 during the fault, recovery.

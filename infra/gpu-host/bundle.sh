@@ -26,9 +26,9 @@ mkdir -p "$BUNDLE/debs"
 
 # --- Debian packages -------------------------------------------------------------------------
 # RabbitMQ and the erlang-* packages it depends on (recursively), Redis (its binaries are in
-# redis-tools) and the libraries Redis links that a CUDA image rarely has. Left out, to keep
-# the bundle small: erlang-snmp, -ftp and -tftp (only erlang-os-mon and -inets name them; a
-# broker starts and serves without them).
+# redis-tools) and the libraries Redis links that a slim Ubuntu/Debian image may lack. Left
+# out, to keep the bundle small: erlang-snmp, -ftp and -tftp (only erlang-os-mon and -inets
+# name them; a broker starts and serves without them).
 if [ ! -e "$BUNDLE/debs/.complete" ]; then
     # apt-get download needs package lists; fetch them once when this machine has none.
     if ! apt-cache show rabbitmq-server >/dev/null 2>&1; then
@@ -40,7 +40,7 @@ if [ ! -e "$BUNDLE/debs/.complete" ]; then
     sandbox=()  # as root, apt's download user may not write here
     [ "$(id -u)" = 0 ] && sandbox=(-o APT::Sandbox::User=root)
     (cd "$BUNDLE/debs" && apt-get download -q "${sandbox[@]}" rabbitmq-server $erlang redis-server \
-        redis-tools libjemalloc2 liblzf1 >/dev/null)
+        redis-tools libjemalloc2 liblzf1 libatomic1 >/dev/null)
     touch "$BUNDLE/debs/.complete"
 fi
 if [ "${1:-}" = "--debs-only" ]; then
