@@ -274,6 +274,8 @@ def build_minilm_shape(bundle: Path, out: Path) -> Path:
     BertModel(BertConfig.from_pretrained(source)).save_pretrained(out)
     (out / RANDOM_MARK).write_text("all-MiniLM-L6-v2's config and tokenizer, random weights\n")
     for item in source.iterdir():  # tokenizer, sentence-transformers' modules (1_Pooling/)
+        if item.name.startswith("."):
+            continue
         if item.is_dir():
             shutil.copytree(item, out / item.name, dirs_exist_ok=True)
         elif item.name != "config.json" and not (out / item.name).exists():
