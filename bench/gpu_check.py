@@ -12,7 +12,9 @@ values), loaded through the catalog and `from_pretrained` as a user's model is:
    pad, forward, pool, results) in fp32 and bf16, one batch after another of 1, 8, 32
    and 256 texts: texts/s, tokens/s, the device's busy fraction (CUDA events around the
    forward ÷ wall time), p50/p99 batch latency, and fp32-vs-bf16 parity (the least
-   cosine of a text's two vectors);
+   cosine of a text's two vectors); CUDA graphs and shape buckets on (the default,
+   `runtimes.pytorch.buckets`), and MiniLM bf16 at 32 and 256 texts again with them off
+   (`SHOAL_CUDA_GRAPHS=off`: eager PyTorch, every kernel launched from Python);
 2. **through the runtime process** (`runtimes.process.ProcessRuntime`: msgpack frames
    over the socket, as a worker runs it) with 1, 32 and 256 concurrent clients sending
    1 or 8 texts per request, batched as the worker's former does (up to the profile's
@@ -149,14 +151,22 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
 
     from runtimes.base import Request
     from runtimes.host import ModelHost
+    from runtimes.pytorch.buckets import buckets_of
     from tasks.catalog import load_catalog
 
     load_catalog.cache_clear()
     entry = load_catalog(catalog_dir).get(model)
     assert entry is not None
     host = ModelHost(device=device, precision=precision)
+    loading = time.perf_counter()
     host.load_one(entry)
     adapter = host.adapter(model)
+    graphs = buckets_of(adapter.encoder.model)  # type: ignore[union-attr]
+    load = {"load_s": round(time.perf_counter() - loading, 2),
+            "mib": round(host.footprints[model] / 2**20, 1),  # graphs' memory included
+            "graphs": len(graphs.graphs) if graphs else 0,
+            "graph_mib": round(graphs.graph_bytes / 2**20, 1) if graphs else 0.0}
+    print(f"  loaded {model} {precision} on {device}: {json.dumps(load)}", flush=True)
     tokenizer = adapter.encoder.tokenizer  # type: ignore[union-attr]
     rows: list[Row] = []
     fit: list[tuple[int, float]] = []
@@ -182,7 +192,7 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
         rows.append(Row("in-process", model, precision, f"batch {size}",
                         texts_per_s=runs * size / wall, tokens_per_s=runs * real / wall,
                         device_busy=busy / wall, p50_ms=percentile_ms(latencies, 50),
-                        p99_ms=percentile_ms(latencies, 99)))
+                        p99_ms=percentile_ms(latencies, 99), extra=dict(load)))
     parity_texts = texts(256, seed=99)
     outcomes = host.run_batch(model, [Request("p", "encode", {
         "items": [{"text": t} for t in parity_texts], "options": {"normalize": True}})])
@@ -191,6 +201,23 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
     vectors = np.array(_rows_of(result), dtype=np.float32)
     host.unload(model)
     return rows, vectors, fit
+
+
+def graphs_off(catalog_dir: Path, model: str, device: str, sizes: list[int],
+               seconds: float) -> list[Row]:
+    """`in_process` in bf16 with SHOAL_CUDA_GRAPHS=off (read at the model's load)."""
+    saved = os.environ.get("SHOAL_CUDA_GRAPHS")
+    os.environ["SHOAL_CUDA_GRAPHS"] = "off"
+    try:
+        measured, _, _ = in_process(catalog_dir, model, device, "bf16", sizes, seconds)
+    finally:
+        if saved is None:
+            os.environ.pop("SHOAL_CUDA_GRAPHS", None)
+        else:
+            os.environ["SHOAL_CUDA_GRAPHS"] = saved
+    for row in measured:
+        row.path = "in-process, graphs off"
+    return measured
 
 
 def _rows_of(result: dict[str, Any]) -> list[list[float]]:
@@ -494,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 if row.model == model and row.precision == "bf16" and row.path == "in-process":
                     row.parity = float(cosines.min())
+            if model == MINILM and device.startswith("cuda"):
+                rows.extend(graphs_off(catalog_dir, model, device, sizes[-2:], seconds))
         for model in [MINILM, *(f"shoal-check/{n}" for n in shaped[:1])]:
             for depth in (1, 2):  # one batch at a time, and pipelined
                 rows.extend(through_runtime(
