@@ -21,10 +21,10 @@ back sliced to the batch's own rows and columns, so the families pool exactly wh
 pooled before (their attention mask is the batch's own).
 
 On CUDA, `load_model` captures one graph per bucket (`Buckets.capture`): every bucket is
-run once eagerly on a side stream (warm-up: kernel choices, cuBLAS workspaces, output
-shapes), then captured on that stream, largest first, into one shared memory pool,
-`capture_error_mode="thread_local"` so a batch served by another thread meanwhile is not
-disturbed. The graphs share their static inputs (one flat buffer per input) and their
+run once eagerly (warm-up: kernel choices, cuBLAS workspaces, output shapes), then
+captured on a side stream of the loading thread, largest first, into one shared memory
+pool, `capture_error_mode="thread_local"` so a batch served by another thread meanwhile is
+not disturbed. The graphs share their static inputs (one flat buffer per input) and their
 output (each graph ends with a copy of the model's output into one flat buffer allocated
 before the captures), so a model's graph memory is about its largest bucket's working set,
 not the sum over buckets; the log line of the load says how long it took and how much, and
@@ -35,7 +35,8 @@ inputs are copied into the static buffers, the graph is replayed, and the output
 is a view of the shared output buffer. Stream order makes this safe without waiting: the
 next replay's input copies queue behind this replay, and the caller's reads of the output
 (pooling into a fresh tensor, a copy to the host) queue before the next replay, as every
-family's forward does. The device clock (`device_time`) is billed around each replay.
+family's forward does. So one thread at a time runs a model's passes (the runtime's
+device thread does). The device clock (`device_time`) is billed around each replay.
 
 What runs eagerly instead: a batch outside every bucket (wider than the widest, more rows
 or padded tokens than the largest), inputs other than the ones captured, a batch with LoRA
@@ -253,23 +254,24 @@ class Buckets:
         largest = max(r * w for r, w in buckets)
         self._static = {k: torch.full((largest,), self.pad_id if k == "input_ids" else 0,
                                       dtype=torch.long, device=device) for k in self.inputs}
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
         sizes: dict[tuple[int, int], torch.Size] = {}
         dtype = torch.float32
-        with torch.cuda.stream(side):
-            for bucket in buckets:  # warm-up, eager: and the output's shape per bucket
-                views = self._views(bucket)
-                views["attention_mask"][:, 0] = 1
-                output = _field(model(**views), self.field)
-                sizes[bucket], dtype = output.shape, output.dtype
-                del output
-        side.synchronize()
+        # Warm-up, eager, on this thread's current stream (the memory it leaves cached is
+        # then the serving passes' to reuse): kernel choices, workspaces, output shapes.
+        for bucket in buckets:
+            views = self._views(bucket)
+            views["attention_mask"][:, 0] = 1
+            output = _field(model(**views), self.field)
+            sizes[bucket], dtype = output.shape, output.dtype
+            del output
+        torch.cuda.current_stream(device).synchronize()
         warmed = time.perf_counter()
         out = torch.empty(max(math.prod(s) for s in sizes.values()), dtype=dtype,
                           device=device)
         reserved = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)  # a capture cannot run on the default stream
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for bucket in buckets:
                 views = self._views(bucket)
