@@ -273,6 +273,10 @@ class Buckets:
         side = torch.cuda.Stream(device)  # a capture cannot run on the default stream
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
+            # One eager pass on the capture's own stream first: what a library sets up per
+            # stream (cuBLAS workspaces) is then not set up inside a capture.
+            model(**self._views(buckets[-1]))
+            side.synchronize()
             for bucket in buckets:
                 views = self._views(bucket)
                 target = out[:math.prod(sizes[bucket])].view(sizes[bucket])
