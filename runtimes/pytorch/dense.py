@@ -68,8 +68,9 @@ class DenseEncoder:
         dtype: torch.dtype | None = None,
     ) -> None:
         st = read_st_config(Path(model_ref))
-        self.tokenizer, self.model, self.pad_id = load_model(AutoModel, model_ref, device, dtype,
-                                                             bucket_tokens=chunk_tokens)
+        self.tokenizer, self.model, self.pad_id = load_model(
+            AutoModel, model_ref, device, dtype, bucket_tokens=chunk_tokens,
+            bucket_width=max_seq_length or st.max_seq_length)
         self.device = device
         self.pooling = pooling or st.pooling or "mean"
         self.normalize = st.normalize if normalize is None else normalize

@@ -21,7 +21,8 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | None = None,
-               bucket_tokens: int | Callable[[Any], int] | None = None) -> LoadedModel:
+               bucket_tokens: int | Callable[[Any], int] | None = None,
+               bucket_width: int | None = None) -> LoadedModel:
     """The tokenizer and the model (`model_class.from_pretrained`, in eval mode on `device`,
     its weights in `dtype`, float32 when None) of the local directory `ref`, with PyTorch's
     fused attention (SDPA) where the architecture has it.
@@ -31,7 +32,8 @@ def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | Non
 
     A text encoder's family gives `bucket_tokens` (its padded-token budget per pass, or a
     function of the model's config that says it): its passes then go through shape
-    buckets and, on CUDA, graphs captured here, before the device clock watches the
+    buckets (as wide as `bucket_width` where the family knows its limit, else the
+    model's) and, on CUDA, graphs captured here, before the device clock watches the
     model (`runtimes.pytorch.buckets`, SHOAL_CUDA_GRAPHS).
     """
     tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=True)
@@ -47,7 +49,8 @@ def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | Non
                   if k in ("input_ids", "attention_mask") or k in tokenizer.model_input_names]
         buckets.install(model, field="last_hidden_state" if model_class is AutoModel else "logits",
                         device=device, pad_id=pad_id(tokenizer),
-                        limit=max_length(tokenizer, model.config), max_tokens=budget,
+                        limit=max_length(tokenizer, model.config, bucket_width),
+                        max_tokens=budget,
                         inputs=inputs, name=ref, emulated=configured_profile() is not None)
     watch_forward(model)
     emulate_forward(model, model_class, ref)  # benchmarks only: SHOAL_EMULATE_DEVICE, else a no-op

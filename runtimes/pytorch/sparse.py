@@ -43,7 +43,8 @@ class SparseAdapter(Adapter):
         st = read_st_config(Path(model_ref))
         self.tokenizer, self.model, self.pad_id = load_model(
             AutoModelForMaskedLM, model_ref, self.device, self.dtype,
-            bucket_tokens=lambda config: self._forward_tokens(int(config.vocab_size)))
+            bucket_tokens=lambda config: self._forward_tokens(int(config.vocab_size)),
+            bucket_width=entry.max_seq_length or st.max_seq_length)
         self.do_lower_case = st.do_lower_case
         self.max_seq_length = max_length(self.tokenizer, self.model.config, entry.max_seq_length,
                                          st.max_seq_length)
