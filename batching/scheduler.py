@@ -194,11 +194,14 @@ PeerCount = Callable[[str, float], int]  # (model, now) -> consumers of its queu
 
 class Scheduler:
     def __init__(self, lanes: dict[str, Lane], hold: HoldLimits, peers: PeerCount,
-                 depth: int = 1) -> None:
+                 depth: int = 1, parallel: int = 1) -> None:
         self.lanes = lanes
         self.hold = hold
         self.peers = peers
         self.depth = depth  # batches in flight to the runtime at most
+        # Batches the runtime runs side by side (its replicas, `runtimes.replicas`): while
+        # fewer are in flight, a new batch waits behind none of them.
+        self.parallel = max(1, min(parallel, depth))
         self.in_flight: list[Batch] = []  # in the order they started (and end)
         self.last_finished: float | None = None
         self._adapt: Lane | None = None  # the lane whose batch just ended
@@ -240,10 +243,12 @@ class Scheduler:
         self.in_flight.remove(batch)
         if seconds is not None and self.depth > 1:
             seconds = min(seconds, now - batch.started)
-        if self.in_flight and self.in_flight[0].started < now:
-            # The next one runs alone from now: its time left and its overrun check
-            # count from here, not from when it was handed over.
-            head = self.in_flight[0]
+        if len(self.in_flight) >= self.parallel and \
+                self.in_flight[self.parallel - 1].started < now:
+            # The next one waiting runs from now (with replicas, beside the others that
+            # run): its time left and its overrun check count from here, not from when
+            # it was handed over.
+            head = self.in_flight[self.parallel - 1]
             head.started = now
             head.check_at = max(head.check_at,
                                 now + max(head.predicted_s * OVERRUN_FIRST, OVERRUN_MIN_S))
@@ -334,7 +339,8 @@ class Scheduler:
                     return max(ahead, MIN_WAIT_S)
                 limits = replace(limits, latency_target_s=min(
                     limits.bulk_slice_s, limits.latency_target_s or math.inf))
-            if self.in_flight and not is_full(lane.backlog, lane.limits):
+            if len(self.in_flight) >= self.parallel and not is_full(lane.backlog,
+                                                                     lane.limits):
                 # Behind a batch in flight, a small batch now pays a batch's fixed cost
                 # for a few requests, and the next ones would pay it again: it starts
                 # once half a batch waits, or once the batches ahead are due to end
@@ -460,11 +466,13 @@ class Scheduler:
             self._reconsume(lane, prefetch, actions)
 
     def busy_for(self, now: float) -> float:
-        """Predicted seconds until the runtime has no batch in flight."""
-        if not self.in_flight:
+        """Predicted seconds until a batch started now would run: until the runtime has
+        no batch in flight, or with `parallel` replicas, while one of them is free, none
+        (and else that work shared among them)."""
+        if len(self.in_flight) < self.parallel:
             return 0.0
         head, *behind = self.in_flight
-        return head.left_s(now) + sum(batch.predicted_s for batch in behind)
+        return (head.left_s(now) + sum(batch.predicted_s for batch in behind)) / self.parallel
 
     def _wake_in(self, now: float, wait: float | None) -> float | None:
         running = self.running

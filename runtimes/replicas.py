@@ -85,6 +85,7 @@ class ReplicaSet:
             self.close()
             raise errors[0]
         self.pipeline_depth = sum(r.pipeline_depth for r in self.replicas)
+        self.parallel = count  # batches that run side by side (the worker's scheduler)
         log.info("%d runtime replicas on one device: pids %s", count,
                  [r.pid for r in self.replicas])
 

@@ -48,6 +48,11 @@ class RuntimeRouter:
                    default=1)
 
     @property
+    def parallel(self) -> int:
+        """Batches run side by side: the replicas of the batching runtimes."""
+        return max((getattr(r, "parallel", 1) for r in self.runtimes.values()), default=1)
+
+    @property
     def pid(self) -> int | None:
         return next((r.pid for r in self.runtimes.values() if r.pid is not None), None)
 

@@ -75,7 +75,9 @@ class Dispatcher(Intake, Feed, Batches, Drain):
         # A pipelined runtime takes the next batch while it computes one (its
         # `pipeline_depth`); each batch in flight waits for its answer on a thread here.
         depth = max(1, int(getattr(runtime, "pipeline_depth", 1)))
-        self.scheduler = Scheduler(lanes, hold, self._peers, depth=depth)
+        # Runtime replicas run that many of them side by side (`runtimes.replicas`).
+        parallel = max(1, int(getattr(runtime, "parallel", 1)))
+        self.scheduler = Scheduler(lanes, hold, self._peers, depth=depth, parallel=parallel)
         self.continuous = {model for model in lanes if runtime.continuous(model)}
         self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)
         # Every request held here, in whichever state (scheduled, parked for a LoRA,

@@ -774,6 +774,59 @@ def test_batches_in_flight_end_in_order_and_the_time_each_adds_is_learned():
     assert scheduler.in_flight == []
 
 
+# --- runtime replicas: batches side by side ---------------------------------------------
+
+
+def replicated(limits: BatchLimits, cost: CostModel, parallel: int = 2) -> Scheduler:
+    return Scheduler({MODEL: Lane(MODEL, limits, cost)}, HOLD, lambda _m, _n: 1,
+                     depth=2 * parallel, parallel=parallel)
+
+
+def test_with_a_replica_free_a_lone_request_starts_at_once_beside_a_running_batch():
+    scheduler = replicated(BatchLimits(max_tokens=10_000, max_items=8), CostModel(0.1, 0.0))
+    scheduler.append(MODEL, Pending(0, "g", 1, 10, 10, received=0.0))
+    first = scheduler.tick(0.0).start
+    scheduler.append(MODEL, Pending(1, "g", 1, 10, 10, received=0.001))
+    second = scheduler.tick(0.001).start  # the other replica is free: no wait behind
+    assert first is not None and second is not None
+    assert [p.handle for p in second.members] == [1]
+    # Both replicas busy: a third waits as behind one pipelined runtime, for work shared
+    # by two (the second batch's 0.1 s plus what is left of the first, halved).
+    scheduler.append(MODEL, Pending(2, "g", 1, 10, 10, received=0.002))
+    third = scheduler.tick(0.002)
+    assert third.start is None
+    assert scheduler.busy_for(0.002) == pytest.approx((0.098 + 0.1) / 2)
+
+
+def test_a_deadline_on_a_free_replica_does_not_count_the_batches_of_the_others():
+    scheduler = replicated(BatchLimits(max_tokens=10_000, max_items=2), CostModel(0.1, 0.0))
+    scheduler.append(MODEL, Pending(0, "g", 1, 10, 10, received=0.0))
+    assert scheduler.tick(0.0).start is not None
+    # Alone it ends at 0.11 < 0.15: on the free replica it is not late.
+    scheduler.append(MODEL, Pending(1, "g", 1, 10, 10, received=0.01, deadline=0.15))
+    actions = scheduler.tick(0.01)
+    assert not actions.late and actions.start is not None
+
+
+def test_side_by_side_batches_learn_their_own_times():
+    class Recording(CostModel):
+        def observe(self, shape: BatchShape, seconds: float) -> None:
+            observed.append(seconds)
+
+    observed: list[float] = []
+    scheduler = replicated(BatchLimits(max_tokens=10_000, max_items=1), Recording(0.1, 0.0))
+    for i in range(3):
+        scheduler.append(MODEL, Pending(i, "g", 1, 10, 10, received=0.0))
+    first, second = scheduler.tick(0.0).start, scheduler.tick(0.0).start
+    third = scheduler.tick(0.0).start  # waits for a replica: queued in one
+    assert first and second and third
+    scheduler.finish(0.1, 0.1, first)
+    # The second ran beside the first, from 0: its time is not cut at the first's end.
+    assert second.started == 0.0 and third.started == pytest.approx(0.1)
+    scheduler.finish(0.12, 0.12, second)
+    assert observed == [pytest.approx(0.1), pytest.approx(0.12)]
+
+
 # --- bulk job parts after the requests callers wait for ----------------------------------
 
 
