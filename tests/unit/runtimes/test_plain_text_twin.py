@@ -52,7 +52,8 @@ def test_a_mixed_batch_keeps_its_order_and_the_tokenizers_ids(tokenizer, texts):
 
 @pytest.mark.parametrize("text", [
     "Grüße aus Köln", "naïve café", "tab\there", "line\nbreak", "nul\x00byte", "\x7fdel",
-    "CJK 中文 mixed", "Ünïcödé ÀÉÎ", "\u00a0non-breaking space", "\uff46\uff55\uff4c\uff4c width", "",
+    "CJK 中文 mixed", "Ünïcödé ÀÉÎ", "\u00a0non-breaking space",
+    "\uff46\uff55\uff4c\uff4c width", "",
 ])
 def test_what_the_normaliser_changes_is_not_plain_and_keeps_the_full_path(tokenizer, text):
     assert not is_plain(text) or text == ""
