@@ -530,6 +530,15 @@ def main(argv: list[str] | None = None) -> int:
                     loads, seconds, depth))
                 print(f"  runtime-process {model} depth {depth}: done at "
                       f"{time.perf_counter() - started:.0f}s", flush=True)
+        if not args.runtime_only:  # where a batch's time goes, stage by stage
+            from bench import stages
+
+            precision = "bf16" if device.startswith("cuda") else "fp32"
+            batch = 32 if args.cpu else 256
+            stage_times = stages.measure(device, precision, batch, 16 if not args.cpu else 8,
+                                         3 if args.cpu else 20, str(minilm))
+            print(f"\nstages of one batch of {batch} texts, MiniLM {precision}:\n"
+                  f"{stages.table(stage_times)}", flush=True)
     print()
     print(table(rows))
     print()
