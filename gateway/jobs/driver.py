@@ -44,6 +44,7 @@ from tasks.settings import Settings
 log = logging.getLogger(__name__)
 
 SWEEP_MIN_AGE_S = 3600.0
+CLOSE_WAIT_S = 2.0  # the most a gateway's shutdown waits for its job tasks to stop
 POLL_S = 0.5  # how often a waiting driver re-reads counts another gateway may have moved
 RETRY_CODES = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.BROKER_UNAVAILABLE,
                          ErrorCode.MODEL_UNAVAILABLE})  # a part waits and tries again
@@ -63,15 +64,26 @@ class JobDriver:
         self._driving: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._scanner: asyncio.Task | None = None
+        self._closing = False
 
     def start(self) -> None:
         self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
 
     async def close(self) -> None:
+        """Stop scanning and driving (on the gateway's shutdown), waiting CLOSE_WAIT_S at
+        most: a cancel that lands inside the Redis client can be swallowed there (seen:
+        the scanner then slept on, and a drained gateway never exited), so the scanner
+        also stops at its next turn, and shutdown never waits for it longer than that."""
+        self._closing = True
         tasks = [t for t in (self._scanner, *self._driving.values()) if t is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        if pending:
+            log.warning("%d job tasks did not stop within %g s of the shutdown; leaving them",
+                        len(pending), CLOSE_WAIT_S)
 
     def notify(self, job_id: str) -> None:
         """A part of `job_id` was recorded here: wake its driver if it runs here."""
@@ -85,7 +97,7 @@ class JobDriver:
 
     async def _scan_forever(self) -> None:
         swept = time.monotonic()
-        while True:
+        while not self._closing:
             try:
                 for job_id in await self.store.active_ids():
                     if job_id not in self._driving:
