@@ -100,6 +100,43 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class NvmlBusy:
+    """The GPU's own busy figure, sampled from NVML while a load runs (the percentage of
+    time a kernel ran, per the driver's sample period): unlike the per-batch CUDA events,
+    it does not count twice what the kernels of two replicas' overlapping batches span.
+    Without NVML (no GPU, no nvidia-ml-py) every mean is None."""
+
+    def __init__(self, device: str, period_s: float = 0.05) -> None:
+        self._samples: list[tuple[float, float]] = []
+        self._handle: Any = None
+        if not device.startswith("cuda"):
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = int(device.partition(":")[2] or 0)
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._read = lambda: pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+        except Exception as exc:  # no library, no driver: the events' figure stands alone
+            print(f"gpu-check: no NVML utilisation ({exc!r})", flush=True)
+            self._handle = None
+            return
+        threading.Thread(target=self._poll, args=(period_s,), daemon=True).start()
+
+    def _poll(self, period_s: float) -> None:
+        while True:
+            self._samples.append((time.perf_counter(), self._read() / 100))
+            time.sleep(period_s)
+
+    def mean_between(self, start: float, end: float) -> float | None:
+        window = [busy for at, busy in list(self._samples) if start <= at <= end]
+        return sum(window) / len(window) if window else None
+
+
+NVML: NvmlBusy | None = None  # set by `main` for the device it checks
+
+
 # --- the models -----------------------------------------------------------------------------
 
 
@@ -189,10 +226,12 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
             fit.append((padded, device_ms / 1000))
         wall = time.perf_counter() - started
         runs = len(latencies)
+        nvml_busy = NVML.mean_between(started, started + wall) if NVML is not None else None
         rows.append(Row("in-process", model, precision, f"batch {size}",
                         texts_per_s=runs * size / wall, tokens_per_s=runs * real / wall,
                         device_busy=busy / wall, p50_ms=percentile_ms(latencies, 50),
-                        p99_ms=percentile_ms(latencies, 99), extra=dict(load)))
+                        p99_ms=percentile_ms(latencies, 99),
+                        extra={**load, "nvml_busy": nvml_busy}))
     parity_texts = texts(256, seed=99)
     outcomes = host.run_batch(model, [Request("p", "encode", {
         "items": [{"text": t} for t in parity_texts], "options": {"normalize": True}})])
@@ -303,23 +342,43 @@ class Former:
 
 
 def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
-                    loads: list[tuple[int, int]], seconds: float, depth: int) -> list[Row]:
+                    loads: list[tuple[int, int]], seconds: float, depth: int,
+                    replicas: int = 1) -> list[Row]:
+    """Rows per load through the runtime process (`replicas` of them on the device, each
+    `depth` batches in flight: `runtimes.replicas`)."""
     from runtimes.base import Request
     from runtimes.process import ProcessRuntime
+    from runtimes.replicas import ReplicaSet
     from tasks.catalog import load_catalog
 
     load_catalog.cache_clear()
     entry = load_catalog(catalog_dir).get(model)
     assert entry is not None
-    runtime = ProcessRuntime(catalog_dir, [model], device=device, precision=precision,
-                             env={"TOKENIZERS_PARALLELISM": "false"}, pipeline_depth=depth,
-                             spare=False)
+
+    def start(_index: int, env: dict[str, str] | None = None) -> ProcessRuntime:
+        return ProcessRuntime(catalog_dir, [model], device=device, precision=precision,
+                              env={"TOKENIZERS_PARALLELISM": "false", **(env or {})},
+                              pipeline_depth=depth, spare=False)
+
+    runtime: Any = start(0) if replicas == 1 else ReplicaSet(start, replicas)
+    path = f"runtime-process, depth {depth}" + (f", {replicas} replicas" if replicas > 1
+                                                 else "")
     rows = []
     try:
         for n, (clients, per_request) in enumerate(loads):
             again = " (again)" if (clients, per_request) in loads[:n] else ""
             former = Former(lambda batch: runtime.run_batch(model, batch), max_items=256,
-                            max_tokens=16_384, depth=depth)
+                            max_tokens=16_384, depth=depth * replicas)
+            # Made before the clock runs: a client's own Python would otherwise be what
+            # limits a fast device (this process's threads share one GIL).
+            made = []
+            for seed in range(clients):
+                mine = []
+                for k in range(max(2, 512 // clients)):
+                    kwargs = {"items": [{"text": t} for t in
+                                        texts(per_request, seed=seed * 100_000 + k)]}
+                    mine.append((kwargs, entry.estimate(kwargs)[1]))
+                made.append(mine)
             latencies: list[float] = []
             counted = [0, 0]  # texts, tokens (estimated)
             lock = threading.Lock()
@@ -329,13 +388,11 @@ def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
             def client(seed: int, ends: float = ends, warm: float = warm,
                        former: Former = former, per_request: int = per_request,
                        latencies: list[float] = latencies, lock: threading.Lock = lock,
-                       counted: list[int] = counted) -> None:
+                       counted: list[int] = counted, made: list[Any] = made) -> None:
                 n = 0
                 while time.perf_counter() < ends:
-                    batch = texts(per_request, seed=seed * 100_000 + n)
+                    kwargs, tokens = made[seed][n % len(made[seed])]
                     n += 1
-                    kwargs = {"items": [{"text": t} for t in batch]}
-                    _, tokens, _ = entry.estimate(kwargs)
                     t0 = time.perf_counter()
                     outcome = former.submit(Request(f"{seed}-{n}", "encode", kwargs),
                                             per_request, tokens)
@@ -354,12 +411,14 @@ def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
                 t.join()
             wall = time.perf_counter() - warm
             former.stop = True
-            rows.append(Row(f"runtime-process, depth {depth}", model, precision,
+            nvml_busy = NVML.mean_between(warm, warm + wall) if NVML is not None else None
+            rows.append(Row(path, model, precision,
                             f"{clients} clients x {per_request} texts{again}",
                             texts_per_s=counted[0] / wall, tokens_per_s=counted[1] / wall,
                             device_busy=former.busy_since(warm) / wall,
                             p50_ms=percentile_ms(latencies, 50),
-                            p99_ms=percentile_ms(latencies, 99)))
+                            p99_ms=percentile_ms(latencies, 99),
+                            extra={"nvml_busy": nvml_busy}))
     finally:
         runtime.close()
     return rows
@@ -400,12 +459,13 @@ def describe_device(device: str) -> dict[str, Any]:
 
 def table(rows: list[Row]) -> str:
     return "\n".join(markdown.table(
-        ["path", "model", "precision", "load", "texts/s", "tokens/s", "device busy", "p50 ms",
-         "p99 ms", "parity (min cos fp32 vs bf16)"],
+        ["path", "model", "precision", "load", "texts/s", "tokens/s", "device busy",
+         "GPU busy (NVML)", "p50 ms", "p99 ms", "parity (min cos fp32 vs bf16)"],
         [[r.path, r.model.rsplit("/", 1)[-1], r.precision, r.shape, f"{r.texts_per_s:,.0f}",
-          f"{r.tokens_per_s:,.0f}", f"{r.device_busy:.3f}", f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}",
-          "" if r.parity is None else f"{r.parity:.5f}"] for r in rows],
-        align="llllrrrrrl"))
+          f"{r.tokens_per_s:,.0f}", f"{r.device_busy:.3f}",
+          markdown.fmt(r.extra.get("nvml_busy"), ".3f", ""), f"{r.p50_ms:.2f}",
+          f"{r.p99_ms:.2f}", "" if r.parity is None else f"{r.parity:.5f}"] for r in rows],
+        align="llllrrrrrrl"))
 
 
 def plot(rows: list[Row], path: Path, title: str) -> Path:
@@ -414,7 +474,7 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    process = [r for r in rows if r.path.startswith("runtime-process")]
+    process = [r for r in rows if r.path.startswith("runtime-process") and "replicas" not in r.path]
     models = sorted({r.model for r in process})
     fig = Figure(figsize=(11, 3.6 * len(models)), layout="constrained")
     axes = fig.subplots(len(models), 2, squeeze=False)
@@ -477,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from runtimes.replicas import default_replicas
+
     if args.cpu:
         device = "cpu"
     elif torch.cuda.is_available():
@@ -497,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     precisions = ["fp32", "bf16"]
     info = describe_device(device)
     print("gpu-check:", json.dumps(info), flush=True)
+    global NVML
+    NVML = NvmlBusy(device)
     started = time.perf_counter()
     rows: list[Row] = []
     fits: dict[str, dict[str, float]] = {}
@@ -530,6 +594,16 @@ def main(argv: list[str] | None = None) -> int:
                     loads, seconds, depth))
                 print(f"  runtime-process {model} depth {depth}: done at "
                       f"{time.perf_counter() - started:.0f}s", flush=True)
+        # Several runtime processes on the device (SHOAL_RUNTIME_REPLICAS's GPU default):
+        # many cores prepare; 16-text requests as the issue's target load.
+        replicas = 2 if args.cpu else default_replicas(device)
+        replica_loads = [(32, 16)] if args.cpu else [(1, 16), (32, 16), (256, 16), (256, 1)]
+        for count in sorted({1, replicas}):
+            rows.extend(through_runtime(
+                catalog_dir, MINILM, device, "bf16" if device.startswith("cuda") else "fp32",
+                replica_loads, seconds, 2, count))
+            print(f"  runtime-process {MINILM} x{count}: done at "
+                  f"{time.perf_counter() - started:.0f}s", flush=True)
         if not args.runtime_only:  # where a batch's time goes, stage by stage
             from bench import stages
 
