@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import statistics
 import threading
@@ -203,6 +204,34 @@ def table(rows: list[dict[str, Any]]) -> str:
           markdown.fmt(r["ratio"], ".2f")] for r in rows], align="llrrrrrr"))
 
 
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Texts/s by workers, processes beside threads, with N x one worker as a dotted line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for mode, style in (("processes", "o-"), ("threads", "s--")):
+        mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue
+        workers = [r["workers"] for r in mine]
+        line = ax.plot(workers, [r["texts_per_s"] for r in mine], style,
+                       label=f"{mode} (x{mine[-1]['ratio']:.2f} at {workers[-1]})")[0]
+        ax.plot(workers, [mine[0]["texts_per_s"] * n for n in workers], ":",
+                color=line.get_color(), alpha=0.6)
+    ax.set_xlabel("preparation workers (each pinned to a core)")
+    ax.set_ylabel("texts/s (median of rounds)")
+    ax.set_xticks(sorted({r["workers"] for r in rows}))
+    ax.set_ylim(bottom=0)
+    ax.legend(title="dotted: N x one worker")
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prep_workers",
                                      description=__doc__.split("\n\n")[0])
@@ -214,7 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=None, help="plot texts/s by workers")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="table (and --png) of an earlier run's --json, not a new run")
     args = parser.parse_args(argv)
+    title = "MiniLM preparation on an emulated H100 without launch gaps (bench.prep_workers)"
+    if args.from_json:
+        rows = json.loads(args.from_json.read_text())["rows"]
+        print(table(rows))
+        if args.png:
+            plot(rows, args.png, title)
+        return 0
     if BATCH_TEXTS % args.texts:
         parser.error(f"--texts must divide {BATCH_TEXTS}")
     # Before anything imports the emulator: this process (threads mode) emulates too.
@@ -233,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{point.runtime_us_per_text:.1f} µs/text preparing", flush=True)
                 points.append(point)
     rows = summary(points)
+    if args.png:
+        plot(rows, args.png, title)
     head = (f"{started:%Y-%m-%d %H:%M} UTC, profile {args.profile}, batches of {BATCH_TEXTS} "
             f"texts in requests of {args.texts}, {os.cpu_count()} cores\n\n")
     return emit(head + table(rows), {"points": [asdict(p) for p in points], "rows": rows,
