@@ -12,14 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import pytest
-from kombu import Producer
 
 from tests.conftest import FAULTY
 from tests.e2e.test_worker_shutdown import Replies, _gone, _runtimes
@@ -54,23 +51,6 @@ def _worker(private: PrivateStack, name: str, **env: str) -> MeteredWorker:
     env = {"SHOAL_RUNTIME_REPLICAS": "2", "SHOAL_RUNTIME_SPARE": "false", **env}
     return start_metered_worker(private.stack, name, FAULTY, private.queue, 180,
                                 SHOAL_QUEUE_PREFIX=private.prefix, **env)
-
-
-def _publish(replies: Replies, queue: str, text: str, deadline_ms: int | None = None) -> str:
-    """`Replies.publish` with a deadline of the caller's (epoch ms)."""
-    task_id = str(uuid.uuid4())
-    headers = {"task": "shoal.encode", "id": task_id, "shoal_model": FAULTY,
-               "shoal_op": "encode", "shoal_items": 1, "shoal_cost": 8, "shoal_longest": 8,
-               **({"shoal_deadline": deadline_ms} if deadline_ms else {})}
-    body = msgpack.packb([[], {"model": FAULTY, "items": [{"text": text}]}, {}])
-    # As the gateway sends it: the broker drops it (to the dead letters, which the worker
-    # answers) once its deadline passes in the queue.
-    expiration = None if deadline_ms is None else max(0.0, deadline_ms / 1000 - time.time())
-    Producer(replies.channel).publish(
-        body, routing_key=queue, exchange="", headers=headers, reply_to=replies.name,
-        correlation_id=task_id, content_type="application/x-msgpack",
-        content_encoding="binary", delivery_mode=2, expiration=expiration)
-    return task_id
 
 
 def _error_code(reply: dict) -> str | None:
@@ -120,7 +100,8 @@ def test_a_deadline_and_a_revoke_reach_requests_held_behind_both_runtimes(privat
                      SHOAL_RUNTIME_PIPELINE_DEPTH="1")
     queue = private.queue
     slow = _both_runtimes_busy(worker, replies, queue)
-    late = _publish(replies, queue, "a short deadline", int(time.time() * 1000) + 1500)
+    late = replies.publish(queue, "a short deadline",
+                           deadline_ms=int(time.time() * 1000) + 1500)
     revoked = replies.publish(queue, "revoked before it runs")
     wait_for(lambda: worker.metric("shoal_held_messages") >= 1, 30, "the requests held")
     app.control.revoke(revoked)

@@ -11,6 +11,7 @@ makes one batch run long (SHOAL_FAULTY_SLOW_S) while the other requests wait, he
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -47,17 +48,24 @@ class Replies:
         self.channel.queue_declare(queue=self.name)
         self.received: list[dict] = []
 
-    def publish(self, queue: str, *texts: str, task_id: str | None = None) -> str:
+    def publish(self, queue: str, *texts: str, task_id: str | None = None,
+                deadline_ms: int | None = None) -> str:
+        """A request for `texts`; with a deadline (epoch ms) as the gateway sends one: the
+        broker dead-letters it (which a worker answers) once it passes in the queue."""
         task_id = task_id or str(uuid.uuid4())
         headers = {"task": "shoal.encode", "id": task_id, "shoal_model": FAULTY,
                    "shoal_op": "encode", "shoal_items": len(texts),
                    "shoal_cost": 8 * len(texts), "shoal_longest": 8}
+        expiration = None
+        if deadline_ms is not None:
+            headers["shoal_deadline"] = deadline_ms
+            expiration = max(0.0, deadline_ms / 1000 - time.time())
         body = msgpack.packb([[], {"model": FAULTY, "items": [{"text": t} for t in texts]},
                               {}])
         Producer(self.channel).publish(
             body, routing_key=queue, exchange="", headers=headers, reply_to=self.name,
             correlation_id=task_id, content_type="application/x-msgpack",
-            content_encoding="binary", delivery_mode=2)
+            content_encoding="binary", delivery_mode=2, expiration=expiration)
         return task_id
 
     def collect(self) -> None:
