@@ -163,6 +163,9 @@ class ContinuousRuntime(Runtime, Protocol):
     def load_of(self, model_id: str) -> Load: ...
 
 
+# The file an emulated device's queue lives in, shared by the processes of one device
+# (`runtimes.replicas` sets it, `runtimes.pytorch.emulated` reads it).
+EMULATED_QUEUE_ENV = "SHOAL_EMULATE_DEVICE_QUEUE"
 CANCELLED = "cancelled"  # the finish_reason of a generation its caller abandoned
 
 

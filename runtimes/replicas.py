@@ -33,13 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from runtimes.base import LoadFailed, OnDeltas, Outcome, Request
+from runtimes.base import EMULATED_QUEUE_ENV, LoadFailed, OnDeltas, Outcome, Request
 from runtimes.process import ProcessRuntime
 
 log = logging.getLogger(__name__)
-
-# The file an emulated device's queue lives in, shared by the replicas' processes.
-EMULATED_QUEUE_ENV = "SHOAL_EMULATE_DEVICE_QUEUE"
 
 
 def default_replicas(device: str, cores: int | None = None) -> int:

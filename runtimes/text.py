@@ -126,18 +126,20 @@ def encode_texts(tokenizer: Any, texts: list[str], limit: int
         encoded = tokenizer(texts, truncation=True, max_length=limit, padding=False)
         return encoded["input_ids"], encoded.get("token_type_ids") if types else None
     twin = plain_text_twin(tokenizer)
-    plain = [] if twin is None else [i for i, t in enumerate(texts) if is_plain(t)]
+    plain: list[int] = []
+    others: list[int] = []
+    for i, text in enumerate(texts):
+        (plain if twin is not None and is_plain(text) else others).append(i)
+    side = tokenizer.truncation_side
     with encoding_lock:
-        if len(plain) == len(texts):
-            encodings = _encode(twin, texts, limit, tokenizer.truncation_side)
-        elif not plain:
-            encodings = _encode(backend, texts, limit, tokenizer.truncation_side)
+        if not plain:
+            encodings = _encode(backend, texts, limit, side)
+        elif not others:
+            encodings = _encode(twin, texts, limit, side)
         else:
-            others = sorted(set(range(len(texts))) - set(plain))
             encodings = [None] * len(texts)
             for indices, encoder in ((plain, twin), (others, backend)):
-                done = _encode(encoder, [texts[i] for i in indices], limit,
-                               tokenizer.truncation_side)
+                done = _encode(encoder, [texts[i] for i in indices], limit, side)
                 for i, encoding in zip(indices, done, strict=True):
                     encodings[i] = encoding
     return [e.ids for e in encodings], [e.type_ids for e in encodings] if types else None

@@ -86,6 +86,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 
+from runtimes.base import EMULATED_QUEUE_ENV
 from runtimes.pytorch.device_time import DeviceClock, device_clock
 
 log = logging.getLogger(__name__)
@@ -351,11 +352,10 @@ class _SharedStream:
 
 
 _FREE_AT = struct.Struct("d")
-QUEUE_ENV = "SHOAL_EMULATE_DEVICE_QUEUE"  # set by runtimes.replicas for its processes
 
 
 def _make_stream() -> _Stream | _SharedStream:
-    path = os.environ.get(QUEUE_ENV)
+    path = os.environ.get(EMULATED_QUEUE_ENV)
     return _SharedStream(path) if path else _Stream()
 
 

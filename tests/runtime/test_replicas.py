@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import yaml
 
-from runtimes.base import CANCELLED, LoadFailed, Outcome, Request
+from runtimes.base import CANCELLED, EMULATED_QUEUE_ENV, LoadFailed, Outcome, Request
 from runtimes.host import ModelHost
 from runtimes.pool import lora_key
 from runtimes.process import ProcessRuntime
-from runtimes.replicas import EMULATED_QUEUE_ENV, ReplicaSet, default_replicas
+from runtimes.replicas import ReplicaSet, default_replicas
 from tasks.catalog import Catalog
 from tests.runtime.test_pipeline import InFlight, requests, vectors, wait_for
 from tests.tiny_lm import build_tiny_llama

@@ -59,3 +59,14 @@ def test_what_the_normaliser_changes_is_not_plain_and_keeps_the_full_path(tokeni
     assert not is_plain(text) or text == ""
     ids, _ = encode_texts(tokenizer, [text, "A Plain Text."], LIMIT)
     assert ids == reference(tokenizer, [text, "A Plain Text."])
+
+
+def test_a_tokenizer_without_a_twin_encodes_everything_itself_an_empty_batch_too():
+    from tokenizers import normalizers
+
+    other = AutoTokenizer.from_pretrained(str(MINILM_DIR))
+    other.backend_tokenizer.normalizer = normalizers.Lowercase()  # not a BERT normaliser
+    assert plain_text_twin(other) is None
+    assert encode_texts(other, [], LIMIT) == ([], [])
+    ids, _ = encode_texts(other, ["A Plain Text.", "naïve"], LIMIT)
+    assert ids == reference(other, ["A Plain Text.", "naïve"])
