@@ -14,6 +14,13 @@ Markers (anywhere in an item's text or in the query):
 
 SHOAL_FAULTY_EVERY_BATCH=<marker> makes every batch behave as if it carried
 that marker: a runtime that is broken whatever the input.
+
+So that a test acts while a slow batch is in the model, not after a sleep it
+hopes is long enough: SHOAL_FAULTY_SLOW_LOG=<file> gets a line (the pid) when a
+slow batch starts sleeping (`slow_batches_started` counts them), and while the
+file SHOAL_FAULTY_SLOW_HOLD names exists a slow batch sleeps on past
+SHOAL_FAULTY_SLOW_S (HOLD_LIMIT_S at most, so a test that dies holding one
+cannot hang a runtime for good).
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from tasks.schema import ParsedRequest
 
 ALLOW_ENV = "SHOAL_ALLOW_TEST_ADAPTERS"
 EVERY_BATCH_ENV = "SHOAL_FAULTY_EVERY_BATCH"
+SLOW_LOG_ENV = "SHOAL_FAULTY_SLOW_LOG"
+SLOW_HOLD_ENV = "SHOAL_FAULTY_SLOW_HOLD"
+HOLD_LIMIT_S = 120.0
 CRASH, RAISE, SLOW = "@@crash@@", "@@raise@@", "@@slow@@"
 MARKERS = (CRASH, RAISE, SLOW)
 
@@ -57,7 +67,27 @@ def misbehave(markers: Iterable[str]) -> None:
     if RAISE in markers:
         raise RuntimeError(f"faulty adapter: input contains {RAISE}")
     if SLOW in markers:
-        time.sleep(float(os.environ.get("SHOAL_FAULTY_SLOW_S", "3")))
+        _sleep_slowly()
+
+
+def _sleep_slowly() -> None:
+    if log := os.environ.get(SLOW_LOG_ENV):
+        with open(log, "a") as out:  # one short append: whole lines even across processes
+            out.write(f"{os.getpid()}\n")
+    time.sleep(float(os.environ.get("SHOAL_FAULTY_SLOW_S", "3")))
+    hold = os.environ.get(SLOW_HOLD_ENV)
+    held_until = time.monotonic() + HOLD_LIMIT_S
+    while hold and os.path.exists(hold) and time.monotonic() < held_until:
+        time.sleep(0.01)
+
+
+def slow_batches_started(log: str | os.PathLike[str]) -> int:
+    """How many slow batches have started sleeping, by the SHOAL_FAULTY_SLOW_LOG file."""
+    try:
+        with open(log) as lines:
+            return sum(1 for _ in lines)
+    except FileNotFoundError:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)

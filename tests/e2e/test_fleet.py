@@ -15,6 +15,7 @@ import pytest
 
 from runtimes.pytorch.dense import DenseEncoder
 from tests.conftest import FAULTY, HEARTBEAT_S, MINILM, RESTART, queue_name
+from tests.slow_batches import SlowBatches
 from tests.stack import free_port, metric_sum, queue_counts, wait_for
 from tests.tiny_models import MINILM_DIR
 
@@ -107,12 +108,13 @@ def test_heartbeats_flow_while_a_batch_runs_longer_than_two_intervals(stack):
     assert stack.worker.alive()
 
 
-def test_a_busy_worker_returns_queued_work_to_an_idle_one(stack):
+def test_a_busy_worker_returns_queued_work_to_an_idle_one(stack, tmp_path):
     """One worker stalls on a slow batch; what it holds goes to the idle one."""
     ports = {name: free_port() for name in ("busy-or-idle-1", "busy-or-idle-2")}
+    slow_batches = SlowBatches(tmp_path / "slow", slow_s=6)
     workers = {
         name: stack.stack.worker(name, [FAULTY], SHOAL_WORKER_METRICS_PORT=str(port),
-                                 SHOAL_FAULTY_SLOW_S="6")
+                                 **slow_batches.env)
         for name, port in ports.items()
     }
     try:
@@ -122,9 +124,7 @@ def test_a_busy_worker_returns_queued_work_to_an_idle_one(stack):
             async with httpx.AsyncClient(timeout=120) as client:
                 url = f"{stack.url}/v1/encode/{FAULTY}"
                 slow = asyncio.create_task(client.post(url, json={"items": [{"text": "@@slow@@"}]}))
-                await asyncio.to_thread(wait_for, lambda: queue_counts(queue_name(FAULTY))[0]
-                                        == 0, 10, "the slow request to be taken")
-                await asyncio.sleep(0.2)
+                await asyncio.to_thread(slow_batches.wait_started, 1)
                 # Both workers have credit, so the broker deals these out to both.
                 rest = await asyncio.gather(*(
                     client.post(url, json={"items": [{"text": f"quick {i}"}]})

@@ -15,17 +15,25 @@ from tasks.queues import kombu_queues
 from tasks.settings import Settings
 from tasks.topology import queue_for
 from tests.conftest import DLQ, FAULTY, queue_name
+from tests.slow_batches import SlowBatches
 from tests.stack import BROKER_URL, free_port, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def faulty_worker(stack):
+def slow_batches(tmp_path_factory: pytest.TempPathFactory) -> SlowBatches:
+    return SlowBatches(tmp_path_factory.mktemp("isolation-slow"), slow_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def faulty_worker(stack, slow_batches):
     port = free_port()
-    worker = stack.stack.worker("faulty", [FAULTY], SHOAL_WORKER_METRICS_PORT=str(port))
+    worker = stack.stack.worker("faulty", [FAULTY], SHOAL_WORKER_METRICS_PORT=str(port),
+                                **slow_batches.env)
     wait_for(lambda: queue_counts(queue_name(FAULTY))[1] >= 1, 120, "the faulty worker")
     yield worker, f"http://127.0.0.1:{port}/metrics"
+    slow_batches.release()
     worker.stop()
 
 
@@ -37,9 +45,15 @@ def _metric(url: str, name: str) -> float:
 
 
 @pytest.mark.parametrize("marker", ["@@crash@@", "@@raise@@"])
-def test_poison_request_fails_alone_among_a_batch(stack, faulty_worker, marker):
+def test_poison_request_fails_alone_among_a_batch(stack, faulty_worker, slow_batches, marker):
     worker, metrics_url = faulty_worker
     restarts_before = _metric(metrics_url, "shoal_runtime_restarts")
+
+    texts = [f"good text {i}" for i in range(7)] + [f"bad {marker} text"]
+
+    def all_at_the_worker() -> bool:  # the stalled request and the rest: held or queued
+        held = _metric(metrics_url, "shoal_held_messages")
+        return held + queue_counts(queue_name(FAULTY))[0] >= 1 + len(texts)
 
     async def main() -> list[httpx.Response]:
         # Isolating a crash costs a few runtime restarts: allow for them.
@@ -48,13 +62,21 @@ def test_poison_request_fails_alone_among_a_batch(stack, faulty_worker, marker):
             stall = client.post(f"{stack.url}/v1/encode/{FAULTY}",
                                 json={"items": [{"text": "@@slow@@"}]})
             first = asyncio.create_task(stall)
-            await asyncio.sleep(0.3)
-            texts = [f"good text {i}" for i in range(7)] + [f"bad {marker} text"]
-            rest = [client.post(f"{stack.url}/v1/encode/{FAULTY}", json={"items": [{"text": t}]})
-                    for t in texts]
+            await asyncio.to_thread(slow_batches.wait_started, started + 1)
+            rest = [asyncio.create_task(
+                client.post(f"{stack.url}/v1/encode/{FAULTY}", json={"items": [{"text": t}]}))
+                for t in texts]
+            await asyncio.to_thread(wait_for, all_at_the_worker, 60,
+                                    "every request to reach the worker")
+            slow_batches.release()
             return [await first, *await asyncio.gather(*rest)]
 
-    responses = asyncio.run(main())
+    started = slow_batches.started()
+    slow_batches.hold()
+    try:
+        responses = asyncio.run(main())
+    finally:
+        slow_batches.release()
     assert all(r.status_code == 200 for r in responses[:-1]), [r.text for r in responses]
     assert max(int(r.headers["x-batch-requests"]) for r in responses[1:-1]) > 1
     poisoned = responses[-1]

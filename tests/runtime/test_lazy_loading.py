@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,11 +20,12 @@ from transformers import AutoModel
 from runtimes.base import LoadFailed, Request
 from runtimes.footprint import estimate_bytes, tensor_bytes
 from runtimes.process import ProcessRuntime
+from tests.slow_batches import SlowBatches
 from tests.tiny_models import build_tiny_bert, build_tiny_sentence_transformer
 
 TINY, OTHER, BIG, BROKEN, SLOW = "test/tiny", "test/other", "test/big", "test/broken", "test/slow"
-SLOW_S = 3.0
-CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
+SLOW_BATCHES = SlowBatches(Path(tempfile.mkdtemp(prefix="shoal-lazy-slow-")), slow_s=0.0)
+CHILD_ENV = SLOW_BATCHES.env
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +110,22 @@ def test_a_load_runs_beside_a_batch_of_another_model(runtime):
     outcome: list[object] = []
 
     def slow_batch() -> None:
-        outcome.append(_encode(runtime, SLOW, "@@slow@@"))  # sleeps SLOW_S in the model
+        outcome.append(_encode(runtime, SLOW, "@@slow@@"))  # held in the model till released
         batch_done.set()
 
+    started = SLOW_BATCHES.started()
+    SLOW_BATCHES.hold()
     thread = threading.Thread(target=slow_batch)
     thread.start()
     try:
+        SLOW_BATCHES.wait_started(started + 1)
         runtime.load(OTHER)
-        # The load returned while the batch was still running: it did not wait for it.
+        # The load returned while the batch was still held in the model: it did not
+        # wait for the batch.
         assert not batch_done.is_set()
     finally:
-        thread.join(timeout=SLOW_S * 10)
+        SLOW_BATCHES.release()
+        thread.join(timeout=60)
     assert outcome and outcome[0].ok and _encode(runtime, OTHER).ok
 
 

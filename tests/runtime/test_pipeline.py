@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -19,11 +20,13 @@ import yaml
 
 from runtimes.base import Outcome, Request
 from runtimes.process import ProcessRuntime
+from tests.slow_batches import SlowBatches
 from tests.tiny_models import build_tiny_sentence_transformer
 
 TINY, FAULTY = "test/tiny", "test/faulty"
 SLOW_S = 1.0
-CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
+SLOW = SlowBatches(Path(tempfile.mkdtemp(prefix="shoal-pipeline-slow-")), SLOW_S)
+CHILD_ENV = SLOW.env
 WAIT_S = 120
 
 
@@ -134,12 +137,17 @@ def test_a_kill_with_two_batches_in_flight_loses_nothing(runtime, killed):
     fast = [f"u{i}" for i in range(4)]
     first, second = (slow, fast) if killed == "first" else (fast, slow)
     flight = InFlight(runtime)
-    flight.start_two(FAULTY, requests("a", first), requests("b", second))
-    wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 2)
-    if killed == "second":
-        wait_for(lambda: "first" in flight.finished)
-    time.sleep(SLOW_S / 3)  # the slow batch sleeps in the child's device stage
-    os.kill(pid, signal.SIGKILL)
+    started = SLOW.started()
+    SLOW.hold()
+    try:
+        flight.start_two(FAULTY, requests("a", first), requests("b", second))
+        wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 2)
+        if killed == "second":
+            wait_for(lambda: "first" in flight.finished)
+        SLOW.wait_started(started + 1)  # the slow batch sleeps in the child's device stage
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        SLOW.release()  # run again on the next child, it sleeps SLOW_S only
     outcomes = flight.join()
     assert_all_ok_but(outcomes["first"], bad=None)
     assert_all_ok_but(outcomes["second"], bad=None)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +25,21 @@ from runtimes.host import ModelHost
 from runtimes.process import ProcessRuntime
 from runtimes.pytorch.faulty import EVERY_BATCH_ENV, AdapterRefused
 from tasks.catalog import Catalog
+from tests.slow_batches import SlowBatches
 from tests.tiny_classifiers import build_tiny_cross_encoder
 from tests.tiny_models import build_tiny_sentence_transformer
 
 TINY, FAULTY, FAULTY_SCORE = "test/tiny", "test/faulty", "test/faulty-score"
 SLOW_S = 1.0
-CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
+SLOW = SlowBatches(Path(tempfile.mkdtemp(prefix="shoal-process-slow-")), SLOW_S)
+CHILD_ENV = SLOW.env
+
+
+@pytest.fixture(autouse=True)
+def _no_batch_held():
+    """A test that fails while holding a slow batch does not leave it held for the next."""
+    yield
+    SLOW.release()
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +212,13 @@ def test_an_external_kill_blames_nobody(runtime, size):
     pid, restarts, poison = runtime.pid, runtime.restarts, runtime.poison_isolated
     requests = batch(*(encode(f"t{i}", "@@slow@@" if i == 0 else "x") for i in range(size)))
     done: list[list[Outcome]] = []
+    started = SLOW.started()
+    SLOW.hold()
     thread = threading.Thread(target=lambda: done.append(runtime.run_batch(FAULTY, requests)))
     thread.start()
-    time.sleep(SLOW_S / 3)  # the batch is in the runtime, sleeping
+    SLOW.wait_started(started + 1)  # the batch is in the runtime, sleeping till released
     os.kill(pid, signal.SIGKILL)
+    SLOW.release()  # its run again on the next child sleeps SLOW_S only
     thread.join(60)
     assert done, "run_batch did not return"
     assert_all_ok_but(done[0], bad=None)
@@ -226,9 +238,11 @@ def test_close_stops_the_child_even_mid_batch(catalog_dir):
         except BaseException as exc:
             errors.append(exc)
 
+    started = SLOW.started()
+    SLOW.hold()
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(SLOW_S / 3)
+    SLOW.wait_started(started + 1)  # the batch is in the child, held there
     runtime.close()  # from another thread than the batch's
     thread.join(10)
     assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], RuntimeClosed)

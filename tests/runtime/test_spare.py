@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from runtimes.base import Outcome, Request, RuntimeStartError
 from runtimes.pool import lora_key
 from runtimes.process import ProcessRuntime
 from runtimes.supervisor import RESTART_ATTEMPTS
+from tests.slow_batches import SlowBatches
 from tests.stack import wait_for
 from tests.tiny_lora import BERT_TARGETS, build_tiny_lora
 from tests.tiny_models import build_tiny_sentence_transformer
@@ -32,7 +34,8 @@ from tests.tiny_models import build_tiny_sentence_transformer
 FAULTY, TINY, LORA_MODEL, LORA, BREAKABLE = (
     "test/faulty", "test/tiny", "test/lora", "alpha", "test/breakable")
 SLOW_S = 1.0
-CHILD_ENV = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(SLOW_S)}
+SLOW = SlowBatches(Path(tempfile.mkdtemp(prefix="shoal-spare-slow-")), SLOW_S)
+CHILD_ENV = SLOW.env
 START_S = 120  # a spare imports torch and transformers: seconds on a busy 2-core host
 
 
@@ -133,10 +136,15 @@ def run_killing(runtime: ProcessRuntime, requests: list[Request],
 
     pid = runtime.pid
     assert pid is not None
+    started = SLOW.started()
+    SLOW.hold()
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(SLOW_S / 3)  # the batch is in the runtime, stalled (or about to be)
-    os.kill(pid, signal.SIGKILL)
+    try:
+        SLOW.wait_started(started + 1)  # the batch is in the runtime, held there
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        SLOW.release()  # its run again on the next child sleeps SLOW_S only
     try:
         if then is not None:
             then()
