@@ -143,10 +143,12 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> ModelHost:
 
 
 def test_a_batch_carries_its_device_time(host):
-    # A pass on the same device before the batch (a load, a probe) is not the batch's.
+    # A pass on the same device before the batch (a load, a probe) is not the batch's;
+    # an hour of it would show in any figure that counted it.
     before = Tower()
     watch_forward(before)
     before(torch.ones(1, 4))
+    device_clock("cpu").bill(3600.0)
     requests = [Request("a", "encode", {"model": MODEL, "items": [{"text": "hello world"}]}),
                 Request("bad", "encode", {"model": MODEL, "items": [{"text": 3}]}),
                 Request("b", "encode", {"model": MODEL,
@@ -155,8 +157,7 @@ def test_a_batch_carries_its_device_time(host):
     assert first.ok and second.ok and not bad.ok
     batch = first.result["batch"]
     assert second.result["batch"] == batch  # one batch, one figure
-    assert 0 < batch["device_ms"] <= batch["inference_ms"]
-    assert batch["device_ms"] < 2 * NAP_S * 1000
+    assert 0 < batch["device_ms"] <= batch["inference_ms"] < 3_600_000
     assert batch_device_ms([bad.result, first.result, second.result]) == batch["device_ms"]
     # The next batch's figure is its own, not the sum.
     (again,) = host.run_batch(MODEL, requests[:1])
