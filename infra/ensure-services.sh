@@ -25,7 +25,12 @@ if ! rabbitmq-plugins list -e -m 2>/dev/null | grep -qx rabbitmq_management; the
 fi
 wait_port 127.0.0.1 15672 60 || { echo "RabbitMQ management API did not start" >&2; exit 1; }
 
-if ! wait_port 127.0.0.1 6379 1 && command -v redis-server >/dev/null; then
+if ! wait_port 127.0.0.1 6379 1; then
+  if ! command -v redis-server >/dev/null; then
+    echo "Redis is not running and not installed; installing it (Debian packages)" >&2
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  fi
+  echo "starting Redis" >&2
   # Jobs live in Redis: with the append-only file on they survive a Redis restart (a
   # gateway warns at start when its Redis keeps nothing).
   redis_dir="${XDG_STATE_HOME:-$HOME/.local/state}/shoal/redis"
@@ -33,3 +38,4 @@ if ! wait_port 127.0.0.1 6379 1 && command -v redis-server >/dev/null; then
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly yes \
     --appendfsync everysec --dir "$redis_dir" --logfile "$redis_dir/redis.log"
 fi
+wait_port 127.0.0.1 6379 30 || { echo "Redis did not start" >&2; exit 1; }

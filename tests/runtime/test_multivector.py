@@ -148,12 +148,10 @@ def test_layouts_give_identical_vectors(host: ModelHost) -> None:
 
 def test_matches_sentence_transformers(host: ModelHost, dirs: dict[str, Path]) -> None:
     """An independent implementation: sentence-transformers' MultiVectorEncoder."""
-    try:
-        from sentence_transformers.base.modules import Dense, Normalize, Transformer
-        from sentence_transformers.multi_vector_encoder import MultiVectorEncoder
-        from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
-    except ImportError as exc:
-        pytest.skip(f"no MultiVectorEncoder in this sentence-transformers: {exc}")
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder import MultiVectorEncoder
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
     transformer = Transformer(str(dirs["st"]))
     transformer.query_expansion = {"strategy": "fixed", "attend": True, "length": 32}
     dense = Dense(32, DIMS, bias=False, activation_function=torch.nn.Identity(),

@@ -153,7 +153,8 @@ def test_prefill_share_from_two_reads_of_sglangs_loads() -> None:
 
 
 def test_percentile_matches_numpy_linear() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     values = [5.0, 1.0, 9.0, 3.0, 7.5, 2.0]
     for q in (0, 25, 50, 90, 99, 100):
         assert b.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))

@@ -214,7 +214,7 @@ def test_infinity_optimum_command() -> None:
 
 
 def test_onnx_model_folder_renames_the_output_and_leaves_weights(tmp_path: Path) -> None:
-    onnx = pytest.importorskip("onnx")
+    import onnx
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(

@@ -11,7 +11,6 @@ import yaml
 from starlette.testclient import TestClient
 
 from gateway.routes.lora_names import split_model_name
-from tasks.catalog import ModelEntry
 from tasks.settings import Settings
 
 SERVED = {"BAAI/bge-small-en-v1.5", "org/model:v2", "org/model", "plain"}
@@ -36,7 +35,6 @@ def test_split_model_name(name, expected):
     assert split_model_name(name, SERVED) == expected
 
 
-HAS_LORAS = "loras" in ModelEntry.model_fields
 BASE = "test/lora-base"
 GEN = "test/lora-gen"
 
@@ -53,10 +51,8 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
         "other": {"id": "test/not-allowed", "adapter": "dense", "source": {"path": adapter_dir},
                   "dims": 8},
     }
-    if HAS_LORAS:
-        entries["base"]["loras"] = {"legal": {"path": adapter_dir},
-                                    "medical": {"path": adapter_dir}}
-        entries["gen"]["loras"] = {"poet": {"path": adapter_dir}}
+    entries["base"]["loras"] = {"legal": {"path": adapter_dir}, "medical": {"path": adapter_dir}}
+    entries["gen"]["loras"] = {"poet": {"path": adapter_dir}}
     for name, entry in entries.items():
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(entry))
     settings = Settings(catalog_dir=folder, gateway_models=["test/lora-*"])
@@ -121,11 +117,6 @@ def test_model_and_lora_field_must_agree(client):
     assert "legal" in message and "medical" in message
 
 
-needs_loras = pytest.mark.skipif(not HAS_LORAS, reason="needs ModelEntry.loras (the LoRA "
-                                 "request contract)")
-
-
-@needs_loras
 @pytest.mark.parametrize("route,body", [
     ("/v1/embeddings", {"model": f"{BASE}:nope", "input": "x"}),
     ("/v1/embeddings", {"model": BASE, "lora": "nope", "input": "x"}),
@@ -141,7 +132,6 @@ def test_an_unknown_lora_is_a_404_naming_the_known_ones_without_a_worker(client,
         "poet" in message
 
 
-@needs_loras
 @pytest.mark.parametrize("route,body", [
     ("/v1/embeddings", {"model": f"{BASE}:legal", "input": "x"}),
     ("/v1/embeddings", {"model": BASE, "lora": "medical", "input": "x"}),
@@ -154,7 +144,6 @@ def test_a_known_lora_gets_as_far_as_publishing(client, route, body):
     _error(client.post(route, json=body), 503, "BROKER_UNAVAILABLE")
 
 
-@needs_loras
 def test_v1_models_lists_each_lora_as_a_model(client):
     models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
     assert models[BASE]["loras"] == ["legal", "medical"]
