@@ -16,7 +16,7 @@ from tasks.settings import Settings
 from tasks.topology import queue_for
 from tests.conftest import DLQ, FAULTY, queue_name
 from tests.slow_batches import SlowBatches
-from tests.stack import BROKER_URL, free_port, queue_counts, wait_for
+from tests.stack import BROKER_URL, free_port, metric_sum, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -51,9 +51,10 @@ def test_poison_request_fails_alone_among_a_batch(stack, faulty_worker, slow_bat
 
     texts = [f"good text {i}" for i in range(7)] + [f"bad {marker} text"]
 
-    def all_at_the_worker() -> bool:  # the stalled request and the rest: held or queued
-        held = _metric(metrics_url, "shoal_held_messages")
-        return held + queue_counts(queue_name(FAULTY))[0] >= 1 + len(texts)
+    published = f"{stack.url}/metrics", "shoal_gateway_requests_per_message_sum"
+
+    def all_published() -> bool:  # (coalesced or not) the stalled request and the rest
+        return metric_sum(*published) >= before + 1 + len(texts)
 
     async def main() -> list[httpx.Response]:
         # Isolating a crash costs a few runtime restarts: allow for them.
@@ -66,11 +67,12 @@ def test_poison_request_fails_alone_among_a_batch(stack, faulty_worker, slow_bat
             rest = [asyncio.create_task(
                 client.post(f"{stack.url}/v1/encode/{FAULTY}", json={"items": [{"text": t}]}))
                 for t in texts]
-            await asyncio.to_thread(wait_for, all_at_the_worker, 60,
-                                    "every request to reach the worker")
+            await asyncio.to_thread(wait_for, all_published, 60,
+                                    "every request to be published")
             slow_batches.release()
             return [await first, *await asyncio.gather(*rest)]
 
+    before = metric_sum(*published)
     started = slow_batches.started()
     slow_batches.hold()
     try:
