@@ -8,6 +8,7 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -133,14 +134,15 @@ class Fetching:
         self.done = threading.Event()
 
     def fetch(self, kwargs: dict, sent_ms: float | None = None,
-              deadline_ms: int | None = None) -> Fetched:
+              deadline_ms: int | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> Fetched:
         self.done.clear()
 
         def on_done(fetched: Fetched) -> None:
             self.outcomes.append(fetched)
             self.done.set()
 
-        self.fetcher.fetch(task_body(kwargs), sent_ms, deadline_ms, lambda: False, on_done)
+        self.fetcher.fetch(task_body(kwargs), sent_ms, deadline_ms, cancelled, on_done)
         assert self.done.wait(30), "the fetch never ended"
         return self.outcomes[-1]
 
@@ -155,17 +157,18 @@ def fetching(tmp_path):
 def test_the_fetcher_waits_for_a_blob_still_being_uploaded(fetching):
     key = BlobStore.new_key(CLAIMS)
     kwargs = {"items": [{"text": "t"}, {"image": _claim(BIG, key).wire()}]}
-    uploaded = threading.Event()
+    misses: list[bool] = []
 
-    def upload_later() -> None:
-        # The upload lands while the fetcher polls (it polls before this thread runs).
-        time.sleep(0.2)
-        fetching.store.put(key, BIG)
-        uploaded.set()
+    def upload_after_a_miss() -> bool:
+        # The fetcher asks whether the request was revoked after each miss: the upload
+        # lands once it has looked and not found the blob.
+        if not misses:
+            fetching.store.put(key, BIG)
+        misses.append(True)
+        return False
 
-    threading.Thread(target=upload_later).start()
-    fetched = fetching.fetch(kwargs, sent_ms=time.time() * 1000)
-    assert uploaded.is_set()
+    fetched = fetching.fetch(kwargs, sent_ms=time.time() * 1000, cancelled=upload_after_a_miss)
+    assert len(misses) == 1  # it missed once, then found the upload
     assert fetched.error_code is None and fetched.blobs == {key: BIG}
 
 
