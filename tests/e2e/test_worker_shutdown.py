@@ -22,6 +22,7 @@ import pytest
 from kombu import Connection, Producer
 
 from tests.conftest import FAULTY
+from tests.slow_batches import SlowBatches
 from tests.stack import (
     BROKER_URL,
     MeteredWorker,
@@ -93,6 +94,14 @@ def replies() -> Iterator[Replies]:
 
 
 @pytest.fixture
+def slow_batches(tmp_path: Path) -> Iterator[SlowBatches]:
+    """Slow batches that a test holds in the model until it releases them."""
+    slow = SlowBatches(tmp_path / "slow", slow_s=0)
+    yield slow
+    slow.release()
+
+
+@pytest.fixture
 def private(tmp_path: Path) -> Iterator[PrivateStack]:
     with private_stack(tmp_path, "shutdown", FAULTY) as stack:
         yield stack
@@ -147,9 +156,11 @@ def _gone(pids: list[int]) -> bool:
     return not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
-def test_sigterm_hands_back_the_held_and_answers_the_running_batch(private, replies):
+def test_sigterm_hands_back_the_held_and_answers_the_running_batch(private, replies,
+                                                                    slow_batches):
     queue = private.queue
-    a = _worker(private, "drain-a", SHOAL_FAULTY_SLOW_S="8", SHOAL_SHUTDOWN_GRACE_S="25")
+    slow_batches.hold()  # in the model until the test has seen the drain begin
+    a = _worker(private, "drain-a", SHOAL_SHUTDOWN_GRACE_S="25", **slow_batches.env)
     slow, rest = _hold_behind_a_slow_batch(a, replies, queue, HELD)
     runtimes = _runtimes(a)
 
@@ -167,6 +178,7 @@ def test_sigterm_hands_back_the_held_and_answers_the_running_batch(private, repl
     assert a.metric("shoal_shutdown_handed_back_total") == HELD
     assert a.metric("shoal_batch_requests_sum") == 1  # it ran the slow request only
     assert replies.of(slow) is None  # still running
+    slow_batches.release()
 
     # The running batch is answered by the draining worker, then it exits cleanly.
     reply = wait_for(lambda: replies.of(slow), 30, "the slow request's reply")
@@ -226,13 +238,14 @@ def test_a_forced_end_loses_nothing(private, replies, end):
     assert b.metric("shoal_batch_requests_sum") == held + 1  # each run once more, no more
 
 
-def test_a_split_request_that_started_is_finished(private, replies):
+def test_a_split_request_that_started_is_finished(private, replies, slow_batches):
     """A request run in parts whose first part runs when SIGTERM comes gets all its parts
     run and is answered; the requests held behind it go back."""
     queue = private.queue
     # A batch of at most 12 tokens: a request of 4 texts of 8 runs as 4 parts (one batch in
     # flight, as every worker here: see _worker).
-    a = _worker(private, "split-a", SHOAL_FAULTY_SLOW_S="5", SHOAL_BATCH_MAX_TOKENS="12")
+    slow_batches.hold()  # the first part runs until the held requests went back
+    a = _worker(private, "split-a", SHOAL_BATCH_MAX_TOKENS="12", **slow_batches.env)
     split = replies.publish(queue, f"{SLOW} first", "second", "third", "fourth")
     wait_for(lambda: a.metric("shoal_split_requests_total") == 1
              and a.metric("shoal_batch_requests_count") >= 1, 60, "its first part to run")
@@ -243,6 +256,7 @@ def test_a_split_request_that_started_is_finished(private, replies):
     a.process.kill(signal.SIGTERM)
     wait_for(lambda: queue_counts(queue)[0] == len(held), 10, "the others requeued",
              give_up=lambda: None if a.process.alive() else "the worker exited first")
+    slow_batches.release()
     reply = wait_for(lambda: replies.of(split), 30, "the split request's reply")
     assert reply["status"] == "SUCCESS", reply
     assert reply["result"]["count"] == 4
