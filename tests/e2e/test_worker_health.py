@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import FAULTY
 from tests.e2e.test_worker_shutdown import SLOW, Replies
+from tests.slow_batches import SlowBatches
 from tests.stack import BROKER_URL, MeteredWorker, free_port, private_stack, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -102,10 +103,11 @@ def test_the_probes_follow_the_worker_from_start_to_drain(tmp_path):
     with contextlib.closing(Relay()) as relay, contextlib.closing(Replies()) as replies, \
             private_stack(tmp_path, "health", FAULTY) as private:
         port = free_port()
+        slow_batches = SlowBatches(tmp_path / "slow", slow_s=0)
         process = private.stack.worker(
             "health", [FAULTY], SHOAL_QUEUE_PREFIX=private.prefix, SHOAL_BROKER_URL=relay.url,
-            SHOAL_WORKER_METRICS_PORT=str(port), SHOAL_FAULTY_SLOW_S="10",
-            SHOAL_SHUTDOWN_GRACE_S="25", SHOAL_WORKER_STALL_S=str(STALL_S))
+            SHOAL_WORKER_METRICS_PORT=str(port), SHOAL_SHUTDOWN_GRACE_S="25",
+            SHOAL_WORKER_STALL_S=str(STALL_S), **slow_batches.env)
         worker = MeteredWorker(process, port)
         base = f"http://127.0.0.1:{port}"
         readyz, healthz = f"{base}/readyz", f"{base}/healthz"
@@ -145,7 +147,9 @@ def test_the_probes_follow_the_worker_from_start_to_drain(tmp_path):
         wait_for(lambda: probe(readyz) == (200, {"status": "ready"}), 120,
                  "/readyz to say ready after the reconnect", give_up=exited)
 
-        # SIGTERM while a batch runs: not ready (draining) before the process exits.
+        # SIGTERM while a batch runs (held in the model till the drain was seen): not
+        # ready (draining) before the process exits.
+        slow_batches.hold()
         slow = replies.publish(private.queue, f"{SLOW} the long batch")
         wait_for(lambda: worker.metric("shoal_batch_requests_count") >= 2, 60,
                  "the slow batch to start", give_up=exited)
@@ -154,6 +158,7 @@ def test_the_probes_follow_the_worker_from_start_to_drain(tmp_path):
                  "/readyz to say draining", give_up=exited)
         assert probe(healthz) == (200, {"status": "ok"})  # draining is no stall
         assert process.alive() and replies.of(slow) is None  # the batch still runs
+        slow_batches.release()
         reply = wait_for(lambda: replies.of(slow), 60, "the slow request's reply")
         assert reply["status"] == "SUCCESS", reply
         process.reap(30)
