@@ -137,3 +137,14 @@ def queue_name(model: str) -> str:
     from tasks.topology import queue_for
 
     return queue_for(model, Settings()).name
+
+
+@pytest.fixture
+def slow_batches(tmp_path: Path):
+    """The faulty adapter's slow batches (`@@slow@@`), which the test holds in the model
+    until it releases them; its `env` goes to the worker (tests/slow_batches.py)."""
+    from tests.slow_batches import SlowBatches
+
+    slow = SlowBatches(tmp_path / "slow-batches", slow_s=0)
+    yield slow
+    slow.release()

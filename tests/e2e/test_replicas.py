@@ -93,11 +93,13 @@ def test_a_runtime_killed_under_load_and_a_poison_request_lose_nothing(private, 
     wait_for(lambda: queue_counts(queue) == (0, 1), 30, "the queue to be empty")
 
 
-def test_a_deadline_and_a_revoke_reach_requests_held_behind_both_runtimes(private, replies):
+def test_a_deadline_and_a_revoke_reach_requests_held_behind_both_runtimes(private, replies,
+                                                                          slow_batches):
     from tasks.celery_app import app
 
-    worker = _worker(private, "replicas-held", SHOAL_FAULTY_SLOW_S="8",
-                     SHOAL_RUNTIME_PIPELINE_DEPTH="1")
+    slow_batches.hold()  # both runtimes busy until the deadline was answered
+    worker = _worker(private, "replicas-held", SHOAL_RUNTIME_PIPELINE_DEPTH="1",
+                     **slow_batches.env)
     queue = private.queue
     slow = _both_runtimes_busy(worker, replies, queue)
     late = replies.publish(queue, "a short deadline",
@@ -109,15 +111,17 @@ def test_a_deadline_and_a_revoke_reach_requests_held_behind_both_runtimes(privat
     reply = wait_for(lambda: replies.of(late), 30, "the late request's answer")
     assert _error_code(reply) == "DEADLINE_EXCEEDED", reply
     assert all(replies.of(s) is None for s in slow)
+    slow_batches.release()
     wait_for(lambda: set(replies.by_task()) == {*slow, late, revoked}, 60, "every reply")
     assert _error_code(replies.of(revoked)) == "CANCELLED", replies.of(revoked)
     assert all(replies.of(s)["status"] == "SUCCESS" for s in slow)
     assert all(n == 1 for n in replies.by_task().values())
 
 
-def test_sigterm_drains_both_runtimes_and_ends_them(private, replies):
-    worker = _worker(private, "replicas-drain", SHOAL_FAULTY_SLOW_S="6",
-                     SHOAL_RUNTIME_PIPELINE_DEPTH="1", SHOAL_SHUTDOWN_GRACE_S="25")
+def test_sigterm_drains_both_runtimes_and_ends_them(private, replies, slow_batches):
+    slow_batches.hold()  # both batches run until the held requests went back
+    worker = _worker(private, "replicas-drain", SHOAL_RUNTIME_PIPELINE_DEPTH="1",
+                     SHOAL_SHUTDOWN_GRACE_S="25", **slow_batches.env)
     queue = private.queue
     runtimes = _runtimes(worker)
     slow = _both_runtimes_busy(worker, replies, queue)
@@ -126,6 +130,7 @@ def test_sigterm_drains_both_runtimes_and_ends_them(private, replies):
              "the requests held")
     worker.process.kill(signal.SIGTERM)
     wait_for(lambda: queue_counts(queue)[0] == len(held), 10, "the held requests requeued")
+    slow_batches.release()
     for s in slow:  # both running batches are answered by the draining worker
         reply = wait_for(lambda s=s: replies.of(s), 30, "a slow request's reply")
         assert reply["status"] == "SUCCESS", reply

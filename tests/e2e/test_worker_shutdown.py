@@ -22,7 +22,6 @@ import pytest
 from kombu import Connection, Producer
 
 from tests.conftest import FAULTY
-from tests.slow_batches import SlowBatches
 from tests.stack import (
     BROKER_URL,
     MeteredWorker,
@@ -91,14 +90,6 @@ def replies() -> Iterator[Replies]:
     r = Replies()
     yield r
     r.close()
-
-
-@pytest.fixture
-def slow_batches(tmp_path: Path) -> Iterator[SlowBatches]:
-    """Slow batches that a test holds in the model until it releases them."""
-    slow = SlowBatches(tmp_path / "slow", slow_s=0)
-    yield slow
-    slow.release()
 
 
 @pytest.fixture
