@@ -26,14 +26,16 @@ def vector(reply: dict) -> np.ndarray:
     return np.frombuffer(reply["result"]["embeddings"], dtype="<f4")
 
 
-def test_two_messages_with_one_id_in_one_worker_get_their_own_answers(tmp_path):
+def test_two_messages_with_one_id_in_one_worker_get_their_own_answers(tmp_path, slow_batches):
     from tests.conftest import FAULTY
 
     with private_stack(tmp_path, "dup-ids", FAULTY) as private, \
             closing(Replies()) as replies:
         queue = private.queue
-        worker = _worker(private, "dup-ids", SHOAL_FAULTY_SLOW_S="3")
-        # One slow batch runs; both copies arrive meanwhile and wait together, held.
+        worker = _worker(private, "dup-ids", **slow_batches.env)
+        # One slow batch runs (held in the model); both copies arrive meanwhile and wait
+        # together, held by the worker, then share the next batch.
+        slow_batches.hold()
         slow = replies.publish(queue, f"{SLOW} keeps the runtime busy")
         wait_for(lambda: worker.metric("shoal_batch_requests_count") >= 1, 60,
                  "the slow batch to start")
@@ -41,6 +43,9 @@ def test_two_messages_with_one_id_in_one_worker_get_their_own_answers(tmp_path):
         task_id = "job-part-7"
         for text in texts:
             replies.publish(queue, text, task_id=task_id)
+        wait_for(lambda: worker.metric("shoal_held_messages") == 2, 60,
+                 "the worker to hold both copies")
+        slow_batches.release()
         wait_for(lambda: replies.by_task()[task_id] == 2 and replies.of(slow), 60,
                  "both copies answered")
         answers = [vector(r) for r in replies.received if r["task_id"] == task_id]
