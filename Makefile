@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services run test lint bench bench-peers clean sglang faults gpu-check gpu-bundle
+.PHONY: install services run test lint bench bench-peers clean sglang faults gpu-check gpu-bundle stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: install services sglang
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+# The timing-sensitive test modules 5 times in a row beside 2 busy loops (ROUNDS, BUSY).
+stress: install services
+	./infra/stress-tests.sh
 
 lint: install
 	$(BIN)/ruff check .
