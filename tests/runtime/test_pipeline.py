@@ -11,7 +11,6 @@ import os
 import signal
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ import yaml
 from runtimes.base import Outcome, Request
 from runtimes.process import ProcessRuntime
 from tests.slow_batches import SlowBatches
+from tests.stack import wait_for as stack_wait_for
 from tests.tiny_models import build_tiny_sentence_transformer
 
 TINY, FAULTY = "test/tiny", "test/faulty"
@@ -97,10 +97,7 @@ class InFlight:
 
 
 def wait_for(condition, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+    stack_wait_for(condition, timeout, "the condition", interval=0.01)
 
 
 def assert_all_ok_but(outcomes: list[Outcome], bad: int | None) -> None:

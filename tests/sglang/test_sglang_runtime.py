@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from runtimes.base import CANCELLED, Delta, Outcome, Request
 from tasks.results import embedding_rows
 from tests.sglang.conftest import EMBED, LLAMA, POISON
+from tests.stack import wait_for
 
 PROMPTS = ["the cat sat on the mat", "hello",
            "a much longer prompt about the weather in paris and the rivers of france today"]
@@ -41,12 +41,6 @@ def run(runtime, request: Request, on_deltas=None, timeout: float = 120) -> Outc
     return runtime.submit(LLAMA, request, on_deltas).result(timeout)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +167,7 @@ def test_cancel_mid_stream_frees_the_slot(runtime) -> None:
     (choice,) = outcome.result["choices"]
     assert choice["finish_reason"] == CANCELLED
     assert choice["completion_tokens"] < 240
-    wait_until(lambda: runtime.load_of(LLAMA).running == 0
+    wait_for(lambda: runtime.load_of(LLAMA).running == 0
                and runtime.load_of(LLAMA).waiting == 0, 30, "SGLang to free the slot")
 
 
@@ -182,7 +176,7 @@ def test_deadline_aborts(runtime) -> None:
                        deadline_ms=time.time() * 1000 + 150)
     outcome = run(runtime, request)
     assert outcome.error_code == "DEADLINE_EXCEEDED", outcome
-    wait_until(lambda: runtime.load_of(LLAMA).running == 0, 30, "SGLang to free the slot")
+    wait_for(lambda: runtime.load_of(LLAMA).running == 0, 30, "SGLang to free the slot")
 
 
 def test_over_context_never_reaches_sglang(runtime) -> None:
@@ -263,7 +257,7 @@ def test_no_orphan_server_outlives_a_killed_worker(catalog_dir) -> None:
                 return True
             return False
 
-        wait_until(group_gone, 20, "the orphaned SGLang server's process group to exit")
+        wait_for(group_gone, 20, "the orphaned SGLang server's process group to exit")
     finally:
         if worker.poll() is None:
             worker.kill()
