@@ -148,3 +148,15 @@ def slow_batches(tmp_path: Path):
     slow = SlowBatches(tmp_path / "slow-batches", slow_s=0)
     yield slow
     slow.release()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test's report carries the logs of the stacks its fixtures started (a
+    fixture's `with private_stack(...)` sees no exception, so it cannot print them)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            for process in getattr(getattr(value, "stack", None), "processes", ()):
+                report.sections.append((f"{name}: {process.name} log", process.log()[-5000:]))
+    return report

@@ -67,8 +67,10 @@ def _both_runtimes_busy(worker: MeteredWorker, replies: Replies, queue: str) -> 
     return slow
 
 
-def test_a_runtime_killed_under_load_and_a_poison_request_lose_nothing(private, replies):
-    worker = _worker(private, "replicas-kill", SHOAL_FAULTY_SLOW_S="2")
+def test_a_runtime_killed_under_load_and_a_poison_request_lose_nothing(private, replies,
+                                                                       slow_batches):
+    slow_batches.hold()  # the first batch stays in its runtime until after the kill
+    worker = _worker(private, "replicas-kill", **slow_batches.env)
     runtimes = _runtimes(worker)
     assert len(runtimes) == 2, runtimes
     queue = private.queue
@@ -76,9 +78,10 @@ def test_a_runtime_killed_under_load_and_a_poison_request_lose_nothing(private, 
     ids += [replies.publish(queue, f"text {i}") for i in range(30)]
     poison = replies.publish(queue, "bad @@raise@@ text")
     ids += [replies.publish(queue, f"more {i}") for i in range(10)]
-    wait_for(lambda: worker.metric("shoal_batch_requests_count") >= 2, 60, "batches to start")
+    slow_batches.wait_started(1)
     victim = runtimes[0]
     os.kill(victim, signal.SIGKILL)
+    slow_batches.release()
     wait_for(lambda: set(replies.by_task()) == {*ids, poison}, 120, "every reply")
     counts = replies.by_task()
     assert all(n == 1 for n in counts.values()), counts
