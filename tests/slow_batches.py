@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtimes.pytorch.faulty import SLOW_HOLD_ENV, SLOW_LOG_ENV, slow_batches_started
+from runtimes.pytorch.faulty import SLOW_HOLD_ENV, SLOW_LOG_ENV
 from tests.stack import wait_for
 
 
@@ -20,8 +20,15 @@ class SlowBatches:
         self.env = {"SHOAL_ALLOW_TEST_ADAPTERS": "1", "SHOAL_FAULTY_SLOW_S": str(slow_s),
                     SLOW_LOG_ENV: str(self.log), SLOW_HOLD_ENV: str(self.hold_file)}
 
+    def pids(self) -> list[int]:
+        """The runtime process of each slow batch that started sleeping, in order."""
+        try:
+            return [int(pid) for pid in self.log.read_text().split()]
+        except FileNotFoundError:
+            return []
+
     def started(self) -> int:
-        return slow_batches_started(self.log)
+        return len(self.pids())
 
     def wait_started(self, count: int, timeout: float = 60.0) -> None:
         """Until `count` slow batches (since the first) have started sleeping."""

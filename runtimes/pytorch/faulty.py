@@ -17,7 +17,7 @@ that marker: a runtime that is broken whatever the input.
 
 So that a test acts while a slow batch is in the model, not after a sleep it
 hopes is long enough: SHOAL_FAULTY_SLOW_LOG=<file> gets a line (the pid) when a
-slow batch starts sleeping (`slow_batches_started` counts them), and while the
+slow batch starts sleeping (tests/slow_batches.py reads it), and while the
 file SHOAL_FAULTY_SLOW_HOLD names exists a slow batch sleeps on past
 SHOAL_FAULTY_SLOW_S (HOLD_LIMIT_S at most, so a test that dies holding one
 cannot hang a runtime for good).
@@ -79,15 +79,6 @@ def _sleep_slowly() -> None:
     held_until = time.monotonic() + HOLD_LIMIT_S
     while hold and os.path.exists(hold) and time.monotonic() < held_until:
         time.sleep(0.01)
-
-
-def slow_batches_started(log: str | os.PathLike[str]) -> int:
-    """How many slow batches have started sleeping, by the SHOAL_FAULTY_SLOW_LOG file."""
-    try:
-        with open(log) as lines:
-            return sum(1 for _ in lines)
-    except FileNotFoundError:
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
