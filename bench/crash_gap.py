@@ -1,7 +1,7 @@
 """How long a worker answers nothing after its model runtime is killed, spare on and off.
 
     .venv/bin/python -m bench.crash_gap [--kills 5] [--concurrency 4] [--modes on,off]
-        [--json out.json]
+        [--scenario kill|replacement-kill] [--json out.json]
 
 Per mode (SHOAL_RUNTIME_SPARE=1, =0): a private stack (gateway + one worker serving
 the packaged MiniLM, `app.tuning.bench_stack`), `--concurrency` clients each sending one
@@ -10,6 +10,12 @@ SIGKILL of the worker's serving runtime process (the oldest `runtimes.server`
 child of the worker: a spare always starts after the child it would replace). Before
 each kill the stack is steady again: answers flow, and with the spare on a spare has
 finished importing (else the kill would measure a spare caught mid-import).
+
+`--scenario replacement-kill` (spare on only): each kill is a drill of two. The
+serving runtime is SIGKILLed; as soon as the worker has promoted its spare (the next
+spare appears: it is started right after the promotion), the promoted spare is SIGKILLed
+too, while it connects and loads the models. The next spare is then still importing
+torch. The figures are taken from the first kill.
 
 Per kill:
 - gap: the longest time without any answer, from 1 s before the kill to 30 s after
@@ -132,12 +138,25 @@ def spare_ready(worker_pid: int) -> bool:
     return False
 
 
-def wait(condition: Any, timeout: float, what: str) -> None:
+def wait(condition: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (found := condition()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout:.0f}s for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)
+    return found
+
+
+def kill_the_replacement(worker_pid: int, killed: int, spare: int) -> int:
+    """Once `spare` replaces the killed runtime (the worker starts the next spare right
+    after promoting it, before it loads), SIGKILL it: it dies while it loads."""
+    def promoted() -> bool:
+        return any(pid not in (killed, spare) for _, pid, _ in runtime_children(worker_pid))
+
+    # Polled often: the promoted spare loads MiniLM in a few hundred ms.
+    wait(promoted, 60, "the spare's promotion", interval=0.002)
+    os.kill(spare, signal.SIGKILL)
+    return spare
 
 
 # --------------------------------------------------------------------------- figures
@@ -192,10 +211,13 @@ def run_mode(spare: bool, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]
                 if spare:
                     wait(lambda: spare_ready(worker_pid), 180, "a spare to finish importing")
                 time.sleep(args.settle)
-                pid = serving_pid(worker_pid)
-                assert pid is not None, "no runtime process"
+                children = runtime_children(worker_pid)
+                assert children, "no runtime process"
+                pid = children[0][1]
                 killed = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
+                if args.scenario == "replacement-kill":
+                    kill_the_replacement(worker_pid, pid, children[1][1])
                 wait(lambda k=killed: load.answered_since(k) > 0, 180, "answers after a kill")
                 time.sleep(P99_AFTER_S + 1)
                 kills.append({"killed_at": killed, "pid": pid})
@@ -211,7 +233,8 @@ def run_mode(spare: bool, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]
     for kill, after in itertools.zip_longest(kills, kills[1:]):
         kill.update(kill_figures(answers, kill["killed_at"],
                                  None if after is None else after["killed_at"]))
-    return {"spare": spare, "kills": kills, "steady_p50_s": rank_above(steady, 0.5),
+    return {"spare": spare, "scenario": args.scenario, "kills": kills,
+            "steady_p50_s": rank_above(steady, 0.5),
             "steady_p99_s": rank_above(steady, 0.99), "requests": len(answers),
             "errors": sum(1 for *_, status in answers if status != 200),
             "error_statuses": dict(Counter(str(s) for *_, s in answers if s != 200))}
@@ -230,7 +253,9 @@ def table(results: list[dict[str, Any]]) -> str:
         gaps = [k["gap_s"] for k in result["kills"]]
         p99s = [k["p99_s"] for k in result["kills"] if k["p99_s"] is not None]
         rows.append([
-            "on" if result["spare"] else "off", len(gaps), _ms(median(gaps)),
+            ("on" if result["spare"] else "off") +
+            (", replacement killed" if result.get("scenario") == "replacement-kill" else ""),
+            len(gaps), _ms(median(gaps)),
             _ms(max(gaps) if gaps else None), _ms(median(p99s)),
             f"{_ms(result['steady_p50_s'])} / {_ms(result['steady_p99_s'])}",
             f"{result['errors']} {result['error_statuses'] or ''}",
@@ -247,6 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLs of the runtime per mode")
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
     parser.add_argument("--modes", default="on,off", help="spare modes to run: on, off")
+    parser.add_argument("--scenario", choices=("kill", "replacement-kill"), default="kill",
+                        help="kill: SIGKILL the serving runtime; replacement-kill: then "
+                             "its promoted spare too, while it loads (spare on only)")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load first")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds of steady load before each kill")
@@ -259,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     modes = [m.strip() == "on" for m in args.modes.split(",") if m.strip()]
+    if args.scenario == "replacement-kill" and modes != [True]:
+        raise SystemExit("--scenario replacement-kill needs --modes on (it kills the spare)")
     results = []
     with tqdm(total=args.kills * len(modes), desc="kills", file=sys.stderr) as bar:
         for spare in modes:
