@@ -21,6 +21,15 @@ its first failure on (nothing else in flight), so a request is still blamed only
 failure of its own and every other request gets its result. A streamed batch and a
 probe go alone (they talk back and forth on the connection; `runtimes.turns`).
 
+A failed restart (`answer_while_restarting`, what the worker sets): when a dead child's
+replacement itself fails to start and the next one is still importing, a batch (a
+bisection's step too) is not kept waiting for seconds: its requests are answered
+MODEL_UNAVAILABLE at once, with the seconds until the next child should be ready in
+the message and in the outcome's stats (`retry_after_s`), and so is every batch until
+that child listens (`runtimes.supervisor`, RestartPending). A request whose output had
+begun to stream is answered STREAM_INTERRUPTED instead. Each is answered once: the
+outcome replaces the attempt's.
+
 Streams: a batch with streamed requests sends their deltas as it goes (see
 `runtimes.frames`). A request whose output has begun to go out is never run
 again after a failure (its caller would read the beginning twice): it is
@@ -76,9 +85,10 @@ from runtimes.protocol import (
     recv_frame,
 )
 from runtimes.sources import resolve_source
-from runtimes.supervisor import RuntimeChild, Supervisor
+from runtimes.supervisor import RestartPending, RuntimeChild, Supervisor
 from runtimes.turns import Stale
 from tasks.catalog import load_catalog
+from tasks.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +137,7 @@ class ProcessRuntime:
         precision: str | None = None,
         pipeline_depth: int = 2,
         engine: str = "pytorch",
+        answer_while_restarting: bool = False,
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.start_timeout = start_timeout
@@ -138,6 +149,9 @@ class ProcessRuntime:
         # after this long and treated like a crash: restart, then bisect.
         self.batch_timeout = batch_timeout
         self.poison_isolated = 0
+        # Batches are answered MODEL_UNAVAILABLE rather than wait for a failed restart's
+        # next child to import (see the module doc); False: they wait, as loads do.
+        self._wait_for_restart = not answer_while_restarting
         argv = [
             sys.executable, "-m", "runtimes.server",
             "--catalog-dir", str(catalog_dir), "--device", device,
@@ -237,6 +251,8 @@ class ProcessRuntime:
             return bisect(model_id, requests, result,
                           lambda part: self._attempt(call, model_id, part),
                           lambda: self.probe(model_id), self._isolated)
+        except RestartPending as exc:  # the probe's wait (a part's is answered in _attempt)
+            return self._unavailable(call, requests, exc)
         finally:
             with self._lock:
                 self._running -= ids
@@ -310,14 +326,32 @@ class ProcessRuntime:
     def _attempt(self, call: _Call, model: str, requests: list[Request]
                  ) -> list[Outcome] | Failure:
         """Run `requests` once: their outcomes, or how it failed (with the requests of
-        theirs whose output went out). After a failure the call's frames go alone."""
-        result = self._call(call, model, requests)
+        theirs whose output went out). After a failure the call's frames go alone; while
+        a failed restart's next child imports, they are answered MODEL_UNAVAILABLE."""
+        try:
+            result = self._call(call, model, requests)
+        except RestartPending as exc:
+            return self._unavailable(call, requests, exc)
         if isinstance(result, Failure):
             call.alone = True
             streamed = call.streamed.intersection(r.id for r in requests)
             if streamed:
                 result = dataclasses.replace(result, streamed=frozenset(streamed))
         return result
+
+    @staticmethod
+    def _unavailable(call: _Call, requests: list[Request], pending: RestartPending
+                     ) -> list[Outcome]:
+        """The outcomes of requests that cannot run until the runtime has restarted."""
+        def outcome(request: Request) -> Outcome:
+            if request.id in call.streamed:  # its beginning went out: it cannot be retried
+                return Outcome(request.id, error_code=str(ErrorCode.STREAM_INTERRUPTED),
+                               error_message=f"{pending} (part of this request's output "
+                                             "was streamed; that part stands)")
+            return Outcome(request.id, error_code=str(ErrorCode.MODEL_UNAVAILABLE),
+                           error_message=str(pending),
+                           stats={"retry_after_s": pending.retry_after_s})
+        return [outcome(r) for r in requests]
 
     def _isolated(self, request: Request, why: str) -> None:
         self.poison_isolated += 1
@@ -355,7 +389,7 @@ class ProcessRuntime:
             return Failure("exception", str(exc))
         alone = call.alone or isinstance(frame, Probe) or frame.deltas
         while True:
-            child = self._children.ready_child()
+            child = self._children.ready_child(wait=self._wait_for_restart)
             try:
                 return self._send(call, child, payload, alone, ids)
             except Stale as exc:

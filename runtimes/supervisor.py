@@ -24,35 +24,39 @@ during a restart is retried like any other, and a runtime that cannot start at
 all (its weights gone bad) fails clearly instead of looping. The very first start
 is not retried (a wrong catalog entry fails at once). `start_failures` counts
 them.
+
+Not waiting for an import (`ready_child(wait=False)`, what the worker's batches ask).
+After a failed start (a replacement killed while it loads, say) the next replacement
+is the spare started at the promotion, still importing for seconds (~7 on a 2-core
+host). Rather than leave the worker's requests unanswered that long, a batch that asks
+for the runtime while a failed restart's replacement has not finished importing gets
+`RestartPending` at once (with the seconds until it should be ready, from how long the
+last start took to import), and the runtime answers it MODEL_UNAVAILABLE (503). No
+thread waits for the import: the process imports on its own, and the first batch that
+finds it listening promotes it (it loads what is resident, a fraction of a second) and
+is served. The starts-in-a-row count survives those refusals, so a runtime that cannot
+start still fails with `RuntimeStartError` at its RESTART_ATTEMPTS-th failed start (then
+the count starts over: the next batch tries again). After a crash with no failed start
+(the spare just promoted, or a bisection's restarts) batches still wait: the promoted
+spare is warm, and a bisection must run to blame a poison request.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
 import shutil
-import socket
-import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from runtimes.base import RuntimeClosed, RuntimeStartError
-from runtimes.children import OutputTail, describe_exit
-from runtimes.frames import (
-    BATCH_REPLY_DECODER,
-    CONTROL_REPLY_DECODER,
-    Failed,
-    Load,
-    Loaded,
-    Ready,
-    Rejected,
-)
+from runtimes.children import describe_exit
+from runtimes.frames import Load
 from runtimes.pool import LORA_SEPARATOR
-from runtimes.protocol import MalformedFrame, ProtocolError, encode_frame, recv_frame
-from runtimes.turns import Turns
+from runtimes.runtime_child import RuntimeChild
 
 log = logging.getLogger(__name__)
 
@@ -61,140 +65,16 @@ _MAX_SOCKET_PATH = 96  # sun_path holds 107 bytes on Linux; the server adds ".st
 # two kills landing in one restart are rare; a third failure means it cannot start.
 RESTART_ATTEMPTS = 3
 
+__all__ = ["RESTART_ATTEMPTS", "RestartPending", "RuntimeChild", "Supervisor"]
 
-class RuntimeChild:
-    """One incarnation of the runtime process: the process, its output, its connection."""
 
-    def __init__(self, argv: list[str], env: Mapping[str, str], socket_path: Path,
-                 spare: bool = False) -> None:
-        self.socket_path = socket_path
-        # A spare (`runtimes.server --spare`) holds no model until it is promoted and
-        # told to load; True until then.
-        self.spare = spare
-        self.replacing_since: float | None = None  # when it was chosen to replace a dead one
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl-C meant for the worker must not kill the
-            # runtime under a running batch; the worker stops it itself.
-            start_new_session=True,
-        )
-        self.pid = self.proc.pid
-        self.sock: socket.socket | None = None  # batches
-        self.turns = Turns()  # the batches in flight on it
-        self.control: socket.socket | None = None  # loads and unloads, beside batches
-        self.ready = Ready(0, {})  # its first frame, once connected
-        assert self.proc.stdout is not None
-        # The child's logs go to the worker's stderr; the tail explains a failed start.
-        self.output = OutputTail(self.proc.stdout, f"runtime-{self.pid}-output", 40)
+class RestartPending(RuntimeError):
+    """A restart already failed and its next replacement is still importing: a batch
+    asking for the runtime is not kept waiting for seconds (see the module doc)."""
 
-    def output_tail(self) -> str:
-        return self.output.text()
-
-    def listening(self) -> bool:
-        """Its start-up (a spare's imports) is done and it waits for its worker."""
-        return self.sock is not None or self.socket_path.exists()
-
-    def load(self, frame: Load, timeout: float) -> Loaded:
-        """One load on the control connection of a promoted spare (raises
-        RuntimeStartError if it fails or the process dies meanwhile)."""
-        assert self.control is not None
-        doing = f"loading {frame.model}" + (f" (LoRA {frame.lora})" if frame.lora else "")
-        try:
-            self.control.settimeout(max(timeout, 1.0))
-            self.control.sendall(encode_frame(frame))
-            reply = recv_frame(self.control, CONTROL_REPLY_DECODER)
-            self.control.settimeout(None)
-        except MalformedFrame as exc:
-            raise RuntimeStartError(f"the model runtime (pid {self.pid}) failed {doing}: "
-                                    f"{exc}") from exc
-        except (OSError, EOFError, ProtocolError) as exc:
-            self.proc.poll()
-            raise RuntimeStartError(
-                f"the model runtime (pid {self.pid}) failed while {doing} "
-                f"({describe_exit(self.proc.returncode)}: {exc!r}); its last output:\n"
-                f"{self.output_tail()}") from exc
-        if not isinstance(reply, Loaded):
-            why = reply.reason if isinstance(reply, Failed | Rejected) else None
-            raise RuntimeStartError(f"the model runtime (pid {self.pid}) failed {doing}: "
-                                    f"{why or repr(reply)[:200]}")
-        return reply
-
-    def connect(self, timeout: float, closed: Callable[[], bool]) -> None:
-        """Wait for the socket (it appears once the start-up models are loaded), open the
-        batch and the control connections, and read the ready frame."""
-        deadline = self.started + timeout
-        while not self.socket_path.exists():
-            if closed():
-                raise RuntimeClosed("the runtime was closed while starting")
-            if self.proc.poll() is not None:
-                raise RuntimeStartError(
-                    f"the model runtime (pid {self.pid}) exited during start-up "
-                    f"({describe_exit(self.proc.returncode)}); its last output:\n"
-                    f"{self.output_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeStartError(
-                    f"the model runtime (pid {self.pid}) was not ready within {timeout:.0f}s; "
-                    f"its last output:\n{self.output_tail()}"
-                )
-            time.sleep(0.05)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 5.0))
-            sock.connect(str(self.socket_path))
-            control.connect(str(self.socket_path))
-            ready = recv_frame(sock, BATCH_REPLY_DECODER)
-            sock.settimeout(None)
-        except MalformedFrame as exc:
-            sock.close()
-            control.close()
-            raise RuntimeStartError(f"unexpected first frame from the runtime: {exc}") from exc
-        except (OSError, EOFError, ProtocolError) as exc:
-            sock.close()
-            control.close()
-            if closed():
-                raise RuntimeClosed("the runtime was closed while starting") from exc
-            raise RuntimeStartError(
-                f"the model runtime (pid {self.pid}) failed while connecting: {exc!r}; "
-                f"its last output:\n{self.output_tail()}"
-            ) from exc
-        if not isinstance(ready, Ready) or ready.pid != self.pid:
-            sock.close()
-            control.close()
-            raise RuntimeStartError(f"unexpected first frame from the runtime: {ready!r:.200}")
-        self.sock, self.control, self.ready = sock, control, ready
-        if not self.spare:  # a spare's readiness is told once it has loaded
-            log.info("model runtime pid %d ready in %.1fs", self.pid,
-                     time.monotonic() - self.started)
-
-    def stop(self, grace: float) -> str:
-        """End the process (politely first), reap it; how it ended. Safe to call twice."""
-        for sock in (self.sock, self.control):
-            if sock is not None:
-                # Wakes a thread blocked in recv, and tells an idle server to exit.
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-        if self.sock is None and self.proc.poll() is None:
-            # Never connected (a spare, or a start given up): nothing to be polite to;
-            # it would wait for its worker until its parent dies.
-            self.proc.terminate()
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.output.join()
-        for sock in (self.sock, self.control):
-            if sock is not None:
-                sock.close()
-        return describe_exit(self.proc.returncode)
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # when the replacement should be ready
 
 
 class Supervisor:
@@ -228,6 +108,10 @@ class Supervisor:
         self._spare: RuntimeChild | None = None
         self._spawned = 0  # children and spares started (names their sockets)
         self._started_once = False  # a child was ready once: later starts are restarts
+        # Failed starts since the last child that came up (kept across `ready_child`
+        # calls: a refusal while the next one imports does not start the count over).
+        self._failed_in_a_row = 0
+        self._import_s: float | None = None  # how long the last child took to listen
 
     @property
     def child(self) -> RuntimeChild | None:
@@ -257,23 +141,32 @@ class Supervisor:
                          " (the spare)" if process is spare else "", how)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def ready_child(self) -> RuntimeChild:
+    def ready_child(self, wait: bool = True) -> RuntimeChild:
         """The current child, started (or restarted) and ready for batches. A restart that
-        fails is tried again, RESTART_ATTEMPTS starts in all (see the module doc)."""
+        fails is tried again, RESTART_ATTEMPTS starts in a row (see the module doc).
+        `wait=False`: raises RestartPending instead of waiting for the import of a failed
+        restart's next replacement."""
+        if not wait:
+            # Before taking _starting: a control call may hold it, waiting for the import.
+            self._refuse_while_importing()
         with self._starting:
-            attempt = 1
             while True:
                 child = self._child
-                if child is not None and child.proc.poll() is not None:
-                    # Died between batches: nothing about to run is to blame.
+                if child is not None and child.sock is not None \
+                        and child.proc.poll() is not None:
+                    # Died between batches: nothing about to run is to blame. (One that
+                    # dies before it is up fails its start below, and counts.)
                     self.replace_dead(child, "died while idle", respawn=False)
                     child = None
                 if child is None:
                     child = self._replace()
                 if child.sock is not None and not child.spare:
                     return child
+                if not wait:
+                    self._refuse_while_importing()
                 try:
                     self._bring_up(child)
+                    self._failed_in_a_row = 0
                     return child
                 except RuntimeStartError as exc:
                     child.stop(grace=1.0)
@@ -283,21 +176,41 @@ class Supervisor:
                     if not self._started_once:
                         raise
                     self.start_failures += 1
-                    if attempt >= RESTART_ATTEMPTS:
+                    self._failed_in_a_row += 1
+                    if self._failed_in_a_row >= RESTART_ATTEMPTS:
                         log.error("the model runtime failed to start %d times in a row; "
-                                  "giving up this restart", attempt)
+                                  "giving up this restart", self._failed_in_a_row)
+                        self._failed_in_a_row = 0  # the next batch tries again
                         raise
-                    attempt += 1
                     log.warning("restarting the model runtime failed (%s); trying again "
-                                "(start %d of %d)", exc, attempt, RESTART_ATTEMPTS)
+                                "(start %d of %d)", exc, self._failed_in_a_row + 1,
+                                RESTART_ATTEMPTS)
                 except BaseException:
                     child.stop(grace=1.0)
                     self._forget(child)
                     raise
 
+    def _refuse_while_importing(self) -> None:
+        """RestartPending if a start failed since the last ready one and the next child
+        is alive but not done importing (not listening yet)."""
+        child = self._child
+        if self._failed_in_a_row == 0 or child is None or child.sock is not None \
+                or child.listening() or child.proc.poll() is not None:
+            return
+        elapsed = time.monotonic() - child.started
+        expected = self._import_s if self._import_s is not None else elapsed + 1.0
+        retry_after = max(1, math.ceil(expected - elapsed))
+        raise RestartPending(
+            f"the model runtime is restarting: its replacement failed to start and the "
+            f"next one (pid {child.pid}) is still importing; retry in about "
+            f"{retry_after}s", retry_after)
+
     def _bring_up(self, child: RuntimeChild) -> None:
         """Connect to a starting child; a promoted spare then loads what is resident."""
         child.connect(self.start_timeout, lambda: self._closed)
+        imported = child.import_seconds()
+        if imported is not None:  # a spare's imports; a fresh child's, and its loads
+            self._import_s = imported
         if child.spare:
             self._load_resident(child)
             child.spare = False

@@ -66,13 +66,17 @@ def _process_runtimes(settings: Settings, engine: str, precision: str | None,
                       chunk_tokens: int, models: list[str]) -> ProcessRuntime | ReplicaSet:
     """The runtime process of `engine`, or SHOAL_RUNTIME_REPLICAS of them on the device."""
     def start(index: int, env: dict[str, str] | None = None) -> ProcessRuntime:
+        # answer_while_restarting: when a dead runtime's replacement dies too while it
+        # loads, the next one is still importing (~7 s on 2 cores); the worker answers
+        # 503 MODEL_UNAVAILABLE meanwhile instead of leaving its queue unanswered.
         return ProcessRuntime(
             catalog_dir=settings.catalog_dir, models=models, device=settings.device,
             threads=settings.torch_threads, chunk_tokens=chunk_tokens,
             start_timeout=settings.runtime_start_timeout_s,
             batch_timeout=settings.runtime_batch_timeout_s,
             spare=settings.runtime_spare, precision=precision,
-            pipeline_depth=settings.runtime_pipeline_depth, engine=engine, env=env)
+            pipeline_depth=settings.runtime_pipeline_depth, engine=engine, env=env,
+            answer_while_restarting=True)
 
     replicas = settings.runtime_replicas
     count = default_replicas(settings.device) if replicas == "auto" else replicas
