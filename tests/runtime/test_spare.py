@@ -69,12 +69,13 @@ def catalog_dir(weights: tuple[Path, Path], tmp_path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def started(catalog_dir: Path, models: list[str], spare: bool = True
-            ) -> Iterator[ProcessRuntime]:
+def started(catalog_dir: Path, models: list[str], spare: bool = True,
+            answer_while_restarting: bool = False) -> Iterator[ProcessRuntime]:
     """A runtime whose spare (when on) has finished importing; closed at the end, and
     every process it ever had is gone then."""
     runtime = ProcessRuntime(catalog_dir, models, threads=1, start_timeout=START_S,
-                             env=CHILD_ENV, spare=spare)
+                             env=CHILD_ENV, spare=spare,
+                             answer_while_restarting=answer_while_restarting)
     pids: set[int] = set()
     watching = threading.Event()
 
@@ -288,3 +289,102 @@ def test_close_ends_the_child_and_the_spare(catalog_dir):
         with pytest.raises(ProcessLookupError):
             os.kill(process, 0)
     assert runtime.spare_pid is None
+
+
+# --- a failed restart while the next spare imports (answer_while_restarting, the worker's) ---
+
+
+def listening(pid: int) -> bool:
+    """The runtime process `pid` is done importing: its socket exists."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return Path(argv[argv.index("--socket") + 1]).exists()
+
+
+def assert_unavailable(outcomes: list[Outcome], ids: list[str]) -> None:
+    """Each request answered once, MODEL_UNAVAILABLE with when to retry."""
+    assert [o.id for o in outcomes] == ids
+    for outcome in outcomes:
+        assert outcome.error_code == "MODEL_UNAVAILABLE", (outcome.id, outcome.error_code,
+                                                           outcome.error_message)
+        assert "still importing" in (outcome.error_message or "")
+        assert outcome.stats["retry_after_s"] >= 1
+
+
+def test_a_replacement_killed_while_it_loads_answers_unavailable_at_once(catalog_dir):
+    """The runtime is killed, then its promoted spare while it loads: the next spare is
+    still importing (held stopped here, so it surely is while the answers come). The batch
+    being rerun, and a batch sent meanwhile, are answered MODEL_UNAVAILABLE, once each,
+    without waiting for it; once it listens it takes over and serves."""
+    with started(catalog_dir, [FAULTY, TINY], answer_while_restarting=True) as runtime:
+        spare = runtime.spare_pid
+        assert spare is not None
+        os.kill(spare, signal.SIGSTOP)  # promoted, it cannot load before it is killed
+        following: list[int] = []
+        try:
+            def kill_the_promoted_spare() -> None:
+                wait_for(lambda: runtime.pid == spare, 30, "the spare's promotion", interval=0.01)
+                # Started at the promotion: stopped at once, it is still importing.
+                nxt = wait_for(lambda: (p := runtime.spare_pid) not in (None, spare) and p,
+                               30, "the next spare", interval=0.01)
+                os.kill(nxt, signal.SIGSTOP)
+                following.append(nxt)
+                assert not listening(nxt)
+                os.kill(spare, signal.SIGKILL)
+
+            outcomes = run_killing(runtime, slow_batch(4), then=kill_the_promoted_spare)
+            (nxt,) = following
+            # Answered while the next spare was stopped mid-import: it was not waited for.
+            assert not listening(nxt)
+            assert_unavailable(outcomes, [f"r{i}" for i in range(4)])
+            assert runtime.pid == nxt and runtime.start_failures == 1
+            later = [Request("l0", "encode", encode("later")), Request("l1", "encode", encode("x"))]
+            assert_unavailable(runtime.run_batch(FAULTY, later), ["l0", "l1"])
+            assert not listening(nxt)
+        finally:
+            for pid in (spare, *following):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(spare, signal.SIGKILL)
+
+        def served() -> bool:
+            """Batches are answered, unavailable until the next spare has taken over."""
+            outcomes = runtime.run_batch(FAULTY, [Request(f"r{i}", "encode", encode(f"t{i}"))
+                                                  for i in range(2)])
+            if outcomes[0].ok:
+                assert_all_ok(outcomes, 2)
+                return True
+            assert_unavailable(outcomes, ["r0", "r1"])
+            return False
+
+        wait_for(served, START_S, "the next spare to take over")
+        assert runtime.pid == nxt
+        assert runtime.start_failures == 1 and runtime.spare_promotions == 2
+        assert runtime.poison_isolated == 0
+        assert set(runtime.resident) == {FAULTY, TINY}
+
+
+def test_a_runtime_that_cannot_restart_fails_clearly_between_refusals(catalog_dir):
+    """Answering while a failed restart's next child imports keeps the retry rule: the
+    batches meanwhile are answered MODEL_UNAVAILABLE, and the RESTART_ATTEMPTS-th failed
+    start in a row raises RuntimeStartError."""
+    with started(catalog_dir, [BREAKABLE], answer_while_restarting=True) as runtime:
+        weights = yaml.safe_load((catalog_dir / "breakable.yaml").read_text())["source"]["path"]
+        shutil.rmtree(weights)
+        os.kill(runtime.pid, signal.SIGKILL)
+        refusals: list[int] = []
+
+        def failed() -> bool:
+            request = [Request("r0", "encode", encode("x"))]
+            try:
+                outcomes = runtime.run_batch(BREAKABLE, request)
+            except RuntimeStartError as exc:
+                assert "failed loading test/breakable" in str(exc)
+                return True
+            assert_unavailable(outcomes, ["r0"])
+            refusals.append(runtime.start_failures)
+            return False
+
+        wait_for(failed, START_S * RESTART_ATTEMPTS, "the restart to give up")
+        assert runtime.start_failures == RESTART_ATTEMPTS
+        assert refusals and all(0 < n < RESTART_ATTEMPTS for n in refusals)
