@@ -12,7 +12,11 @@ POLL_S.
 Cancelling or failing a job is a state change in Redis; the driver (or the DELETE
 route, whichever comes first) then revokes the parts published and not answered. A job
 whose record vanished from Redis (restarted without persistence) is stopped the same
-way: its parts revoked, its files deleted; nothing writes its record again.
+way: its parts revoked, its files deleted; nothing writes its record again. That holds
+too when Redis went away first and came back empty: a driver that stops for want of Redis
+keeps its job in memory (`_Known`: its folder, the parts it published) and checks every
+POLL_S until Redis answers; if the job is gone then, nothing in Redis lists it any more,
+so this is the only place left that can revoke its parts and delete its files.
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ RETRY_CODES = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.BROKER_UNAVAILABLE,
                          ErrorCode.MODEL_UNAVAILABLE})  # a part waits and tries again
 
 
+@dataclasses.dataclass(slots=True)
+class _Known:
+    """What a driver knows of its job without Redis: enough to stop it if Redis comes back
+    without it. `published` is counted here as parts go out, since the count in Redis
+    misses a part published just before Redis went away."""
+
+    job_id: str
+    folder: str  # all of the job's files (its upload, parts, result); not a caller's input
+    published: int
+
+
 class JobDriver:
     def __init__(self, settings: Settings, store: JobStore, broker: Any,
                  served: dict[str, ModelEntry], blobs: Callable[[], Any]) -> None:
@@ -65,6 +80,11 @@ class JobDriver:
         self._wake: dict[str, asyncio.Event] = {}
         self._scanner: asyncio.Task | None = None
         self._closing = False
+        self._known: dict[str, _Known] = {}  # the jobs driven here now
+        # Jobs whose driver stopped for want of Redis, until Redis answers again: then
+        # each is either there (the scan drives it again) or gone (cleaned up here).
+        self._orphans: dict[str, _Known] = {}
+        self._watcher: asyncio.Task | None = None
 
     def start(self) -> None:
         self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
@@ -75,7 +95,8 @@ class JobDriver:
         the scanner then slept on, and a drained gateway never exited), so the scanner
         also stops at its next turn, and shutdown never waits for it longer than that."""
         self._closing = True
-        tasks = [t for t in (self._scanner, *self._driving.values()) if t is not None]
+        tasks = [t for t in (self._scanner, self._watcher, *self._driving.values())
+                 if t is not None]
         for task in tasks:
             task.cancel()
         if not tasks:
@@ -144,11 +165,12 @@ class JobDriver:
             await asyncio.sleep(self.lease_s / 3)
             try:
                 held = await self.store.renew(job_id, self.owner, self.lease_s)
+                gone = not held and not await self.store.redis.exists(self.store.key(job_id))
             except Exception as exc:
                 log.warning("cannot renew the lease of job %s: %s", job_id, exc)
                 continue  # it may still be ours; if it lapses, another gateway takes over
             if not held:
-                if not await self.store.redis.exists(self.store.key(job_id)):
+                if gone:
                     # Gone with its lease (a Redis restarted without persistence): no
                     # gateway will drive it. The driver sees it gone at its next look
                     # (within POLL_S), revokes its parts and deletes its files.
@@ -169,6 +191,11 @@ class JobDriver:
             if job is None:
                 await self.store.forget(job_id)
                 return
+            # Driven again (Redis came back with it): what an earlier driver here published
+            # counts too, should the job vanish later.
+            orphan = self._orphans.pop(job_id, None)
+            self._known[job_id] = _Known(job_id, job.folder, max(
+                job.published, orphan.published if orphan is not None else 0))
             entry = self.served.get(job.model)
             if not job.active or entry is None:
                 return  # a model this gateway does not serve: left to one that does
@@ -184,6 +211,7 @@ class JobDriver:
         except Exception as exc:
             if transient(exc):
                 log.warning("job %s paused (%s); it resumes on the next scan", job_id, exc)
+                self._orphan(job_id)
             else:
                 log.exception("job %s failed", job_id)
                 await self.store.finish(job_id, FAILED, error=error_body(
@@ -191,6 +219,7 @@ class JobDriver:
         finally:
             keeper.cancel()
             self._wake.pop(job_id, None)
+            self._known.pop(job_id, None)
             # Released, so that another gateway takes over at its next scan; if this fails
             # the lease lapses by itself.
             with contextlib.suppress(Exception):
@@ -207,6 +236,7 @@ class JobDriver:
                                       raw=False)
             if not await self._publish(job, entry, 0, request):
                 return False
+            self._count_published(job.id, 1)
             if not await self.store.published(job.id, 1, 0, 0, job.items_total):
                 await self.revoke(job.id, 1)
                 return False
@@ -230,6 +260,7 @@ class JobDriver:
                 if not await self._publish(job, entry, index, kwargs):
                     return False
                 index += 1
+                self._count_published(job.id, index)
                 if not await self.store.published(job.id, index, reader.offset, first,
                                                   len(items)):
                     await self.revoke(job.id, index)  # stopped, or gone from Redis
@@ -238,6 +269,13 @@ class JobDriver:
             return True
         finally:
             await asyncio.to_thread(reader.close)
+
+    def _count_published(self, job_id: str, published: int) -> None:
+        """Counted before Redis is told: a part on the broker must be revoked if the job
+        vanishes, whether or not Redis heard of it."""
+        known = self._known.get(job_id)
+        if known is not None:
+            known.published = max(known.published, published)
 
     async def _publish(self, job: Job, entry: ModelEntry, index: int,
                        kwargs: dict[str, Any]) -> bool:
@@ -307,6 +345,56 @@ class JobDriver:
         except TimeoutError:
             pass
         event.clear()
+
+    # --- jobs whose driver lost Redis -----------------------------------------------------
+
+    def _orphan(self, job_id: str) -> None:
+        """Keep the job of a driver that stopped for want of Redis (or of the broker, or
+        the blob store) until Redis says whether it is still there."""
+        known = self._known.pop(job_id, None)
+        if known is None or self._closing:
+            return
+        self._orphans[job_id] = known
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_orphans())
+
+    async def _watch_orphans(self) -> None:
+        """Every POLL_S until Redis answers for each orphan: there, it is left to the scan
+        (which drives it again); gone, it is stopped here at once. The scan cannot do it:
+        a Redis restarted empty lists nothing, and the sweep only takes folders an hour
+        old."""
+        while self._orphans and not self._closing:
+            await asyncio.sleep(POLL_S)
+            for job_id, known in list(self._orphans.items()):
+                try:
+                    there = await self.store.redis.exists(self.store.key(job_id))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.debug("Redis still away (%s); job %s waits", exc, job_id)
+                    break  # the next turn asks again
+                if self._orphans.get(job_id) is not known:
+                    continue  # a driver took it back meanwhile
+                del self._orphans[job_id]
+                if not there:
+                    await self._vanished(known)
+
+    async def _vanished(self, known: _Known) -> None:
+        """Stop a job that vanished from Redis while its driver waited for Redis: revoke
+        every part it published (what Redis had recorded of them went with it; revoking
+        one already answered does nothing) and delete its folder. Nothing is written to
+        Redis: the job stays gone (404)."""
+        log.warning("job %s is gone from Redis (restarted without persistence?) while its "
+                    "driver waited for it; revoking its %d parts published and deleting its "
+                    "files", known.job_id, known.published)
+        if known.published:
+            await self.broker.cancel([part_id(known.job_id, i)
+                                      for i in range(known.published)])
+        try:
+            await asyncio.to_thread(self.blobs().delete, [known.folder], True)
+        except Exception as exc:  # the blob store away: the sweep takes them later
+            log.warning("could not delete the files of vanished job %s: %s", known.job_id,
+                        exc)
 
     async def revoke(self, job_id: str, published: int) -> None:
         """Revoke the parts published and not answered: a worker answers them CANCELLED
