@@ -28,7 +28,7 @@ them.
 Not waiting for an import (`ready_child(wait=False)`, what the worker's batches ask).
 After a failed start (a replacement killed while it loads, say) the next replacement
 is the spare started at the promotion, still importing for seconds (~7 on a 2-core
-host). Rather than leave the worker's requests unanswered that long, a batch that asks
+host; without spares, a fresh child, importing and then loading). Rather than leave the worker's requests unanswered that long, a batch that asks
 for the runtime while a failed restart's replacement has not finished importing gets
 `RestartPending` at once (with the seconds until it should be ready, from how long the
 last start took to import), and the runtime answers it MODEL_UNAVAILABLE (503). No
