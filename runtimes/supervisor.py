@@ -28,17 +28,18 @@ them.
 Not waiting for an import (`ready_child(wait=False)`, what the worker's batches ask).
 After a failed start (a replacement killed while it loads, say) the next replacement
 is the spare started at the promotion, still importing for seconds (~7 on a 2-core
-host; without spares, a fresh child, importing and then loading). Rather than leave the worker's requests unanswered that long, a batch that asks
-for the runtime while a failed restart's replacement has not finished importing gets
-`RestartPending` at once (with the seconds until it should be ready, from how long the
-last start took to import), and the runtime answers it MODEL_UNAVAILABLE (503). No
-thread waits for the import: the process imports on its own, and the first batch that
-finds it listening promotes it (it loads what is resident, a fraction of a second) and
-is served. The starts-in-a-row count survives those refusals, so a runtime that cannot
-start still fails with `RuntimeStartError` at its RESTART_ATTEMPTS-th failed start (then
-the count starts over: the next batch tries again). After a crash with no failed start
-(the spare just promoted, or a bisection's restarts) batches still wait: the promoted
-spare is warm, and a bisection must run to blame a poison request.
+host; without spares, a fresh child, importing and then loading). Rather than leave
+the worker's requests unanswered that long, a batch that asks for the runtime while a
+failed restart's replacement has not finished importing gets `RestartPending` at once
+(with the seconds until it should be ready, from how long the last start took to
+import), and the runtime answers it MODEL_UNAVAILABLE (503). No thread waits for the
+import: the process imports on its own, and the first batch that finds it listening
+promotes it (it loads what is resident, a fraction of a second) and is served. The
+starts-in-a-row count survives those refusals, so a runtime that cannot start still
+fails with `RuntimeStartError` at its RESTART_ATTEMPTS-th failed start (then the count
+starts over: the next batch tries again). After a crash with no failed start (the
+spare just promoted, or a bisection's restarts) batches still wait: the promoted spare
+is warm, and a bisection must run to blame a poison request.
 """
 
 from __future__ import annotations
