@@ -42,6 +42,22 @@ the median ratio of measured to seeded time over the last `_LEVEL_WINDOW`
 batches, from the `_LEVEL_MIN`-th batch on (a median, so one stall among them
 moves nothing). After a handful of batches the model predicts the device, and
 the least squares then learn where its proportions differ from the seed's.
+
+What the model has not measured it may only guess, and a guess must never turn
+a servable request away. A fit over tiny batches can put the noise of their
+times on the attention term and extrapolate it a thousandfold (a cold start's
+slow first batches once predicted 37 s for a 256-token text that takes 200 ms).
+So the model remembers the shapes it measured (`_MEASURED_WINDOW` of them, and
+the largest tokens and tokens x longest it ever saw):
+
+- `predict` for a shape beyond what was measured (more than `_REACH` times the
+  largest tokens or tokens x longest) is capped at `_EXTRAPOLATION_BOUND` times
+  the level-scaled seed, the seed's own proportions being the only evidence;
+- `admission` is what a refusal may rely on: the prediction when at least
+  `_BACKING_MIN` recent batches of a comparable shape (tokens and tokens x
+  longest each within `_REACH`) back it, else the lesser of the prediction and
+  the catalog's seed. A request the seed expects to fit is run, and its
+  measurement teaches the model.
 """
 
 from __future__ import annotations
@@ -49,11 +65,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from itertools import combinations
 
 from batching.shapes import BatchShape
 
-__all__ = ["BatchShape", "CostModel"]  # BatchShape: what `predict` and `observe` take
+# BatchShape: what `predict` and `observe` take
+__all__ = ["Admission", "BatchShape", "CostModel"]
 
 _HUBER_K = 3.0  # relative misses beyond this (a batch 4x slower than predicted) are down-weighted
 _SHARE_FLOOR = 0.1  # the least prior variance a term gets, as a share of the total
@@ -63,6 +81,25 @@ _LEVEL_WINDOW = 5  # batches whose median (measured / seeded) time sets the prio
 _LEVEL_MIN = 3  # batches before the level moves: a median of three outvotes one stall
 _DISAGREE = math.log(1.3)  # a batch this far from the rescaled seed ...
 _DISAGREE_DECAY = 0.5  # ... halves what is left of the prior
+_REACH = 2.0  # shapes within this factor (tokens, tokens x longest) of a measured one are known
+_EXTRAPOLATION_BOUND = 4.0  # an unmeasured shape: at most this times the level-scaled seed
+_MEASURED_WINDOW = 256  # recent batch shapes kept to tell whether a prediction is backed
+_BACKING_MIN = 2  # comparable measured batches that back a refusal
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What refusing a batch unrun may rely on: its predicted seconds, and how many
+    recent measured batches of a comparable shape back that (0: the catalog's seed)."""
+
+    seconds: float
+    backing: int
+
+    def describe(self) -> str:
+        """How the prediction was made, for a refusal's message."""
+        if self.backing:
+            return f"from {self.backing} measured batches of a comparable shape"
+        return "by the model's tuned profile (no comparable batch measured yet)"
 
 
 class CostModel:
@@ -75,8 +112,9 @@ class CostModel:
     Predictions are never negative.
     """
 
-    __slots__ = ("_catalog", "_decay", "_gram", "_level", "_levels", "_moment", "_seed",
-                 "_theta", "_weight", "forgetting", "padded", "prior_weight", "samples")
+    __slots__ = ("_catalog", "_decay", "_gram", "_level", "_levels", "_measured", "_moment",
+                 "_reach", "_seed", "_theta", "_weight", "forgetting", "padded",
+                 "prior_weight", "samples")
 
     def __init__(
         self,
@@ -108,6 +146,8 @@ class CostModel:
         self._moment = [0.0] * 3  # decayed sum of z * target
         self._weight = 0.0  # decayed number of samples
         self._decay = 1.0  # forgetting ** samples: how much of the prior is left
+        self._measured: deque[tuple[float, float]] = deque(maxlen=_MEASURED_WINDOW)  # (T, T*L)
+        self._reach = (0.0, 0.0)  # the largest T and T*L ever measured
 
     @property
     def level(self) -> float:
@@ -125,10 +165,35 @@ class CostModel:
         return 1.0, float(tokens), float(tokens) * shape.longest
 
     def predict(self, shape: BatchShape) -> float:
-        """Predicted seconds for a batch of this shape (never negative)."""
+        """Predicted seconds for a batch of this shape (never negative); beyond the
+        shapes measured, no more than `_EXTRAPOLATION_BOUND` times the scaled seed."""
         a, b, c = self._theta
         tokens = shape.items * shape.longest if self.padded else shape.tokens
-        return max(0.0, a + tokens * (b + c * shape.longest))
+        fitted = a + tokens * (b + c * shape.longest)
+        reach_t, reach_tl = self._reach
+        if tokens > _REACH * reach_t or tokens * shape.longest > _REACH * reach_tl:
+            sa, sb, sc = self._seed
+            bound = _EXTRAPOLATION_BOUND * (sa + tokens * (sb + sc * shape.longest))
+            if bound > _TINY:  # a zero seed bounds nothing
+                fitted = min(fitted, bound)
+        return max(0.0, fitted)
+
+    def admission(self, shape: BatchShape) -> Admission:
+        """The predicted seconds a refusal may rely on (see the module's docstring)."""
+        predicted = self.predict(shape)
+        backing = self.comparable(shape)
+        if backing >= _BACKING_MIN:
+            return Admission(predicted, backing)
+        a, b, c = self._catalog
+        tokens = shape.items * shape.longest if self.padded else shape.tokens
+        return Admission(min(predicted, a + tokens * (b + c * shape.longest)), 0)
+
+    def comparable(self, shape: BatchShape) -> int:
+        """How many recently measured batches had a shape comparable to this one."""
+        t, tl = self.features(shape)[1:]
+        return sum(1 for mt, mtl in self._measured
+                   if t <= _REACH * mt and mt <= _REACH * t
+                   and tl <= _REACH * mtl and mtl <= _REACH * tl)
 
     def observe(self, shape: BatchShape, seconds: float) -> None:
         """Learn from one measured batch. Non-finite or negative times, absurd
@@ -145,7 +210,10 @@ class CostModel:
         if not math.isfinite(target) or weight < _MIN_WEIGHT:
             return  # millions of times the prediction: a broken clock, not a batch
         self._learn_level(shape, seconds)
-        z = [v / scale for v in self.features(shape)]
+        features = self.features(shape)
+        self._measured.append(features[1:])
+        self._reach = (max(self._reach[0], features[1]), max(self._reach[1], features[2]))
+        z = [v / scale for v in features]
         lam = self.forgetting
         for i in range(3):
             self._moment[i] = lam * self._moment[i] + z[i] * (weight * target)

@@ -67,7 +67,7 @@ from batching.hold import (
     overflow,
     prefetch_for,
 )
-from batching.latency_model import CostModel
+from batching.latency_model import Admission, CostModel
 from batching.shapes import BatchShape, Pending
 
 # Re-consuming to change prefetch costs two round trips: only for real changes.
@@ -159,6 +159,9 @@ class Batch:
     predicted_s: float
     started: float  # handed to the runtime; once the batches before it ended, from then
     check_at: float  # when to look again at what is held if it has not ended
+    # What its members' deadlines were checked against when it formed (at most the
+    # prediction: see `CostModel.admission`); None: the prediction itself.
+    admitted_s: float | None = None
 
     def left_s(self, now: float) -> float:
         """Predicted seconds until it ends; past its prediction, assume it overruns by as
@@ -172,8 +175,17 @@ class Late:
     """A request that would finish after its deadline, with the predicted finish."""
 
     pending: Pending
-    predicted_s: float  # of the batch it would have run in
+    predicted_s: float  # until its batch would end: the batches ahead, then its own
     deadline_in_s: float  # from when it would have started
+    backing: Admission  # its batch's own prediction and what backs it
+    alone_s: float  # the request alone, predicted as a refusal may rely on
+
+    @property
+    def too_short(self) -> bool:
+        """Alone it is predicted to take longer than its caller's whole deadline: sent
+        again as it was, it would be refused again."""
+        budget = self.pending.budget_s
+        return budget is not None and self.alone_s > budget
 
 
 @dataclass(slots=True)
@@ -351,22 +363,28 @@ class Scheduler:
             members = take_batch(lane.backlog, limits, lane.cost, now, lane.bulk_turn(now))
             lane.took(members, now)
             shape = BatchShape.of(members)
-            predicted = lane.cost.predict(shape)
-            late = [p for p in members
-                    if p.deadline is not None and p.deadline < now + ahead + predicted]
+            late = [p for p in members if p.deadline is not None
+                    and p.deadline < now + ahead + lane.cost.predict(shape)]
+            admitted = None
+            if late:
+                # Refused unrun only on a prediction that measurements of comparable
+                # batches (or the tuned profile itself) back: a guess turns nothing away.
+                admission = lane.cost.admission(shape)  # at most the prediction
+                admitted = admission.seconds
+                late = [p for p in late if p.deadline < now + ahead + admitted]
             if late:
                 self._settled(lane.model, late)
-                actions.late.extend((lane.model, Late(p, ahead + predicted,
-                                                      p.deadline - now)) for p in late)
+                actions.late.extend((lane.model, self._late(lane, p, ahead, admission, now))
+                                    for p in late)
                 # The rest finish no later than predicted for the whole batch.
                 gone = {id(p) for p in late}
                 members = [p for p in members if id(p) not in gone]
                 if not members:
                     continue
                 shape = BatchShape.of(members)
-                predicted = lane.cost.predict(shape)
+            predicted = lane.cost.predict(shape)
             check = now + ahead + max(predicted * OVERRUN_FIRST, OVERRUN_MIN_S)
-            batch = Batch(lane, members, shape, predicted, now, check)
+            batch = Batch(lane, members, shape, predicted, now, check, admitted)
             self.in_flight.append(batch)
             actions.start = batch
             return None
@@ -414,6 +432,14 @@ class Scheduler:
                 lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
                 actions.returned.append((lane.model, returned))
         return opens
+
+    @staticmethod
+    def _late(lane: Lane, pending: Pending, ahead: float, admission: Admission,
+              now: float) -> Late:
+        assert pending.deadline is not None
+        alone = lane.cost.admission(BatchShape.of([pending])).seconds
+        return Late(pending, ahead + admission.seconds, pending.deadline - now, admission,
+                    alone)
 
     def _hold_for(self, lane: Lane) -> HoldLimits:
         """The hold limits of a lane: with only cold peers, a horizon of their load time."""

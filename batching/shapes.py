@@ -22,6 +22,9 @@ class Pending:
     longest: int  # estimated tokens of its longest item
     received: float  # seconds, same clock as `now`
     deadline: float | None = None  # seconds, same clock; None = none
+    # The whole time its caller allowed (deadline less when it was sent), if known: what a
+    # retry of it would get again.
+    budget_s: float | None = None
     deliveries: int = 1  # 1 + RabbitMQ's x-delivery-count header
     returnable: bool = True  # False: the worker must run it (a part of a begun request)
     # The request's id, if it has one. Two held requests may share one (a gateway that

@@ -30,6 +30,10 @@ class ErrorCode(StrEnum):
     QUEUE_FULL = "QUEUE_FULL"
     BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    # The request alone is predicted (from measured batches of its shape, or the model's
+    # tuned profile) to take longer than its whole deadline: sent again with the same
+    # deadline it would be refused again, so the status is one clients do not retry.
+    DEADLINE_TOO_SHORT = "DEADLINE_TOO_SHORT"
     UNSUPPORTED_OPERATION = "UNSUPPORTED_OPERATION"
     INTERNAL = "INTERNAL"
     # This request, run alone, crashed the model runtime or made inference fail;
@@ -79,6 +83,7 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.BROKER_UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.DEADLINE_TOO_SHORT: 422,
     ErrorCode.INTERNAL: 500,
     ErrorCode.STREAM_INTERRUPTED: 503,
     # nginx's "client closed request": nobody is left to read it.

@@ -3,6 +3,7 @@
 Every held request is settled exactly once: answered with its outcome (a split request
 once, when its last part ran, or with its first part's error), refused with an error
 (DEADLINE_EXCEEDED: its deadline passed, or would pass before its batch ends;
+DEADLINE_TOO_SHORT: alone it is predicted to take longer than its whole deadline;
 MODEL_UNAVAILABLE: its model or adapter could not load; a claim's BLOB_MISSING or
 BLOB_CORRUPT), or handed back (`app.worker.returns`). The publishing and acking are
 `app.worker.replies`'; this module counts the outcome and stamps the result.
@@ -10,6 +11,7 @@ BLOB_CORRUPT), or handed back (`app.worker.returns`). The publishing and acking 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +20,25 @@ from app.worker import metrics
 from app.worker.held import Held
 from app.worker.replies import Replier
 from app.worker.splits import merged_result
+from batching.scheduler import Late
 from runtimes.base import CANCELLED, Outcome
 from tasks.errors import ErrorCode
 from tasks.served import stamp_delivery
+
+
+def refusal_message(late: Late) -> str:
+    """Why a request was refused unrun, with what the prediction rests on."""
+    ahead_s = late.predicted_s - late.backing.seconds
+    after = f" after {ahead_s * 1000:.0f} ms of batches ahead" if ahead_s >= 0.0005 else ""
+    why = (f"the request's deadline is {late.deadline_in_s * 1000:.0f} ms away and its batch "
+           f"is predicted to take {late.backing.seconds * 1000:.0f} ms{after} "
+           f"({late.backing.describe()}): not started; ")
+    if late.too_short:
+        assert late.pending.budget_s is not None
+        return why + (f"alone it is predicted to take {late.alone_s * 1000:.0f} ms, more than "
+                      f"its whole {math.ceil(late.pending.budget_s * 1000)} ms deadline: send it "
+                      "again with more time (X-Timeout-Ms) or fewer items")
+    return why + "allow more time (X-Timeout-Ms) or send fewer items"
 
 
 class Answers:
@@ -74,7 +92,7 @@ class Answers:
             held.split.answered = True
             why = f"{held.split.describe(held.part)}: {why}"
         self._count_drain_answer(model)
-        if code == ErrorCode.DEADLINE_EXCEEDED:
+        if code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.DEADLINE_TOO_SHORT):
             metrics.EXPIRED.labels(model).inc()
         metrics.RESULTS.labels(model, code).inc()
         self.replier.failure(held.delivery, held.task_id, code, why)

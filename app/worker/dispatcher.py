@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from app.worker import metrics
-from app.worker.answers import Answers
+from app.worker.answers import Answers, refusal_message
 from app.worker.batches import Batches
 from app.worker.claims import ClaimFetcher
 from app.worker.consumers import Consumers
@@ -170,10 +170,9 @@ class Dispatcher(Intake, Feed, Batches, Drain):
             self.answers.refuse(model, pending.handle,
                          "the request's deadline passed before a worker could run it")
         for model, late in actions.late:
-            self.answers.refuse(model, late.pending.handle,
-                         f"the request's deadline is {late.deadline_in_s * 1000:.0f} ms away and "
-                         f"its batch is predicted to take {late.predicted_s * 1000:.0f} ms: "
-                         "not started; allow more time (X-Timeout-Ms) or send fewer items")
+            self.answers.refuse(model, late.pending.handle, refusal_message(late),
+                                ErrorCode.DEADLINE_TOO_SHORT if late.too_short
+                                else ErrorCode.DEADLINE_EXCEEDED)
         if actions.start is not None:
             self._start(actions.start)
         for model, prefetch in actions.prefetch.items():

@@ -215,6 +215,8 @@ class Intake:
             longest=annotations.longest,
             received=now,
             deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
+            budget_s=None if deadline is None or annotations.sent_ms is None
+            else (deadline - annotations.sent_ms) / 1000,
             deliveries=deliveries,
             returnable=held.split is None,
             bulk=annotations.bulk,
