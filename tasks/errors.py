@@ -128,9 +128,14 @@ class ShoalError(Exception):
 
     def as_celery_failure(self) -> dict[str, Any]:
         """The `result` of a Celery FAILURE carrying this error, as Celery writes an
-        exception without pickle: a client finds the class through `exc_module`."""
-        return {"exc_type": ShoalError.__name__, "exc_message": [str(self.code), self.message],
-                "exc_module": __name__}
+        exception without pickle: a client finds the class through `exc_module`. A
+        Retry-After travels beside them (Celery reads only those three keys)."""
+        failure: dict[str, Any] = {"exc_type": ShoalError.__name__,
+                                   "exc_message": [str(self.code), self.message],
+                                   "exc_module": __name__}
+        if self.retry_after is not None:
+            failure["retry_after"] = self.retry_after
+        return failure
 
     @classmethod
     def from_celery_failure(cls, meta: Any) -> ShoalError:
@@ -140,7 +145,9 @@ class ShoalError(Exception):
             args = meta.get("exc_message")
             if meta.get("exc_type") == ShoalError.__name__ and isinstance(args, list | tuple) \
                     and len(args) == 2:
-                return cls(str(args[0]), str(args[1]))
+                retry_after = meta.get("retry_after")
+                return cls(str(args[0]), str(args[1]),
+                           retry_after if isinstance(retry_after, int) else None)
             return cls(ErrorCode.INTERNAL, f"worker error {meta.get('exc_type')}: {args}")
         return cls(ErrorCode.INTERNAL, f"worker error: {meta!r}")
 

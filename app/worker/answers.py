@@ -52,6 +52,7 @@ class Answers:
 
     def answer(self, model: str, held: Held, outcome: Outcome) -> None:
         split = held.split
+        retry_after = outcome.stats.get("retry_after_s") if outcome.stats else None
         if split is not None:
             if split.answered or (outcome.ok and len(split.results) < len(split.parts)):
                 return  # answered already, or more parts to run
@@ -67,8 +68,10 @@ class Answers:
             metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
             if outcome.error_code == ErrorCode.CANCELLED:
                 metrics.CANCELLED.labels(model).inc()
+            # A runtime that is restarting says when to come back (MODEL_UNAVAILABLE).
             self.replier.failure(held.delivery, held.task_id, outcome.error_code,
-                                 outcome.error_message)
+                                 outcome.error_message,
+                                 math.ceil(retry_after) if retry_after is not None else None)
             return
         result = outcome.result
         assert result is not None

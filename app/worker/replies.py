@@ -161,10 +161,10 @@ class Replier:
                         runtime=runtime_s)
 
     def failure(self, delivery: Delivery, task_id: str, code: str | None,
-                text: str | None) -> None:
+                text: str | None, retry_after: int | None = None) -> None:
         code = code or ErrorCode.INTERNAL
-        self._answer(delivery, task_id,
-                     rpc_result(task_id, FAILURE, ShoalError(code, text or "").as_celery_failure()))
+        error = ShoalError(code, text or "", retry_after)
+        self._answer(delivery, task_id, rpc_result(task_id, FAILURE, error.as_celery_failure()))
         if self.task_events:
             self._event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
                         traceback="")

@@ -52,6 +52,7 @@ class Runtime:
         self.go = threading.Event()
         self.go.set()
         self.fail: set[str] = set()
+        self.restarting: set[str] = set()  # answered as a runtime whose restart is pending
 
     def continuous(self, model: str) -> bool:
         return False
@@ -61,7 +62,11 @@ class Runtime:
         self.started.set()
         assert self.go.wait(10), "the test never let the batch end"
         return [Outcome(r.id, error_code=ErrorCode.POISON_INPUT, error_message="it broke")
-                if r.id in self.fail else Outcome(r.id, result={"count": len(r.kwargs["items"])})
+                if r.id in self.fail else
+                Outcome(r.id, error_code=ErrorCode.MODEL_UNAVAILABLE, error_message="restarting",
+                        stats={"retry_after_s": 2.4})
+                if r.id in self.restarting else
+                Outcome(r.id, result={"count": len(r.kwargs["items"])})
                 for r in requests]
 
     def estimate_bytes(self, model: str, lora: str | None = None) -> int:
@@ -244,10 +249,22 @@ def test_each_request_of_a_batch_gets_its_reply_and_a_failed_one_its_error(make)
     assert replies["b"]["status"] == "SUCCESS" and replies["b"]["result"]["count"] == 1
     assert replies["c"]["status"] == "FAILURE"
     assert replies["c"]["result"]["exc_message"] == [ErrorCode.POISON_INPUT, "it broke"]
+    assert "retry_after" not in replies["c"]["result"]
     # Acked once the broker confirmed every reply the message's requests got.
     assert message.acks == 0
     f.channel.confirm()
     assert message.acks == 1 and message.requeues == 0
+
+
+def test_a_runtime_that_is_restarting_says_when_to_come_back(make):
+    f = make()
+    f.runtime.go.clear()
+    f.runtime.restarting = {"a"}
+    f.deliver(single("a"))
+    f.finish_batch()
+    failure = f.replies()["a"]["result"]
+    assert failure["exc_message"] == [ErrorCode.MODEL_UNAVAILABLE, "restarting"]
+    assert failure["retry_after"] == 3  # whole seconds, rounded up, as Retry-After
 
 
 def test_overflow_goes_back_whole_or_its_unsettled_members_are_republished(make):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from celery.backends.base import Backend
 
 from gateway.edge.api_errors import ApiError, invalid
+from tasks.celery_app import app
 from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
 
 
@@ -41,3 +43,17 @@ def test_any_other_failure_is_internal(meta):
     error = ShoalError.from_celery_failure(meta)
     assert (error.code, error.status) == (ErrorCode.INTERNAL, 500)
     assert error.message.startswith("worker error")
+
+
+def test_a_retry_after_travels_with_a_celery_failure_and_celery_ignores_it():
+    """A restarting runtime's MODEL_UNAVAILABLE says when to come back: the gateway sends
+    it as Retry-After; a Celery client rebuilds the error from the usual three keys."""
+    failure = ShoalError(ErrorCode.MODEL_UNAVAILABLE, "restarting", retry_after=3)
+    meta = failure.as_celery_failure()
+    again = ShoalError.from_celery_failure(meta)
+    assert (again.code, again.status, again.retry_after) == (
+        ErrorCode.MODEL_UNAVAILABLE, 503, 3)
+    assert ShoalError.from_celery_failure({**meta, "retry_after": "3"}).retry_after is None
+    assert "retry_after" not in ShoalError(ErrorCode.INTERNAL, "x").as_celery_failure()
+    rebuilt = Backend(app).exception_to_python(meta)
+    assert isinstance(rebuilt, ShoalError) and rebuilt.args == ("MODEL_UNAVAILABLE", "restarting")
