@@ -73,14 +73,18 @@ class Batches:
     # --- the batch (runtime thread) ------------------------------------------------------
 
     def _run(self: Dispatcher, model: str, batch: list[Held], generation: int
-             ) -> tuple[list[Outcome], float]:
+             ) -> tuple[list[Outcome], float | None]:
         started = time.perf_counter()
         requests, outcomes = self._requests(batch)
         on_deltas = self.streams.queuer(generation, batch) \
             if any(r.stream for r in requests) else None
         if requests:
             outcomes.update((o.id, o) for o in self.runtime.run_batch(model, requests, on_deltas))
-        return [outcomes[held.task_id] for held in batch], time.perf_counter() - started
+        answered = [outcomes[held.task_id] for held in batch]
+        # A batch none of which ran (revoked, refused while the runtime restarts, failed)
+        # says nothing of how long one takes: its time is not taught to the cost model.
+        ran = any(o.ok for o in answered)
+        return answered, time.perf_counter() - started if ran else None
 
     @staticmethod
     def _requests(batch: list[Held]) -> tuple[list[Request], dict[str, Outcome]]:

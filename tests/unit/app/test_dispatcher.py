@@ -265,6 +265,12 @@ def test_a_runtime_that_is_restarting_says_when_to_come_back(make):
     failure = f.replies()["a"]["result"]
     assert failure["exc_message"] == [ErrorCode.MODEL_UNAVAILABLE, "restarting"]
     assert failure["retry_after"] == 3  # whole seconds, rounded up, as Retry-After
+    # A batch none of which ran teaches the cost model nothing (it took no time at all).
+    assert f.dispatcher.scheduler.lanes[MODEL].cost.samples == 0
+    f.deliver(single("b"))
+    f.finish_batch()
+    assert f.replies()["b"]["status"] == "SUCCESS"
+    assert f.dispatcher.scheduler.lanes[MODEL].cost.samples == 1
 
 
 def test_overflow_goes_back_whole_or_its_unsettled_members_are_republished(make):
