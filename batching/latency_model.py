@@ -147,7 +147,7 @@ class CostModel:
         self._weight = 0.0  # decayed number of samples
         self._decay = 1.0  # forgetting ** samples: how much of the prior is left
         self._measured: deque[tuple[float, float]] = deque(maxlen=_MEASURED_WINDOW)  # (T, T*L)
-        self._reach = (0.0, 0.0)  # the largest T and T*L ever measured
+        self._reach = (0.0, 0.0)  # _REACH times the largest T and T*L ever measured
 
     @property
     def level(self) -> float:
@@ -168,15 +168,16 @@ class CostModel:
         """Predicted seconds for a batch of this shape (never negative); beyond the
         shapes measured, no more than `_EXTRAPOLATION_BOUND` times the scaled seed."""
         a, b, c = self._theta
-        tokens = shape.items * shape.longest if self.padded else shape.tokens
-        fitted = a + tokens * (b + c * shape.longest)
-        reach_t, reach_tl = self._reach
-        if tokens > _REACH * reach_t or tokens * shape.longest > _REACH * reach_tl:
+        longest = shape.longest
+        tokens = shape.items * longest if self.padded else shape.tokens
+        fitted = a + tokens * (b + c * longest)
+        known_t, known_tl = self._reach
+        if tokens > known_t or tokens * longest > known_tl:
             sa, sb, sc = self._seed
-            bound = _EXTRAPOLATION_BOUND * (sa + tokens * (sb + sc * shape.longest))
-            if bound > _TINY:  # a zero seed bounds nothing
-                fitted = min(fitted, bound)
-        return max(0.0, fitted)
+            bound = _EXTRAPOLATION_BOUND * (sa + tokens * (sb + sc * longest))
+            if _TINY < bound < fitted:  # a zero seed bounds nothing
+                return bound
+        return fitted if fitted > 0.0 else 0.0
 
     def admission(self, shape: BatchShape) -> Admission:
         """The predicted seconds a refusal may rely on (see the module's docstring)."""
@@ -212,7 +213,8 @@ class CostModel:
         self._learn_level(shape, seconds)
         features = self.features(shape)
         self._measured.append(features[1:])
-        self._reach = (max(self._reach[0], features[1]), max(self._reach[1], features[2]))
+        self._reach = (max(self._reach[0], _REACH * features[1]),
+                       max(self._reach[1], _REACH * features[2]))
         z = [v / scale for v in features]
         lam = self.forgetting
         for i in range(3):
