@@ -27,6 +27,10 @@ Control connection (beside the batches):
     Load                   -> Loaded | Failed
     Unload                 -> Unloaded
     Ping                   -> Pong
+    Cancel                 (no reply) requests whose callers left: read at once, even
+                              while a load runs; a batch of the pipeline none of whose
+                              runnable requests is left skips its device work and they
+                              are answered CANCELLED (a batch on the device finishes)
     anything else          -> Rejected
 
 `Failed` means the work raised (the worker decides which request is to blame); `fatal`
@@ -74,7 +78,8 @@ class Probe(Frame, tag="probe"):
 
 
 class Cancel(Frame, tag="cancel"):
-    """The answer to `Deltas`: the requests of the batch whose callers left since."""
+    """The answer to `Deltas`: the requests of the batch whose callers left since. On the
+    control connection, unanswered: requests of the batches in flight whose callers left."""
 
     ids: list[str]
 
@@ -172,7 +177,7 @@ class Rejected(Frame, tag="rejected"):
 
 
 BatchRequest = Run | Probe | Ping
-ControlRequest = Load | Unload | Ping
+ControlRequest = Load | Unload | Ping | Cancel
 BatchReply = Outcomes | Failed | Deltas | Ready | Pong | Rejected
 ControlReply = Loaded | Unloaded | Failed | Pong | Rejected
 

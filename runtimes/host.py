@@ -34,6 +34,8 @@ from tasks.served import stamp_batch
 log = logging.getLogger(__name__)
 
 ENGINES = ("pytorch", "onnx")
+# Cancelled ids kept at most: one cancelled after its batch ended is never forgotten else.
+MAX_CANCELLED = 65_536
 
 
 class Engine(Protocol):
@@ -97,8 +99,11 @@ class ModelHost:
         self._models: dict[str, Adapter] = {}
         self.footprints: dict[str, int] = {}  # measured device bytes, by model id
         self._loading = threading.Lock()  # one load at a time: their memory adds up
-        self._cancelled: set[str] = set()  # requests whose callers left (from any thread)
+        # Requests whose callers left (from any thread), oldest first: an id is forgotten
+        # when its batch ends, or, cancelled after that, once MAX_CANCELLED newer ones came.
+        self._cancelled: dict[str, None] = {}
         self._cancel_lock = threading.Lock()
+        self.skipped = 0  # batches whose device work was skipped: all their requests cancelled
 
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
@@ -174,9 +179,13 @@ class ModelHost:
         return self._models.get(model_id)
 
     def cancel(self, request_ids: list[str]) -> None:
-        """Generations of these requests stop at their next step (from any thread)."""
+        """These requests' callers left (from any thread): a generation stops at its next
+        step, and a batch whose runnable requests are all cancelled before its device
+        work skips it (`forward`)."""
         with self._cancel_lock:
-            self._cancelled.update(request_ids)
+            self._cancelled.update(dict.fromkeys(request_ids))
+            while len(self._cancelled) > MAX_CANCELLED:
+                del self._cancelled[next(iter(self._cancelled))]
 
     def run_batch(self, model_id: str, requests: list[Request],
                   on_deltas: OnDeltas | None = None) -> list[Outcome]:
@@ -216,7 +225,7 @@ class ModelHost:
     def forward(self, work: BatchWork) -> None:
         """A batch's device work (one batch at a time: the device clock's span after it
         is this batch's). Raises what the model raises."""
-        if work.adapter is None or not work.runnable:
+        if work.adapter is None or not work.runnable or self._skip_cancelled(work):
             return
         self.clock.take_span()  # what ran before this batch (a load, a probe) is not its
         try:
@@ -239,9 +248,30 @@ class ModelHost:
                 work.outcomes[request.id] = Outcome(request.id, result=result)
         return [work.outcomes[r.id] for r in work.requests]
 
+    def _skip_cancelled(self, work: BatchWork) -> bool:
+        """A batch (not streamed) whose runnable requests were all cancelled before its
+        device work: they are answered CANCELLED and it never reaches the device (True).
+        One with a request left runs whole (its cancelled rows are dropped by the worker)."""
+        if work.stream is not None:
+            return False  # a stream stops its cancelled rows itself, step by step
+        with self._cancel_lock:
+            if not self._cancelled or any(r.id not in self._cancelled
+                                          for r, _ in work.runnable):
+                return False
+        for request, _ in work.runnable:
+            work.outcomes[request.id] = failed(
+                request.id, ErrorCode.CANCELLED,
+                "the request was revoked by its caller before its batch reached the device")
+        log.info("skipped a batch of %d requests for %s: all revoked before it reached the "
+                 "device", len(work.runnable), work.model_id)
+        work.runnable = []
+        self.skipped += 1
+        return True
+
     def forget_cancelled(self, requests: list[Request]) -> None:
         with self._cancel_lock:
-            self._cancelled.difference_update(r.id for r in requests)
+            for request in requests:
+                self._cancelled.pop(request.id, None)
 
     def _stream(self, requests: list[Request], on_deltas: OnDeltas) -> Any:
         """The adapter's `Stream` for a batch: deltas of its streamed requests go to

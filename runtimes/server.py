@@ -10,9 +10,11 @@ once every `--model` is loaded, so its existence means "ready". It accepts two
 connections from its worker, batches first, then control, and exits when the
 batch connection closes or the parent dies. Loads and unloads come on the
 control connection and run on a thread of their own, beside the batches of the
-models already loaded. The frames on both connections, and what answers each, are
-`runtimes.frames` (length-prefixed by `runtimes.protocol`); once both connections are
-accepted it sends `Ready` on the batch connection.
+models already loaded; so do cancels (requests whose callers left), read at once even
+while a load runs: a batch whose requests are all cancelled before it reaches the
+device skips it (`runtimes.host.ModelHost.forward`). The frames on both connections,
+and what answers each, are `runtimes.frames` (length-prefixed by `runtimes.protocol`);
+once both connections are accepted it sends `Ready` on the batch connection.
 
 `--spare` (no `--model`): a process kept ready to replace a runtime that dies. It
 makes every import a model load needs (torch, transformers, the catalog's adapter
@@ -30,6 +32,7 @@ import faulthandler
 import importlib
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -59,6 +62,7 @@ from runtimes.frames import (
     Rejected,
     Run,
     StreamDelta,
+    Unload,
     Unloaded,
 )
 from runtimes.host import ENGINES
@@ -205,12 +209,12 @@ def batch_of(frame: BatchRequest) -> tuple[str, list[Request]] | None:
     return frame.model, requests_of(frame)
 
 
-def control(host: ModelHost, catalog: Catalog, frame: ControlRequest,
+def control(host: ModelHost, catalog: Catalog, frame: Load | Unload | Ping,
             imported: threading.Event | None = None) -> ControlReply:
-    """The reply to one control frame (a load or an unload). A load first waits for
-    `imported` (the background imports): transformers' lazy module is not safe to import
-    from two threads at once (a racing load failed with "cannot import name
-    'AutoModel'")."""
+    """The reply to one control frame (a load, an unload, a ping; a cancel has none). A
+    load first waits for `imported` (the background imports): transformers' lazy module
+    is not safe to import from two threads at once (a racing load failed with "cannot
+    import name 'AutoModel'")."""
     if isinstance(frame, Ping):
         return Pong(os.getpid())
     model, lora = frame.model, frame.lora
@@ -237,19 +241,38 @@ def control(host: ModelHost, catalog: Catalog, frame: ControlRequest,
 
 def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog,
                   imported: threading.Event | None = None) -> None:
-    """Answer control frames until the worker hangs up (on a thread of its own)."""
-    while True:
-        try:
-            frame = recv_frame(conn, CONTROL_REQUEST_DECODER)
-        except (ConnectionClosed, OSError):
-            return
-        except MalformedFrame as exc:
-            reply: ControlReply = Rejected(f"unknown control frame: {exc}")
-        except ProtocolError as exc:
-            log.error("control connection: %s", exc)
-            return
-        else:
-            reply = control(host, catalog, frame, imported)
+    """Answer control frames until the worker hangs up (on a thread of its own). A
+    `Cancel` is taken at once, unanswered, even while a load runs: the loads, unloads and
+    pings are answered in order on another thread."""
+    requests: queue.Queue[Load | Unload | Ping | Rejected | None] = queue.Queue()
+    threading.Thread(target=_answer_control, args=(conn, requests, host, catalog, imported),
+                     name="runtime-control-answers", daemon=True).start()
+    try:
+        while True:
+            try:
+                frame: ControlRequest | Rejected = recv_frame(conn, CONTROL_REQUEST_DECODER)
+            except (ConnectionClosed, OSError):
+                return
+            except MalformedFrame as exc:
+                frame = Rejected(f"unknown control frame: {exc}")
+            except ProtocolError as exc:
+                log.error("control connection: %s", exc)
+                return
+            if isinstance(frame, Cancel):
+                host.cancel(frame.ids)
+            else:
+                requests.put(frame)
+    finally:
+        requests.put(None)
+
+
+def _answer_control(conn: socket.socket,
+                    requests: queue.Queue[Load | Unload | Ping | Rejected | None],
+                    host: ModelHost, catalog: Catalog, imported: threading.Event | None
+                    ) -> None:
+    while (frame := requests.get()) is not None:
+        reply = frame if isinstance(frame, Rejected) else control(host, catalog, frame,
+                                                                  imported)
         try:
             conn.sendall(encode_frame(reply))
         except OSError:
