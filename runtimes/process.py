@@ -30,6 +30,12 @@ that child listens (`runtimes.supervisor`, RestartPending). A request whose outp
 begun to stream is answered STREAM_INTERRUPTED instead. Each is answered once: the
 outcome replaces the attempt's.
 
+Cancels (`cancel`, a revoke): the child is told on its control connection, beside the
+batches, and a batch of its pipeline that has not reached the device when all of its
+requests are cancelled skips its forward; they are answered CANCELLED. The batch on the
+device finishes, and so does one with a request still wanted (best effort: a cancel
+that comes after the batch's device work began changes nothing in it).
+
 Streams: a batch with streamed requests sends their deltas as it goes (see
 `runtimes.frames`). A request whose output has begun to go out is never run
 again after a failure (its caller would read the beginning twice): it is
@@ -67,6 +73,7 @@ from runtimes.frames import (
     Load,
     Loaded,
     Outcomes,
+    Ping,
     Probe,
     Rejected,
     Run,
@@ -93,6 +100,9 @@ from tasks.errors import ErrorCode
 log = logging.getLogger(__name__)
 
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+# How long a cancel waits for another frame being written on the control connection (a
+# load's few bytes) before it gives up telling the child: the caller is the worker's loop.
+CANCEL_WRITE_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -179,6 +189,9 @@ class ProcessRuntime:
         )
         self._lock = threading.Lock()  # guards the children, resident and the sets below
         self._controlling = threading.Lock()  # one load or unload at a time
+        # One frame's bytes at a time on the control connection: a cancel goes beside a
+        # load that waits for its reply (`_tell_cancelled`).
+        self._control_writing = threading.Lock()
         self._cancelled: set[str] = set()  # requests of running batches whose callers left
         self._running: set[str] = set()  # the running batches' request ids
         self._children = Supervisor(argv, child_env, self.resident, self._lock,
@@ -259,10 +272,42 @@ class ProcessRuntime:
                 self._cancelled -= ids
 
     def cancel(self, request_ids: list[str]) -> None:
-        """The next step of the running batch drops these requests' rows (any thread); ids
-        of no running request are ignored."""
+        """These requests' callers left (any thread; ids of no running request are
+        ignored). A streamed batch drops their rows at its next step; the child is told
+        too, on its control connection, so that a batch of its pipeline whose requests are
+        all cancelled before it reaches the device skips it (they are answered CANCELLED;
+        a batch on the device finishes). Best effort, and never waits long: see
+        `_tell_cancelled`."""
         with self._lock:
-            self._cancelled.update(i for i in request_ids if i in self._running)
+            new = [i for i in request_ids if i in self._running and i not in self._cancelled]
+            self._cancelled.update(new)
+            child = self._children.child
+        if new and child is not None:
+            self._tell_cancelled(child, new)
+
+    def _tell_cancelled(self, child: RuntimeChild, ids: list[str]) -> None:
+        """Send the child a `Cancel` on its control connection (unanswered: a load waiting
+        for its reply there is not disturbed). Skipped when the child is not serving yet
+        (a promoted spare's loads use the connection), when another frame is being
+        written for more than a moment, or when the child is gone (its batches fail
+        anyway)."""
+        if child.control is None or child.sock is None or child.spare:
+            return
+        try:
+            payload = encode_frame(Cancel(ids))
+        except FrameTooLarge:
+            return
+        if not self._control_writing.acquire(timeout=CANCEL_WRITE_WAIT_S):
+            log.warning("the control connection was busy: %d cancelled requests were not "
+                        "told to the model runtime", len(ids))
+            return
+        try:
+            child.control.sendall(payload)
+        except OSError as exc:
+            log.info("could not tell the model runtime of %d cancelled requests: %s",
+                     len(ids), exc)
+        finally:
+            self._control_writing.release()
 
     def continuous(self, model_id: str) -> bool:
         return False
@@ -303,12 +348,13 @@ class ProcessRuntime:
         self._control(Unload(model, lora),
                       f"unloading {model if lora is None else lora_key(model, lora)}")
 
-    def _control(self, frame: Load | Unload, doing: str) -> ControlReply:
+    def _control(self, frame: Load | Unload | Ping, doing: str) -> ControlReply:
         with self._controlling:
             child = self._children.ready_child()
             assert child.control is not None
             try:
-                child.control.sendall(encode_frame(frame))
+                with self._control_writing:
+                    child.control.sendall(encode_frame(frame))
                 reply = recv_frame(child.control, CONTROL_REPLY_DECODER)
             except MalformedFrame as exc:
                 raise LoadFailed(f"unexpected reply from the model runtime: {exc}") from exc
