@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -18,7 +19,12 @@ import pytest
 import yaml
 
 from runtimes.base import Outcome, Request
+from runtimes.frames import CONTROL_REPLY_DECODER, Cancel, Ping, Pong
+from runtimes.host import ModelHost
 from runtimes.process import ProcessRuntime
+from runtimes.protocol import recv_frame, send_frame
+from runtimes.server import serve_control
+from tasks.catalog import Catalog
 from tests.slow_batches import SlowBatches
 from tests.stack import wait_for as stack_wait_for
 from tests.tiny_models import build_tiny_sentence_transformer
@@ -180,3 +186,74 @@ def test_a_streamless_batch_waits_for_a_probe_and_both_are_answered(runtime):
     assert runtime.probe(TINY) is None
     assert "slow" in flight.finished  # the probe's answer came after the batch's
     assert_all_ok_but(flight.join()["slow"], bad=None)
+
+
+def cancel_in_the_child(runtime: ProcessRuntime, ids: list[str]) -> None:
+    """Cancel `ids`, then wait until the child has taken the cancel: its control
+    connection reads frames in order, so the answer to a ping sent after it says so."""
+    runtime.cancel(ids)
+    assert isinstance(runtime._control(Ping(), "pinging"), Pong)
+
+
+@pytest.mark.parametrize("cancelled", ["all", "one"])
+def test_a_revoked_batch_behind_the_device_skips_it(runtime, cancelled):
+    """Issue 41: a batch prepared behind the one on the device, all of whose requests
+    are revoked meanwhile, never reaches the model: its requests are answered CANCELLED.
+    The batch on the device finishes, and a batch with a request still wanted runs."""
+    started = SLOW.started()
+    first = requests("a", ["held on the device @@slow@@", "beside it"])
+    second = requests("b", ["behind it @@slow@@", "another text"])
+    revoked = [r.id for r in second] if cancelled == "all" else [second[0].id]
+    flight = InFlight(runtime)
+    SLOW.hold()
+    try:
+        flight.start("first", FAULTY, first)
+        SLOW.wait_started(started + 1)  # the first batch sleeps in the device stage
+        flight.start("second", FAULTY, second)
+        wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 2)
+        # The first batch's too: it is on the device already, and finishes.
+        cancel_in_the_child(runtime, [*revoked, *(r.id for r in first)])
+    finally:
+        SLOW.release()
+    outcomes = flight.join()
+    assert flight.finished == ["first", "second"]
+    assert_all_ok_but(outcomes["first"], bad=None)
+    assert [o.id for o in outcomes["second"]] == [r.id for r in second]
+    if cancelled == "all":
+        for outcome in outcomes["second"]:
+            assert outcome.error_code == "CANCELLED", (outcome.error_code,
+                                                       outcome.error_message)
+            assert "before its batch reached the device" in outcome.error_message
+        assert SLOW.started() == started + 1  # its own @@slow@@ never ran
+    else:
+        assert_all_ok_but(outcomes["second"], bad=None)
+        assert SLOW.started() == started + 2
+    # The runtime serves on, and forgot the ids (a later batch of them runs).
+    assert_all_ok_but(runtime.run_batch(TINY, requests("b", ["after"])), bad=None)
+
+
+def test_the_control_connection_takes_a_cancel_unanswered_and_a_batch_all_cancelled_skips(
+        catalog_dir):
+    """The child's side in one process: a `Cancel` on the control connection is taken
+    without an answer (the next frame's is the next reply), and a batch (unpipelined:
+    `ModelHost.run_batch`) whose requests were all cancelled skips its device work."""
+    host = ModelHost(threads=1)
+    catalog = Catalog.from_dir(catalog_dir)
+    host.load(catalog.require([TINY]))
+    worker, child = socket.socketpair()
+    serving = threading.Thread(target=serve_control, args=(child, host, catalog))
+    serving.start()
+    with worker, child:
+        send_frame(worker, Cancel(["c0", "c1", "d0"]))
+        send_frame(worker, Ping())
+        assert recv_frame(worker, CONTROL_REPLY_DECODER) == Pong(os.getpid())
+        cancelled = host.run_batch(TINY, requests("c", ["one", "two"]))
+        assert [o.error_code for o in cancelled] == ["CANCELLED", "CANCELLED"]
+        assert host.skipped == 1
+        # Only partly cancelled: it runs whole. Then the ids are forgotten.
+        assert_all_ok_but(host.run_batch(TINY, requests("d", ["one", "two"])), bad=None)
+        assert_all_ok_but(host.run_batch(TINY, requests("c", ["again"])), bad=None)
+        assert host.skipped == 1
+        worker.shutdown(socket.SHUT_RDWR)
+        serving.join(WAIT_S)
+        assert not serving.is_alive()

@@ -18,7 +18,7 @@ BATCH_REQUESTS = [
     frames.Ping(),
 ]
 CONTROL_REQUESTS = [frames.Load("m"), frames.Load("m", "style"), frames.Unload("m", "style"),
-                    frames.Ping()]
+                    frames.Ping(), frames.Cancel(["a", "b"])]
 BATCH_REPLIES = [
     frames.Ready(123, {"m": 1024}, None),
     frames.Outcomes([frames.RunOutcome("a", {"embedding": [0.5, 1.0]}, stats={"tokens": 3}),
