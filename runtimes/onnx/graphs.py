@@ -70,9 +70,14 @@ def shipped_graph(folder: Path, precision: str) -> Path | None:
     return None
 
 
+# The file an export writes per precision; renamed when its recipe changes, so a cache
+# never serves a graph made the old way (int8-r7: 7-bit weights, issue 41).
+CACHED_NAMES = {"fp32": "fp32.onnx", "int8": "int8-r7.onnx", "fp16": "fp16.onnx"}
+
+
 def cached_graph(folder: Path, head: str, precision: str) -> Path:
     """Where `shoal export` puts (and the runtime looks for) the graph."""
-    return cache_root() / f"{weights_digest(folder)}-{head}" / f"{precision}.onnx"
+    return cache_root() / f"{weights_digest(folder)}-{head}" / CACHED_NAMES[precision]
 
 
 def graph_of(folder: Path, family: str, precision: str) -> Path:
