@@ -175,20 +175,21 @@ def test_inline_job_answers_202_and_its_result_equals_the_sync_routes(gateway):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "JOB_NOT_FOUND"
 
 
-@pytest.mark.timeout(1500)  # ~70-300 texts/s on this shared 2-core CPU
-def test_bulk_job_of_20000_texts_equals_the_sync_api(gateway):
-    items = texts(20_000, words=4)
+@pytest.mark.timeout(600)  # ~70-300 texts/s on this shared 2-core CPU
+def test_bulk_job_of_5120_texts_equals_the_sync_api(gateway):
+    # Ten parts are enough to join in order; 20,000 texts took two minutes of CI.
+    items = texts(5_120, words=4)
     r = post_bulk(gateway, jsonl(items))
     assert r.status_code == 202, r.text
     view = r.json()
-    assert view["progress"]["items_total"] == 20_000
-    assert view["progress"]["parts_total"] == 40  # 512 per part: 8 batches of 64 (cpu profile)
-    done = wait_final(gateway, view["id"], 1400)
+    assert view["progress"]["items_total"] == 5_120
+    assert view["progress"]["parts_total"] == 10  # 512 per part: 8 batches of 64 (cpu profile)
+    done = wait_final(gateway, view["id"], 500)
     assert done["state"] == "succeeded", done
-    assert done["progress"]["items_done"] == 20_000
+    assert done["progress"]["items_done"] == 5_120
     vectors = result_array(gateway, done)
-    assert vectors.shape == (20_000, 384) and vectors.dtype == np.float32
-    sample = [0, 1, 511, 512, 513, 9_999, 10_240, 19_998, 19_999]
+    assert vectors.shape == (5_120, 384) and vectors.dtype == np.float32
+    sample = [0, 1, 511, 512, 513, 2_559, 2_560, 5_118, 5_119]
     reference = sync_vectors(gateway, [items[i] for i in sample])
     np.testing.assert_allclose(vectors[sample], reference, atol=1e-5)
 
