@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,24 +75,28 @@ async def started_job(redis: PrivateRedis, tmp_path: Path
     return driver, broker, store, Path(blobs.path(folder)), job_id
 
 
-def test_a_job_gone_with_redis_is_revoked_and_its_files_deleted_when_redis_returns(tmp_path):
-    redis = PrivateRedis(tmp_path / "redis")
+@dataclass
+class Running:
+    """A started job (see `started_job`) on a Redis of the test's own."""
+
+    redis: PrivateRedis
+    driver: JobDriver
+    broker: Recorder
+    store: JobStore
+    folder: Path
+    job_id: str
+
+
+def run_job(tmp_path: Path, persist: bool,
+            scenario: Callable[[Running], Coroutine[Any, Any, None]]) -> None:
+    """Start a private Redis and a job on it, run `scenario`, then stop them all."""
+    redis = PrivateRedis(tmp_path / "redis", persist=persist)
     redis.start()
 
     async def main() -> None:
         driver, broker, store, folder, job_id = await started_job(redis, tmp_path)
         try:
-            redis.kill()
-            # Its driver stops for want of Redis (a pause, as for any outage) and keeps
-            # the job in memory; nothing is revoked while Redis cannot say it is gone.
-            await until(lambda: job_id in driver._orphans, "the driver to pause")
-            assert broker.cancelled == [] and folder.exists()
-            redis.start()  # empty: the job, its lease and its counts are gone
-            await until(lambda: not folder.exists(), "the job's files to be deleted")
-            assert broker.cancelled == [part_id(job_id, i) for i in range(IN_FLIGHT)]
-            assert broker.published == broker.cancelled  # nothing published after
-            assert not driver._orphans and job_id not in driver._driving
-            assert await store.redis.keys(f"{store.prefix}:*") == []  # never written again
+            await scenario(Running(redis, driver, broker, store, folder, job_id))
         finally:
             await driver.close()
             await store.close()
@@ -100,29 +105,39 @@ def test_a_job_gone_with_redis_is_revoked_and_its_files_deleted_when_redis_retur
         asyncio.run(main())
     finally:
         redis.stop()
+
+
+def test_a_job_gone_with_redis_is_revoked_and_its_files_deleted_when_redis_returns(tmp_path):
+    async def scenario(job: Running) -> None:
+        driver, broker, store, folder, job_id = (job.driver, job.broker, job.store,
+                                                 job.folder, job.job_id)
+        job.redis.kill()
+        # Its driver stops for want of Redis (a pause, as for any outage) and keeps
+        # the job in memory; nothing is revoked while Redis cannot say it is gone.
+        await until(lambda: job_id in driver._orphans, "the driver to pause")
+        assert broker.cancelled == [] and folder.exists()
+        job.redis.start()  # empty: the job, its lease and its counts are gone
+        await until(lambda: not folder.exists(), "the job's files to be deleted")
+        assert broker.cancelled == [part_id(job_id, i) for i in range(IN_FLIGHT)]
+        assert broker.published == broker.cancelled  # nothing published after
+        assert not driver._orphans and job_id not in driver._driving
+        assert await store.redis.keys(f"{store.prefix}:*") == []  # never written again
+
+    run_job(tmp_path, False, scenario)
 
 
 def test_a_job_redis_kept_over_its_restart_is_driven_again_not_deleted(tmp_path):
-    redis = PrivateRedis(tmp_path / "redis", persist=True)
-    redis.start()
+    async def scenario(job: Running) -> None:
+        driver, job_id = job.driver, job.job_id
+        job.redis.kill()
+        await until(lambda: job_id in driver._orphans, "the driver to pause")
+        job.redis.start()  # with the job (appendonly)
+        # Taken back once the lease it could not release lapses (SHOAL_JOB_LEASE_S).
+        await until(lambda: job_id in driver._driving and not driver._orphans,
+                    "the job to be driven again")
+        stored = await job.store.get(job_id)
+        assert stored is not None and stored.state == "running" \
+            and stored.published == IN_FLIGHT
+        assert job.broker.cancelled == [] and job.folder.exists()
 
-    async def main() -> None:
-        driver, broker, store, folder, job_id = await started_job(redis, tmp_path)
-        try:
-            redis.kill()
-            await until(lambda: job_id in driver._orphans, "the driver to pause")
-            redis.start()  # with the job (appendonly)
-            # Taken back once the lease it could not release lapses (SHOAL_JOB_LEASE_S).
-            await until(lambda: job_id in driver._driving and not driver._orphans,
-                        "the job to be driven again")
-            job = await store.get(job_id)
-            assert job is not None and job.state == "running" and job.published == IN_FLIGHT
-            assert broker.cancelled == [] and folder.exists()
-        finally:
-            await driver.close()
-            await store.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        redis.stop()
+    run_job(tmp_path, True, scenario)
