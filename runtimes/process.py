@@ -59,6 +59,7 @@ from runtimes.base import (
     OnDeltas,
     Outcome,
     Request,
+    failed,
 )
 from runtimes.bisection import Failure, bisect
 from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
@@ -391,9 +392,9 @@ class ProcessRuntime:
         """The outcomes of requests that cannot run until the runtime has restarted."""
         def outcome(request: Request) -> Outcome:
             if request.id in call.streamed:  # its beginning went out: it cannot be retried
-                return Outcome(request.id, error_code=str(ErrorCode.STREAM_INTERRUPTED),
-                               error_message=f"{pending} (part of this request's output "
-                                             "was streamed; that part stands)")
+                return failed(request.id, ErrorCode.STREAM_INTERRUPTED,
+                              f"{pending} (part of this request's output was streamed; "
+                              "that part stands)")
             return Outcome(request.id, error_code=str(ErrorCode.MODEL_UNAVAILABLE),
                            error_message=str(pending),
                            stats={"retry_after_s": pending.retry_after_s})
