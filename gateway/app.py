@@ -17,6 +17,7 @@ from starlette.routing import Route
 from gateway.auth.install import install_auth
 from gateway.broker.link import Broker
 from gateway.calls.blob_offload import sweep_forever
+from gateway.edge.cors import install_cors
 from gateway.edge.gateway_metrics import metrics
 from gateway.edge.outer_middleware import RequestIdMiddleware
 from gateway.edge.sigterm_drain import Drain
@@ -28,7 +29,7 @@ from gateway.routes.embeddings import create_embeddings
 from gateway.routes.hot_path import HotRoutes, error_response, http_error_response
 from gateway.routes.job_routes import cancel_job, create_job, get_job, get_result
 from gateway.routes.native import classify, encode, extract, score
-from gateway.routes.status import healthz, list_models, readyz
+from gateway.routes.status import created_times, healthz, list_models, readyz, retrieve_model
 from tasks.catalog import load_catalog
 from tasks.errors import ShoalError
 from tasks.settings import Settings, get_settings
@@ -98,6 +99,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/v1/jobs/{job_id}/result", get_result, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            # ids contain "/" (the openai SDK sends it as %2F; the path arrives decoded)
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -113,9 +116,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
                        prefixed={"/v1/encode/": encode, "/v1/score/": score})
     install_auth(app, settings)  # inside RequestIdMiddleware: a refusal is counted too
     app.add_middleware(RequestIdMiddleware)
+    install_cors(app, settings)  # outermost: preflights before the keys, headers on errors
     app.state.settings = settings
     app.state.served = served
     app.state.catalog = catalog
+    app.state.model_created = created_times(catalog, served)  # /v1/models' `created`
     app.state.broker = broker
     app.state.drain = drain
     app.state.job_store = job_store

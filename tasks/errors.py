@@ -4,8 +4,14 @@ A whole-request failure travels as a Celery FAILURE whose exception is a
 `ShoalError(code, message)`, serialised without pickle the way Celery does it
 (`as_celery_failure`); a Celery client's `AsyncResult.get()` raises it again
 (the class is found through `exc_module`), and a gateway reads it back with
-`ShoalError.from_celery_failure`. The gateway answers any ShoalError as
-`{"error": {"code": ..., "message": ...}}` with `status`.
+`ShoalError.from_celery_failure`. The gateway answers any ShoalError with `status`, as
+`{"error": {"code": ..., "message": ...}}` on the native routes and in OpenAI's envelope
+on the OpenAI routes (`gateway.edge.error_shapes`).
+
+Whether sending the same request again can help is `ShoalError.retryable` (the gateway's
+`x-should-retry` header, which the OpenAI and Anthropic SDKs obey): `RETRY_HELPS` lists
+the codes where it can, and a DEADLINE_EXCEEDED is retryable only when the request is known
+not to have started (`started is False`): one that ran, or may have, would run again.
 """
 
 from __future__ import annotations
@@ -104,20 +110,50 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.TOO_MANY_CONNECTIONS: 503,
 }
 
+# The codes where the same request, sent again (after Retry-After, if given), may succeed:
+# the fleet, the broker or a store was away or full, or the caller was slow. Every other
+# refusal would be refused again (a wrong field, a deadline too short for the request, a
+# poison input) or repeat work that ran: INTERNAL is a fault no retry is known to mend
+# (an unexpected exception with this input, or a worker's), so it is not retried either.
+# DEADLINE_EXCEEDED depends on `started` (see `ShoalError.retryable`).
+RETRY_HELPS: frozenset[str] = frozenset({
+    ErrorCode.MODEL_UNAVAILABLE, ErrorCode.QUEUE_FULL, ErrorCode.RATE_LIMITED,
+    ErrorCode.BROKER_UNAVAILABLE, ErrorCode.SHUTTING_DOWN, ErrorCode.TOO_MANY_CONNECTIONS,
+    ErrorCode.STREAM_INTERRUPTED, ErrorCode.BLOB_MISSING, ErrorCode.BLOB_CORRUPT,
+    ErrorCode.BLOB_STORE_UNAVAILABLE, ErrorCode.JOB_STORE_UNAVAILABLE,
+    ErrorCode.JOB_NOT_FINISHED, ErrorCode.REQUEST_TIMEOUT,
+})
+
 
 class ShoalError(Exception):
     """A request that cannot be served, with a code callers can branch on.
 
     Its args are exactly (code, message): that is what Celery serialises and
-    what a client rebuilds it from. `status` and `retry_after` are the HTTP side.
+    what a client rebuilds it from. `status` and `retry_after` are the HTTP side;
+    `param` names the request field at fault where it is known (OpenAI's `param`: it
+    stays on the gateway); `started` says whether the work began running (None: not
+    known), which decides whether a DEADLINE_EXCEEDED may be retried. `retry_after` and
+    `started` travel beside Celery's own keys of a failure (`as_celery_failure`).
     """
 
-    def __init__(self, code: str, message: str, retry_after: int | None = None) -> None:
+    def __init__(self, code: str, message: str, retry_after: int | None = None, *,
+                 param: str | None = None, started: bool | None = None) -> None:
         super().__init__(code, message)
         self.code = ErrorCode(code) if code in ErrorCode.__members__ else code
         self.message = message
         self.status = STATUS_OF_CODE.get(code, 500)
         self.retry_after = retry_after
+        self.param = param
+        self.started = started
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request, sent again, may succeed (see `RETRY_HELPS`). A
+        DEADLINE_EXCEEDED is, only when it is known not to have started: one that ran (or
+        may have, as when the gateway stopped waiting) would run again, and fail again."""
+        if self.code == ErrorCode.DEADLINE_EXCEEDED:
+            return self.started is False
+        return self.code in RETRY_HELPS
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -129,12 +165,15 @@ class ShoalError(Exception):
     def as_celery_failure(self) -> dict[str, Any]:
         """The `result` of a Celery FAILURE carrying this error, as Celery writes an
         exception without pickle: a client finds the class through `exc_module`. A
-        Retry-After travels beside them (Celery reads only those three keys)."""
+        Retry-After and whether it started travel beside them (Celery reads only those
+        three keys)."""
         failure: dict[str, Any] = {"exc_type": ShoalError.__name__,
                                    "exc_message": [str(self.code), self.message],
                                    "exc_module": __name__}
         if self.retry_after is not None:
             failure["retry_after"] = self.retry_after
+        if self.started is not None:
+            failure["started"] = self.started
         return failure
 
     @classmethod
@@ -146,12 +185,15 @@ class ShoalError(Exception):
             if meta.get("exc_type") == ShoalError.__name__ and isinstance(args, list | tuple) \
                     and len(args) == 2:
                 retry_after = meta.get("retry_after")
+                started = meta.get("started")
                 return cls(str(args[0]), str(args[1]),
-                           retry_after if isinstance(retry_after, int) else None)
+                           retry_after if isinstance(retry_after, int) else None,
+                           started=started if isinstance(started, bool) else None)
             return cls(ErrorCode.INTERNAL, f"worker error {meta.get('exc_type')}: {args}")
         return cls(ErrorCode.INTERNAL, f"worker error: {meta!r}")
 
 
-def invalid(message: str) -> ShoalError:
-    """A request that is wrong in a way its message tells the caller how to fix."""
-    return ShoalError(ErrorCode.VALIDATION_ERROR, message)
+def invalid(message: str, param: str | None = None) -> ShoalError:
+    """A request that is wrong in a way its message tells the caller how to fix; `param`:
+    the field at fault, where the message does not start by naming it."""
+    return ShoalError(ErrorCode.VALIDATION_ERROR, message, param=param)

@@ -76,10 +76,20 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8080
     gateway_workers: int = Field(1, ge=1, description="gateway processes (uvicorn workers)")
-    default_timeout_ms: int = Field(30_000, ge=1)
-    max_timeout_ms: int = Field(300_000, ge=1)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
-    max_items: int = Field(512, ge=1, description="items (texts) per request")
+    default_timeout_ms: int = Field(
+        30_000, ge=1, description="a request's deadline when it sends no X-Timeout-Ms (every "
+        "model route, the OpenAI ones included)")
+    max_timeout_ms: int = Field(300_000, ge=1, description="the largest X-Timeout-Ms accepted")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1, description="request body limit of the routes that take text "
+        "(2,048 texts of ~1,500 characters, or OpenAI's 300,000 tokens per request)")
+    max_items: int = Field(
+        2048, ge=1, description="items (texts) per request, OpenAI's limit of inputs per "
+        "embeddings request; the worker runs a large request in cost-bounded parts")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="gateway: origins a browser may call it from, "
+        "comma-separated ('https://app.example.com,http://localhost:3000'), or '*' for any; "
+        "empty (the default): no CORS headers, preflights are refused as before")
     max_text_chars: int = Field(100_000, ge=1, description="characters per text item")
     retry_after_s: int = Field(1, ge=0)
     coalesce: bool = Field(
@@ -278,7 +288,7 @@ class Settings(BaseSettings):
         120.0, gt=0, description="worker: /healthz answers 503 (stalled) when its event loop, "
         "consuming with the broker up, has not turned for longer than this")
 
-    @field_validator("models", "pin", "gateway_models", mode="before")
+    @field_validator("models", "pin", "gateway_models", "cors_origins", mode="before")
     @classmethod
     def _split_models(cls, value: object) -> object:
         if isinstance(value, str):

@@ -98,7 +98,9 @@ class Answers:
         if code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.DEADLINE_TOO_SHORT):
             metrics.EXPIRED.labels(model).inc()
         metrics.RESULTS.labels(model, code).inc()
-        self.replier.failure(held.delivery, held.task_id, code, why)
+        # Refused unrun: a client may send it again (unless parts of it ran already).
+        ran = held.split is not None and bool(held.split.results)
+        self.replier.failure(held.delivery, held.task_id, code, why, started=ran)
 
     def _count_drain_answer(self, model: str) -> None:
         if self.draining():

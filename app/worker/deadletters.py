@@ -63,5 +63,8 @@ class DeadLetterAnswerer:
             return
         code, text = _ANSWERS.get(reason, (ErrorCode.INTERNAL, "the request was dead-lettered"))
         delivery = Delivery(message, len(task_ids))
+        # Expired in the queue, never delivered: it did not run, so a client may retry it.
+        started = False if reason == "expired" and "x-delivery-count" not in headers else None
         for task_id in task_ids:
-            self.replier.failure(delivery, task_id, code, text.format(count=count))
+            self.replier.failure(delivery, task_id, code, text.format(count=count),
+                                 started=started)

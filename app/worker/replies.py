@@ -161,9 +161,12 @@ class Replier:
                         runtime=runtime_s)
 
     def failure(self, delivery: Delivery, task_id: str, code: str | None,
-                text: str | None, retry_after: int | None = None) -> None:
+                text: str | None, retry_after: int | None = None,
+                started: bool | None = None) -> None:
+        """`started`: False for a request refused before it ran (the gateway may then
+        let clients retry a DEADLINE_EXCEEDED), None when not known."""
         code = code or ErrorCode.INTERNAL
-        error = ShoalError(code, text or "", retry_after)
+        error = ShoalError(code, text or "", retry_after, started=started)
         self._answer(delivery, task_id, rpc_result(task_id, FAILURE, error.as_celery_failure()))
         if self.task_events:
             self._event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",

@@ -17,7 +17,8 @@ from gateway.auth.access import AUTH_REFUSALS, STATE_KEY
 from gateway.auth.key_file import ApiKey, KeyFileError, KeyRing, load_key_ring
 from gateway.auth.rate_limit import TOKENS, RateLimiter, retry_after_header
 from gateway.edge.api_errors import ApiError
-from gateway.edge.codecs import encode_response, is_msgpack
+from gateway.edge.codecs import is_msgpack
+from gateway.edge.error_shapes import error_response
 from tasks.errors import ErrorCode
 from tasks.token_estimate import CHARS_PER_TOKEN
 
@@ -116,10 +117,13 @@ class ApiKeyMiddleware:
             AUTH_REFUSALS.labels(f"{verdict.limit}_per_minute").inc()
             per = (f"{key.tokens_per_minute} tokens" if verdict.limit == TOKENS
                    else f"{key.requests_per_minute} requests")
-            await self._refuse(scope, send, ApiError(
+            refusal = ApiError(
                 ErrorCode.RATE_LIMITED, f"the API key {key.name!r} is over its limit of {per} "
                 "per minute; retry after the time Retry-After gives",
-                retry_after=retry_after_header(verdict.retry_after_s)))
+                retry_after=retry_after_header(verdict.retry_after_s))
+            # OpenAI's `type` of a rate-limit error names the limit (gateway.edge.error_shapes)
+            refusal.openai_type = "tokens" if verdict.limit == TOKENS else "requests"
+            await self._refuse(scope, send, refusal)
             return
         if scope["path"] == MODELS_PATH and scope["method"] == "GET":
             send = _models_filter(scope, send, key)
@@ -156,13 +160,9 @@ class ApiKeyMiddleware:
     @staticmethod
     async def _refuse(scope: dict, send: Any, error: ApiError,
                       headers: dict[str, str] | None = None) -> None:
-        """The usual error body (JSON or msgpack as the caller accepts), written here: this
-        runs outside the app's exception handlers."""
-        headers = headers or {}
-        if error.retry_after is not None:
-            headers["Retry-After"] = str(error.retry_after)
-        request = Request(scope)
-        response = encode_response(request, error.body(), error.status, headers)
+        """The route's error body (JSON or msgpack as the caller accepts), written here:
+        this runs outside the app's exception handlers."""
+        response = error_response(Request(scope), error, headers)
         await response(scope, _drain_nothing, send)
 
 

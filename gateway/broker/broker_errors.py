@@ -15,10 +15,13 @@ def interrupted(why: str) -> ApiError:
 
 
 def late(timeout_s: float) -> ApiError:
+    # Whether a worker had started it is not known here (`started` None): sent again it may
+    # run twice, so clients are told not to retry it as it is (x-should-retry: false).
     return ApiError(
         ErrorCode.DEADLINE_EXCEEDED,
-        f"no result within the request's {timeout_s * 1000:.0f} ms deadline "
-        "(X-Timeout-Ms); the workers may be busy or absent",
+        f"no result within the request's {timeout_s * 1000:.0f} ms deadline; the workers may "
+        "be busy or absent, or it may still be running (sent again as it is, it would run "
+        "again): allow more time with the X-Timeout-Ms header, or send fewer items",
     )
 
 

@@ -82,15 +82,17 @@ def check_items(request: Request, parsed: ParsedRequest) -> None:
     """413 for more items, or longer texts, than this gateway accepts."""
     settings = request.app.state.settings
     if len(parsed.items) > settings.max_items:
+        # param: on the OpenAI routes a 400 naming the items' field, as OpenAI answers
         raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE, f"{len(parsed.items)} items is over the "
-                       f"limit of {settings.max_items} per request")
+                       f"limit of {settings.max_items} per request (SHOAL_MAX_ITEMS); send "
+                       "them in several requests", param="items")
     for i, item in enumerate(parsed.items):
         chars = len(item.text) if item.text is not None else sum(
             len(content) for _, content in item.messages or ())
         if chars > settings.max_text_chars:
             raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
                            f"item {i} has {chars} characters, over the limit of "
-                           f"{settings.max_text_chars}")
+                           f"{settings.max_text_chars}", param=f"items[{i}]")
 
 
 def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:

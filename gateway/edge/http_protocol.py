@@ -46,7 +46,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.edge.gateway_metrics import EDGE_REFUSALS
 from gateway.edge.outer_middleware import EDGE_ANSWERED
-from tasks.errors import STATUS_OF_CODE, ErrorCode
+from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
 
 # A refused client still sending gets this long, and this many bytes, to finish before the
 # close (see the module doc). 1 s: several round trips even on a slow link, for a client
@@ -66,13 +66,16 @@ _PHRASES = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
 
 
 def canned_response(code: ErrorCode, message: str) -> bytes:
-    """A whole HTTP/1.1 response with the usual error body, closing the connection."""
+    """A whole HTTP/1.1 response with the native error body (the route may not be known
+    yet) and x-should-retry as every error has it, closing the connection."""
     status = STATUS_OF_CODE[code]
     body = orjson.dumps({"error": {"code": str(code), "message": message}})
+    retry = b"true" if ShoalError(code, message).retryable else b"false"
     return b"".join([
         b"HTTP/1.1 %d %s\r\n" % (status, _PHRASES[status]),
         b"content-type: application/json\r\n",
         b"content-length: %d\r\n" % len(body),
+        b"x-should-retry: %s\r\n" % retry,
         b"connection: close\r\n\r\n",
         body,
     ])

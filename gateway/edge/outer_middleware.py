@@ -1,7 +1,7 @@
 """The gateway's outermost ASGI middleware: request ids, metrics, and the last word on errors.
 
 Every response goes through here, so every response is counted by route and status,
-an unexpected exception included: it is answered here (500 INTERNAL with the usual
+an unexpected exception included: it is answered here (500 INTERNAL with the route's
 error body) instead of by Starlette's ServerErrorMiddleware outside, which re-raised
 it, so uvicorn logged a second traceback and dropped the keep-alive connection.
 A client that leaves while its body is being read is one log line and a metric.
@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.edge.codecs import encode_response
+from gateway.edge.error_shapes import error_response
 from gateway.edge.gateway_metrics import CLIENT_DISCONNECTS, LATENCY, REQUESTS, UNEXPECTED_ERRORS
 from tasks.errors import ErrorCode, ShoalError
 
@@ -156,11 +156,7 @@ class RequestIdMiddleware:
 
 
 async def _answer(scope, error: ShoalError, send) -> None:
-    headers = {}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(error.retry_after)
-    response = encode_response(Request(scope), error.body(), error.status, headers)
-    await response(scope, _no_receive, send)
+    await error_response(Request(scope), error)(scope, _no_receive, send)
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -24,22 +24,21 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.edge.codecs import encode_response
+from gateway.edge import error_shapes
 from tasks.errors import ErrorCode, ShoalError
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def error_response(request: Request, error: ShoalError) -> Response:
-    """The usual error body for `error`, with the request's id and any Retry-After."""
-    headers = {"X-Request-Id": getattr(request.state, "request_id", "")}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(error.retry_after)
-    return encode_response(request, error.body(), error.status, headers)
+    """The error response for `error` in its route's shape (`gateway.edge.error_shapes`),
+    with the request's id."""
+    return error_shapes.error_response(
+        request, error, {"X-Request-Id": getattr(request.state, "request_id", "")})
 
 
 def http_error_response(request: Request, exc: HTTPException) -> Response:
-    """Starlette's 404 and 405 (and any other HTTPException) in the usual error body."""
+    """Starlette's 404 and 405 (and any other HTTPException) as any other error."""
     code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
         exc.status_code, ErrorCode.INVALID_REQUEST
     )

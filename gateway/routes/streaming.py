@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from gateway.calls.model_call import timeout_ms
+from gateway.edge.error_shapes import openai_body
 from gateway.edge.gateway_metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
 from tasks.catalog import ModelEntry
 from tasks.envelope import PROGRESS, SUCCESS, task_part
@@ -105,12 +106,12 @@ async def _events(first: dict[str, Any], events: AsyncIterator[dict[str, Any]],
                     yield chunk
                 return
             else:
-                yield _error(ShoalError.from_celery_failure(event.get("result")))
+                yield _error(form, ShoalError.from_celery_failure(event.get("result")))
                 return
             event = await anext(events, None)
-        yield _error(ShoalError("INTERNAL", "the stream ended without a result"))
+        yield _error(form, ShoalError("INTERNAL", "the stream ended without a result"))
     except ShoalError as exc:  # the deadline passed mid-stream
-        yield _error(exc)
+        yield _error(form, exc)
     finally:
         await events.aclose()  # revokes the request unless its result came
 
@@ -129,8 +130,10 @@ def _ending(form: ChunkFormat, result: dict[str, Any]) -> list[bytes]:
     return chunks
 
 
-def _error(exc: ShoalError) -> bytes:
-    return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
+def _error(form: ChunkFormat, exc: ShoalError) -> bytes:
+    """The error event, in OpenAI's envelope as the route's error responses are."""
+    path = "/v1/chat/completions" if form.chat else "/v1/completions"
+    return b"data: " + orjson.dumps(openai_body(path, exc)) + b"\n\n"
 
 
 class _Timing:

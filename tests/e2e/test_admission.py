@@ -11,11 +11,12 @@ take ...: not started").
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import FAULTY, queue_name
 from tests.slow_batches import SlowBatches
-from tests.stack import queue_counts, wait_for
+from tests.stack import metric_sum, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +29,7 @@ def cold_worker(stack, tmp_path_factory):
     slow = SlowBatches(tmp_path_factory.mktemp("admission-slow"), slow_s=SLOW_S)
     worker = stack.stack.worker("admission", [FAULTY], **slow.env)
     wait_for(lambda: queue_counts(queue_name(FAULTY))[1] >= 1, 120, "the faulty worker")
-    yield
+    yield slow
     worker.stop()
 
 
@@ -62,3 +63,40 @@ def test_a_deadline_measured_batches_of_its_shape_cannot_meet_is_refused_for_goo
     assert error["code"] == "DEADLINE_TOO_SHORT"
     assert "measured batches of a comparable shape" in error["message"]
     assert "its whole 500 ms deadline" in error["message"]
+    assert refused.headers["x-should-retry"] == "false"
+    # On the OpenAI route: 400, the SDK's BadRequestError, and one request only.
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused",
+                           default_headers={"X-Timeout-Ms": "500"})
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=FAULTY, input=f"{text} once more")
+    assert caught.value.body["code"] == "DEADLINE_TOO_SHORT"
+
+
+def test_a_request_that_ran_past_its_deadline_is_not_retried_by_the_openai_sdk(
+        stack, cold_worker):
+    """A 504 for a request that was running when the gateway stopped waiting says
+    x-should-retry: false: the openai SDK (which retries a 5xx twice by default) sends it
+    once, so the model runs it once."""
+    slow = cold_worker
+
+    def timed_out() -> float:
+        return metric_sum(f"{stack.url}/metrics", 'shoal_gateway_requests_total'
+                          '{route="/v1/embeddings",status="504"}')
+
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused",
+                           default_headers={"X-Timeout-Ms": "5000"})
+    assert client.max_retries == 2
+    before, ran = timed_out(), slow.started()
+    slow.hold()  # the batch sleeps on, past the request's deadline, until released
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.embeddings.create(model=FAULTY, input="@@slow@@ held past its deadline")
+        slow.wait_started(ran + 1)
+    finally:
+        slow.release()
+    assert caught.value.status_code == 504
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert caught.value.body["code"] == "DEADLINE_EXCEEDED"
+    assert "X-Timeout-Ms" in caught.value.body["message"]
+    assert timed_out() == before + 1  # one request reached the gateway
+    assert slow.started() == ran + 1  # and the model ran it once

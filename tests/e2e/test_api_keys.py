@@ -81,6 +81,10 @@ def keys(stack, tmp_path_factory) -> Keys:
     # /readyz needs no key: a load balancer's probe has none.
     wait_for(lambda: http_status(f"{keys.url}/readyz") == 200, 60, "the keyed gateway",
              give_up=lambda: None if gateway.alive() else gateway.log()[-3000:])
+    # /v1/models lists what workers serve now: once the session worker's pool state is in.
+    wait_for(lambda: {m["id"] for m in httpx.get(f"{keys.url}/v1/models", headers=_auth(
+        keys.all), timeout=10).json()["data"]} == {MINILM, TINY_CLS}, 30,
+        "the keyed gateway to hear the worker's pool state")
     yield keys
     gateway.stop()
 
@@ -228,9 +232,15 @@ def test_the_openai_client_works_with_a_key_and_raises_without(keys):
     with pytest.raises(openai.AuthenticationError) as caught:
         client(new_key()).embeddings.create(model=MINILM, input="x")
     assert caught.value.status_code == 401
+    # OpenAI's envelope, shoal's code (the refusal is written before any route runs)
+    assert caught.value.body["type"] == "invalid_request_error"
+    assert caught.value.body["code"] == "UNAUTHORIZED"
     with pytest.raises(openai.PermissionDeniedError):
         client(keys.tiny).embeddings.create(model=MINILM, input="x")
     assert [m.id for m in client(keys.tiny).models.list()] == [TINY_CLS]
+    assert client(keys.tiny).models.retrieve(TINY_CLS).id == TINY_CLS
+    with pytest.raises(openai.PermissionDeniedError):
+        client(keys.tiny).models.retrieve(MINILM)
 
 
 def test_keys_are_added_and_revoked_by_editing_the_file(keys):

@@ -9,6 +9,7 @@ import httpx
 import msgpack
 import pytest
 
+from gateway.edge.error_shapes import is_openai_path
 from tests.conftest import MINILM, RERANKER, UNSERVED, queue_name
 from tests.stack import delete_queues, free_port, http_status, queue_counts, wait_for
 
@@ -68,8 +69,15 @@ def test_unsupported_media_type_415(stack):
     (f"/v1/score/{RERANKER}", {"query": "q", "items": [{"text": "x"}],
                                "options": {"top_n": "2"}}, "top_n"),
 ])
-def test_wrong_types_422(stack, path, body, fragment):
-    assert fragment in _error(post(stack, path, json=body), 422, "VALIDATION_ERROR")
+def test_wrong_types_422_or_400_on_openai_routes(stack, path, body, fragment):
+    # OpenAI answers 400 invalid_request_error (the SDK's BadRequestError); native: 422.
+    openai_route = is_openai_path(path)
+    r = post(stack, path, json=body)
+    assert fragment in _error(r, 400 if openai_route else 422, "VALIDATION_ERROR")
+    if openai_route:
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "param" in r.json()["error"]
+
 
 
 def test_bad_timeout_header_422(stack):
@@ -84,6 +92,11 @@ def test_too_large_413(stack):
     message = _error(post(stack, f"/v1/encode/{MINILM}",
                           json={"items": [{"text": "x"}] * 2049}), 413, "PAYLOAD_TOO_LARGE")
     assert "2048" in message
+    # OpenAI answers 400 for more inputs than it takes, naming `input`.
+    r = post(stack, "/v1/embeddings", json={"model": MINILM, "input": ["x"] * 2049})
+    assert "2048" in _error(r, 400, "PAYLOAD_TOO_LARGE")
+    assert r.json()["error"]["param"] == "input"
+
 
 
 def test_too_long_input_without_truncation_413(stack):
@@ -100,7 +113,11 @@ def test_unknown_route_and_method(stack):
 def test_deadline_504_when_no_worker_serves(stack):
     r = post(stack, f"/v1/encode/{UNSERVED}", json={"items": [{"text": "x"}]},
              headers={"x-timeout-ms": "300"})
-    _error(r, 504, "DEADLINE_EXCEEDED")
+    assert "X-Timeout-Ms" in _error(r, 504, "DEADLINE_EXCEEDED")
+    # It may have been running when the gateway stopped waiting: SDKs must not send it
+    # again as it is (the openai SDK would retry a 504 twice).
+    assert r.headers["x-should-retry"] == "false"
+
 
 
 def test_gateway_survives_all_of_the_above(stack):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 from kombu import Connection, Exchange, Producer
@@ -55,7 +56,14 @@ def _state(worker: str, interval_s: float, models: list[dict], **extra: object) 
 
 
 def _models(url: str) -> dict[str, dict]:
-    return {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+    """Every model the gateway accepts (`?all=true`), served now or not."""
+    return {m["id"]: m for m in httpx.get(f"{url}/v1/models", params={"all": "true"},
+                                          timeout=10).json()["data"]}
+
+
+def _served(url: str) -> list[str]:
+    """The ids /v1/models lists by default: what some worker serves now."""
+    return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
 
 
 def _workers(url: str, model: str) -> list[dict]:
@@ -81,6 +89,7 @@ def test_pool_states_show_in_v1_models_decide_served_and_go_stale(tmp_path):
         try:
             _ready(url, private.stack)
             assert _workers(url, MINILM) == [] and _models(url)[MINILM]["loras"] == []
+            assert _served(url) == []  # no worker has said it serves anything
 
             # No worker consumes MiniLM's queue and none announced it: refused at once,
             # not queued to wait out its deadline (a minute) for a worker.
@@ -93,6 +102,22 @@ def test_pool_states_show_in_v1_models_decide_served_and_go_stale(tmp_path):
             r = httpx.post(f"{url}/v1/embeddings", json={"model": TINY_CLS, "input": "x"},
                            timeout=10)
             _error(r, 503, "MODEL_UNAVAILABLE")
+            assert r.json()["error"]["type"] == "server_error"  # OpenAI's envelope there
+            assert r.headers["x-should-retry"] == "true"
+
+            # The openai SDK (max_retries=2 by default) retries it, as it may: three
+            # requests reach the gateway, Retry-After (1 s) apart.
+            def refused() -> float:
+                return metric_sum(f"{url}/metrics", 'shoal_gateway_requests_total'
+                                  '{route="/v1/embeddings",status="503"}')
+
+            before = refused()
+            with pytest.raises(openai.InternalServerError) as caught:
+                openai.OpenAI(base_url=f"{url}/v1", api_key="unused").embeddings.create(
+                    model=TINY_CLS, input="x")
+            assert caught.value.status_code == 503
+            assert caught.value.body["code"] == "MODEL_UNAVAILABLE"
+            assert refused() == before + 3
 
             # A worker's state shows up, per model.
             _publish_state(prefix, _state("steady@host", 60, [
@@ -102,6 +127,7 @@ def test_pool_states_show_in_v1_models_decide_served_and_go_stale(tmp_path):
                 {"id": "not/served-here", "state": "cold", "pinned": False, "bytes": None},
             ], device_busy=0.25))
             wait_for(lambda: _workers(url, MINILM), 10, "the state in /v1/models")
+            assert set(_served(url)) == {MINILM, TINY_CLS}  # announced: listed
             assert _workers(url, MINILM) == [{"worker": "steady@host", "state": "resident",
                                               "bytes": 90_000_000, "pinned": True, "loras": [],
                                               "device_busy": 0.25}]
@@ -138,6 +164,7 @@ def test_pool_states_show_in_v1_models_decide_served_and_go_stale(tmp_path):
             # The steady worker says it serves nothing any more: TinyCLS is refused again.
             _publish_state(prefix, _state("steady@host", 60, []))
             wait_for(lambda: not _workers(url, TINY_CLS), 10, "the new state")
+            assert _served(url) == []
             r = httpx.post(f"{url}/v1/encode/{TINY_CLS}", json=ENCODE, timeout=10)
             _error(r, 503, "MODEL_UNAVAILABLE")
         finally:
@@ -211,8 +238,6 @@ LORA_BASE = "test/lora-sim"
 
 
 def test_openai_client_names_a_lora_as_base_colon_lora(tmp_path):
-    import openai
-
     catalog = tmp_path / "catalog"
     catalog.mkdir()
     adapter = Path(tmp_path / "adapter")  # the sim runtime never reads it
@@ -239,8 +264,17 @@ def test_openai_client_names_a_lora_as_base_colon_lora(tmp_path):
         assert rows[0]["state"] in ("resident", "loading", "cold")
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        listed = {m.id for m in client.models.list()}
-        assert {LORA_BASE, f"{LORA_BASE}:legal", f"{LORA_BASE}:medical"} <= listed
+        listed = {m.id: m for m in client.models.list()}
+        assert {LORA_BASE, f"{LORA_BASE}:legal", f"{LORA_BASE}:medical"} <= set(listed)
+        # Retrieved by id, "/" and ":" in it (the SDK sends the "/" as %2F): as listed.
+        for model in (LORA_BASE, f"{LORA_BASE}:legal"):
+            got = client.models.retrieve(model)
+            assert got.id == model and got.created == listed[model].created
+            assert isinstance(got.created, int) and got.owned_by == "shoal"
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve("test/no-such-model")
+        assert caught.value.body["code"] == "MODEL_NOT_FOUND"
+        assert caught.value.body["type"] == "invalid_request_error"
         got = client.embeddings.create(model=f"{LORA_BASE}:legal", input=["a", "b"])
         assert got.model == f"{LORA_BASE}:legal"  # as the caller named it
         assert len(got.data) == 2 and len(got.data[0].embedding) == 384

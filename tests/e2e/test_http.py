@@ -128,7 +128,7 @@ def test_tiny_model_served_by_the_same_worker(stack):
 
 
 def test_models_and_health(stack):
-    models = httpx.get(f"{stack.url}/v1/models").json()["data"]
+    models = httpx.get(f"{stack.url}/v1/models", params={"all": "true"}).json()["data"]
     by_id = {m["id"]: m for m in models}
     assert by_id[MINILM]["dims"] == 384 and by_id[MINILM]["tasks"] == ["encode"]
     assert by_id[MINILM]["max_seq_length"] == 256  # its sentence_bert_config.json's

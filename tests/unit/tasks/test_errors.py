@@ -57,3 +57,34 @@ def test_a_retry_after_travels_with_a_celery_failure_and_celery_ignores_it():
     assert "retry_after" not in ShoalError(ErrorCode.INTERNAL, "x").as_celery_failure()
     rebuilt = Backend(app).exception_to_python(meta)
     assert isinstance(rebuilt, ShoalError) and rebuilt.args == ("MODEL_UNAVAILABLE", "restarting")
+
+
+def test_whether_a_retry_can_help_is_known_per_code():
+    """x-should-retry: the fleet or a store away or full may come back; a refusal of the
+    request itself, or INTERNAL, would fail again."""
+    assert ShoalError(ErrorCode.MODEL_UNAVAILABLE, "x", retry_after=1).retryable
+    assert ShoalError(ErrorCode.QUEUE_FULL, "x").retryable
+    for code in (ErrorCode.VALIDATION_ERROR, ErrorCode.DEADLINE_TOO_SHORT,
+                 ErrorCode.POISON_INPUT, ErrorCode.INTERNAL, ErrorCode.MODEL_NOT_FOUND):
+        assert not ShoalError(code, "x").retryable, code
+
+
+def test_a_deadline_exceeded_is_retryable_only_when_it_did_not_start():
+    # Refused unrun by a worker: nothing ran, sending it again may fit.
+    assert ShoalError(ErrorCode.DEADLINE_EXCEEDED, "x", started=False).retryable
+    # Ran, or not known (the gateway stopped waiting): it would run again.
+    assert not ShoalError(ErrorCode.DEADLINE_EXCEEDED, "x", started=True).retryable
+    assert not ShoalError(ErrorCode.DEADLINE_EXCEEDED, "x").retryable
+
+
+def test_started_travels_beside_celery_s_keys_and_param_stays_home():
+    error = ShoalError(ErrorCode.DEADLINE_EXCEEDED, "late", started=False, param="items")
+    meta = error.as_celery_failure()
+    assert meta["started"] is False and "param" not in meta
+    assert error.args == ("DEADLINE_EXCEEDED", "late")  # Celery's args are (code, message)
+    again = ShoalError.from_celery_failure(meta)
+    assert again.started is False and again.retryable and again.param is None
+    assert ShoalError.from_celery_failure({**meta, "started": "no"}).started is None
+    assert "started" not in ShoalError(ErrorCode.INTERNAL, "x").as_celery_failure()
+    rebuilt = Backend(app).exception_to_python(meta)
+    assert isinstance(rebuilt, ShoalError) and rebuilt.args == ("DEADLINE_EXCEEDED", "late")
