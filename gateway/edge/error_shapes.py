@@ -25,6 +25,7 @@ the API-key middleware, the outer middleware) calls `error_response`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -44,6 +45,9 @@ OPENAI_ROUTES: dict[str, str | None] = {
 }
 # Paths under these prefixes are OpenAI routes too (GET /v1/models/{id}).
 OPENAI_PREFIXES: tuple[str, ...] = ("/v1/models/",)
+# Routes that speak yet another API (e.g. TEI's /rerank), each with the function that
+# gives an error's (status, body) in that API's shape: looked up before the rest.
+ROUTE_SHAPES: dict[str, Callable[[ShoalError], tuple[int, Any]]] = {}
 
 # Codes whose field is the model, whatever the message says.
 _MODEL_CODES = frozenset({ErrorCode.MODEL_NOT_FOUND, ErrorCode.LORA_NOT_FOUND,
@@ -122,6 +126,10 @@ def error_response(request: Request, error: ShoalError,
     out = error_headers(error)
     if headers:
         out.update(headers)
+    shape = ROUTE_SHAPES.get(path)
+    if shape is not None:
+        status, body = shape(error)
+        return encode_response(request, body, status, out)
     if is_openai_path(path):
         status = openai_status(error)
         return encode_response(request, openai_body(path, error, status), status, out)

@@ -371,3 +371,15 @@ def test_cors_origins_are_read_comma_separated(monkeypatch):
     assert Settings().cors_origins == ["*"]
     monkeypatch.delenv("SHOAL_CORS_ORIGINS")
     assert Settings().cors_origins == []
+
+
+def test_a_route_of_another_api_registers_its_own_shape(client, monkeypatch):
+    from gateway.edge import error_shapes
+
+    def tei_like(error: ShoalError) -> tuple[int, dict]:
+        return 424, {"error": error.message, "error_type": "Backend"}
+
+    monkeypatch.setitem(error_shapes.ROUTE_SHAPES, "/v1/embeddings", tei_like)
+    r = client.post("/v1/embeddings", json={"model": GEN, "input": "x"})
+    assert r.status_code == 424 and r.json()["error_type"] == "Backend"
+    assert r.headers["x-should-retry"] == "false"  # the headers stay every shape's
