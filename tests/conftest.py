@@ -50,6 +50,7 @@ HEARTBEAT_S = 2
 # The session worker's Celery hostname names its pidbox queue (exclusive on the broker):
 # unique per session, so two test sessions on one broker never lock each other out.
 MAIN_WORKER = f"main-{PREFIX[-8:]}"
+FAMILIES_WORKER = f"families-{PREFIX[-8:]}"  # the `families` fixture's worker, likewise
 os.environ.update(
     SHOAL_QUEUE_PREFIX=PREFIX,
     SHOAL_CATALOG_DIR=str(CATALOG_DIR),

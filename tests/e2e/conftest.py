@@ -12,6 +12,7 @@ from tests.conftest import (
     CLIP,
     COLBERT,
     DLQ,
+    FAMILIES_WORKER,
     FAMILY_ADAPTERS,
     FAULTY,
     LLAMA,
@@ -102,7 +103,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
 def families(stack: Live) -> Live:
     """A worker serving one tiny model of every adapter family, behind the session gateway."""
     _build_family_models()
-    stack.stack.worker("families", list(FAMILY_ADAPTERS))
+    stack.stack.worker(FAMILIES_WORKER, list(FAMILY_ADAPTERS))
     for model in FAMILY_ADAPTERS:
         wait_for(lambda m=model: queue_counts(queue_name(m))[1] >= 1, 120,
                  f"a worker to consume {model}")
