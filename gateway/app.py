@@ -29,7 +29,11 @@ from gateway.routes.embeddings import create_embeddings
 from gateway.routes.hot_path import HotRoutes, error_response, http_error_response
 from gateway.routes.job_routes import cancel_job, create_job, get_job, get_result
 from gateway.routes.native import classify, encode, extract, score
+from gateway.routes.rerank import rerank
 from gateway.routes.status import created_times, healthz, list_models, readyz, retrieve_model
+from gateway.routes.tei import embed as tei_embed
+from gateway.routes.tei import predict as tei_predict
+from gateway.routes.tei import rerank as tei_rerank
 from tasks.catalog import load_catalog
 from tasks.errors import ShoalError
 from tasks.settings import Settings, get_settings
@@ -92,6 +96,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/v1/score/{model:path}", score, methods=["POST"]),
             Route("/v1/extract/{model:path}", extract, methods=["POST"]),
             Route("/v1/classify/{model:path}", classify, methods=["POST"]),
+            Route("/v1/rerank", rerank, methods=["POST"]),  # Cohere's and Jina's shape
+            Route("/v2/rerank", rerank, methods=["POST"]),  # Cohere's v2 client posts here
+            Route("/embed", tei_embed, methods=["POST"]),  # TEI's routes
+            Route("/rerank", tei_rerank, methods=["POST"]),
+            Route("/predict", tei_predict, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/v1/jobs", create_job, methods=["POST"]),

@@ -33,7 +33,8 @@ _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:@/+=-]{1,%d}" % MAX_REQUEST_ID_CHARS)
 EDGE_ANSWERED = "shoal_edge_answered"
 
 _FIXED_ROUTES = {"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                 "/v1/jobs", "/healthz", "/readyz", "/metrics"}
+                 "/v1/jobs", "/healthz", "/readyz", "/metrics",
+                 "/v1/rerank", "/v2/rerank", "/embed", "/rerank", "/predict"}
 _MODEL_ROUTES = ("encode", "score", "extract", "classify")
 
 

@@ -803,8 +803,9 @@ def test_the_gateway_hpa_scales_on_cpu_and_on_requests_in_flight_the_adapter_ser
     routes = re.search(r'route=~"([^"]+)"', query).group(1)
     # Load is the API's requests, not probes and scrapes.
     for path, counted in [("/v1/embeddings", True), ("/v1/encode/BAAI/bge", True),
-                          ("/v1/jobs/abc", True), ("/healthz", False), ("/readyz", False),
-                          ("/metrics", False)]:
+                          ("/v1/jobs/abc", True), ("/v2/rerank", True), ("/embed", True),
+                          ("/rerank", True), ("/predict", True), ("/healthz", False),
+                          ("/readyz", False), ("/metrics", False), ("/anything", False)]:
         assert bool(re.fullmatch(routes, route_label(path))) == counted, path
 
 
