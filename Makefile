@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install services run test lint bench bench-peers clean sglang faults gpu-check gpu-bundle stress
+.PHONY: install services run test lint bench bench-peers clean sglang clients faults gpu-check gpu-bundle stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ services:
 run: install services
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start
 
-test: install services sglang
+test: install services sglang clients
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
@@ -114,5 +114,20 @@ $(SGLANG_VENV)/.installed: $(SGLANG_REQS)
 
 sglang: $(SGLANG_VENV)/.installed
 
+# The client SDKs and frameworks docs/clients.md shows (openai, LangChain, LlamaIndex,
+# Haystack, litellm, chroma), whose snippets tests/e2e/test_clients.py runs as written: in
+# their own venv, so their pins (openai, chromadb's onnxruntime, litellm's tokenizers) never
+# move shoal's. Every version exact (tests/clients/requirements.txt); no torch. ~40 s, ~1 GB.
+CLIENTS_VENV := .venv-clients
+
+$(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install -q --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install -q -r tests/clients/requirements.txt
+	$(CLIENTS_VENV)/bin/python -c "import importlib.util as u, sys; sys.exit('.venv-clients: torch got in') if u.find_spec('torch') else print('.venv-clients: ready')"
+	touch $@
+
+clients: $(CLIENTS_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) $(CLIENTS_VENV) .pytest_cache .ruff_cache
