@@ -54,6 +54,10 @@ class CatalogError(ValueError):
 # request: a catalog entry of any other adapter may not list `loras`. The runtime
 # classes say the same with `supports_lora` (the catalog imports no runtime code).
 LORA_ADAPTERS = frozenset({"dense", "causal-lm"})
+# The adapters whose runtimes take token-id items (`{"tokens": [...]}`, `tasks.schema`):
+# a dense embedder's input ids and a causal LM's prompt. The other families refuse them
+# where a request is parsed, the gateway included.
+TOKEN_ADAPTERS = frozenset({"dense", "causal-lm"})
 # The adapters an SGLang server can serve (`runtime: sglang`; `runtimes.sglang`).
 SGLANG_ADAPTERS = frozenset({"causal-lm", "dense"})
 # The adapters ONNX Runtime serves (`runtime: onnx`, or every one of them on a worker with
@@ -242,12 +246,13 @@ class ModelEntry(BaseModel):
         for encode its kind of embedding and width. ShoalError(VALIDATION_ERROR) if wrong;
         LORA_NOT_FOUND for an options.lora that is none of the entry's `loras`."""
         contract = self.contract
+        tokens = self.adapter in TOKEN_ADAPTERS
         if contract.operation == "encode":
             parsed = parse_encode(kwargs, self.dims, contract.inputs, self.defaults, self.id,
-                                  contract.outputs[0])
+                                  contract.outputs[0], tokens)
         else:
             parsed = parse_request(contract.operation, kwargs, contract.inputs, self.defaults,
-                                   self.id)
+                                   self.id, tokens)
         lora = getattr(parsed.options, "lora", None)
         if lora is not None and lora not in self.loras:
             raise ShoalError(ErrorCode.LORA_NOT_FOUND, self._lora_not_found(lora))

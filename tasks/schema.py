@@ -6,9 +6,13 @@ answers a bad request with a VALIDATION_ERROR instead of failing the batch.
 
 Every task's kwargs are `{"model", "items": [...], "options": {...}}` (score
 adds `"query"`). An item is `{"text": str}`, `{"image": bytes}` (base64 text is
-accepted too; the gateway turns it into bytes) or, for generation,
-`{"messages": [{"role", "content"}]}`. A catalog entry's `defaults` are merged
-under the caller's options.
+accepted too; the gateway turns it into bytes), for generation
+`{"messages": [{"role", "content"}]}`, or, for the models that take them (dense
+embedders and causal LMs: `tasks.catalog.TOKEN_ADAPTERS`), `{"tokens": [int, ...]}`:
+the model's input ids exactly as its own tokenizer gives them for a text, special
+tokens included (`tokenizer(text)["input_ids"]`), which skip the tokenizer, the
+entry's prompts and lowercasing. A catalog entry's `defaults` are merged under the
+caller's options.
 """
 
 from __future__ import annotations
@@ -30,17 +34,23 @@ ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 4
 MAX_LABELS = 64
 MAX_NEW_TOKENS = 4096
+# The largest token id a tokens item may carry: no vocabulary comes near it, and every id
+# below it fits the int64 (and int32) arrays runtimes pad ids into. Which ids a model
+# knows is its runtime's to say (`runtimes.token_ids`): the contract has no tokenizer.
+MAX_TOKEN_ID = 2**31 - 1
+TOKENS_FOR = "token-id input is for dense embeddings and completions"
 # Zero-shot's hypothesis when the caller and the catalog give none (as transformers' pipeline).
 DEFAULT_HYPOTHESIS = "This example is {}."
 
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One input: exactly one of text, image bytes or chat messages."""
+    """One input: exactly one of text, image bytes, chat messages or token ids."""
 
     text: str | None = None
     image: bytes | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    tokens: tuple[int, ...] | None = None  # the model's own input ids, special tokens included
 
     @property
     def kind(self) -> str:
@@ -278,9 +288,24 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def check_token_ids(value: Any, where: str) -> None:
+    """VALIDATION_ERROR naming `where` (e.g. "items[3].tokens") unless `value` is a
+    non-empty list of plain integers from 0 to MAX_TOKEN_ID: token ids."""
+    if type(value) is not list or not value:
+        raise invalid(f"{where} must be a non-empty list of token ids (integers from 0)")
+    # One pass in C for the common case; the slow loop only finds what to name.
+    if all(type(t) is int for t in value) and min(value) >= 0 and max(value) <= MAX_TOKEN_ID:
+        return
+    for j, t in enumerate(value):
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+            raise invalid(f"{where}[{j}] is {shown(t)}; a token id is an integer from 0 to "
+                          f"{MAX_TOKEN_ID}")
+
+
 def parse_items(items: Any, inputs: frozenset[str], model: str = "this model",
-                messages: bool = False) -> list[Item]:
-    """Items checked against what the model takes (`inputs`: 'text', 'image')."""
+                messages: bool = False, tokens: bool = False) -> list[Item]:
+    """Items checked against what the model takes (`inputs`: 'text', 'image'; `tokens`:
+    whether it takes token ids)."""
     if not isinstance(items, list) or not items:
         raise invalid("'items' must be a non-empty list of {'text': str}"
                       + (" or {'image': bytes}" if IMAGE in inputs else ""))
@@ -294,7 +319,8 @@ def parse_items(items: Any, inputs: frozenset[str], model: str = "this model",
         if not isinstance(item, dict) or len(item) != 1:
             raise invalid(f"{where} must be an object with exactly one of 'text'"
                           + (", 'image'" if IMAGE in inputs else "")
-                          + (", 'messages'" if messages else ""))
+                          + (", 'messages'" if messages else "")
+                          + (", 'tokens'" if tokens else ""))
         ((key, value),) = item.items()
         if key == "text":
             if not isinstance(value, str):
@@ -306,6 +332,12 @@ def parse_items(items: Any, inputs: frozenset[str], model: str = "this model",
             parsed.append(Item(image=image_bytes(value, where)))
         elif key == "messages" and messages:
             parsed.append(Item(messages=_messages(value, where)))
+        elif key == "tokens":
+            if not tokens or TEXT not in inputs:
+                raise invalid(f"{where} is token ids, but {model} does not take them: "
+                              f"{TOKENS_FOR}; send {{'text': ...}} instead")
+            check_token_ids(value, f"{where}.tokens")
+            parsed.append(Item(tokens=tuple(value)))
         else:
             raise invalid(f"{where} has an unknown field {shown(key)}")
     return parsed
@@ -313,8 +345,9 @@ def parse_items(items: Any, inputs: frozenset[str], model: str = "this model",
 
 def parse_request(op: str, kwargs: Any, inputs: frozenset[str] = frozenset({TEXT}),
                   defaults: Mapping[str, Any] | None = None,
-                  model: str = "this model") -> ParsedRequest:
-    """Check a task's kwargs for `op`; raises ShoalError(VALIDATION_ERROR)."""
+                  model: str = "this model", tokens: bool = False) -> ParsedRequest:
+    """Check a task's kwargs for `op`; raises ShoalError(VALIDATION_ERROR). `tokens`:
+    whether the model takes token-id items."""
     if not isinstance(kwargs, dict):
         raise invalid("task kwargs must be an object")
     if op not in _OPTIONS:
@@ -322,7 +355,8 @@ def parse_request(op: str, kwargs: Any, inputs: frozenset[str] = frozenset({TEXT
     stream = kwargs.get("stream", False)
     if not isinstance(stream, bool) or (stream and op != GENERATE):
         raise invalid(f"'stream' must be true or false, and true only for generate, not {op}")
-    items = parse_items(kwargs.get("items"), inputs, model, messages=op == GENERATE)
+    items = parse_items(kwargs.get("items"), inputs, model, messages=op == GENERATE,
+                        tokens=tokens)
     options = parse_options(op, kwargs.get("options"), defaults)
     query = kwargs.get("query")
     if op == SCORE:
@@ -337,10 +371,11 @@ def parse_request(op: str, kwargs: Any, inputs: frozenset[str] = frozenset({TEXT
 def parse_encode(kwargs: dict[str, Any], dims: int | None,
                  inputs: frozenset[str] = frozenset({TEXT}),
                  defaults: Mapping[str, Any] | None = None,
-                 model: str = "this model", kind: str = "dense") -> ParsedRequest:
+                 model: str = "this model", kind: str = "dense",
+                 tokens: bool = False) -> ParsedRequest:
     """An encode request, its options checked against the model's kind of embedding and
     width (`check_encode_output`)."""
-    parsed = parse_request(ENCODE, kwargs, inputs, defaults, model)
+    parsed = parse_request(ENCODE, kwargs, inputs, defaults, model, tokens)
     check_encode_output(parsed.options, model, kind, dims)
     return parsed
 

@@ -5,7 +5,8 @@ two more are the special tokens around every sequence. Each operation
 counts its own way, in tokens the batch former can add up:
 
 - encode, extract, classify: the item's tokens (an image costs a fixed
-  number, `image_tokens`: a ViT-B/32 at 224 px sees 50 patches);
+  number, `image_tokens`: a ViT-B/32 at 224 px sees 50 patches; a token-id
+  item its ids, which already hold the special tokens);
 - score: query and document together, one pair per item;
 - classify with caller labels (zero-shot): one text-hypothesis pair per label;
 - generate: prompt plus the new tokens asked for (decoding dominates).
@@ -53,6 +54,11 @@ def _item_tokens(op: str, item: Any, query: str, max_tokens: int, image_tokens: 
         return SPECIAL_TOKENS
     if "image" in item:
         return image_tokens
+    tokens = item.get("tokens")
+    if type(tokens) is list:
+        # Counted, not estimated; a longer list is truncated (or refused) where it runs.
+        prompt = min(len(tokens), max_tokens)
+        return prompt + max_new_tokens if op == "generate" else prompt
     if "messages" in item:
         messages = item["messages"] if isinstance(item["messages"], list) else []
         chars = sum(len(_text(m.get("content"))) for m in messages if isinstance(m, dict))
