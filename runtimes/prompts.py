@@ -8,7 +8,10 @@ The rules: a text prompt gets the tokenizer's BOS token when the tokenizer itsel
 (Llama, Mistral, Gemma) and nothing otherwise (GPT-2, Qwen); end tokens a tokenizer appends
 (BERT's [SEP]) are never added, as they would tell the model the text is over. Chat messages
 are rendered by the tokenizer's chat template (`add_generation_prompt=True`), which writes its
-own special tokens, and the rendered text is tokenized without adding any.
+own special tokens, and the rendered text is tokenized without adding any. A token-id
+item (`{"tokens": [...]}`) is the prompt exactly as given, nothing added (a BOS the model
+wants is the caller's to put first, as `tokenizer(text)["input_ids"]` does), once its ids
+are checked against the tokenizer's vocabulary.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from runtimes.token_ids import check_ids
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import Item, invalid
 
@@ -34,6 +38,11 @@ def bos_id(tokenizer: Any) -> int | None:
 def prompt_ids(tokenizer: Any, bos: int | None, item: Item, index: int,
                model_id: str) -> list[int]:
     """The token ids of one item's prompt (`bos`: what `bos_id` found for the tokenizer)."""
+    if item.tokens is not None:
+        # len(tokenizer): its ids, added tokens included; a model's embedding has at least
+        # as many rows (often more, padded for speed, which no id of its own reaches).
+        check_ids(item.tokens, index, len(tokenizer), model_id)
+        return list(item.tokens)
     if item.messages is None:
         ids = tokenizer(item.text or "", add_special_tokens=False)["input_ids"]
         return ids if bos is None else [bos, *ids]

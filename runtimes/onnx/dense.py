@@ -2,7 +2,8 @@
 
 The same results as `runtimes.pytorch.dense` on the same weights: the
 sentence-transformers files' pooling, normalisation, length and lowercasing, the
-entry's prompts, Matryoshka dimensions and output dtypes (`runtimes.vectors`).
+entry's prompts, Matryoshka dimensions and output dtypes (`runtimes.vectors`), and
+token-id items beside texts (`runtimes.token_ids`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import numpy as np
 
 from runtimes.onnx.adapter import OnnxAdapter
 from runtimes.st_config import read_st_config
-from runtimes.text import check_lengths, encode_texts
+from runtimes.text import check_lengths
+from runtimes.token_ids import (
+    Input,
+    encode_inputs,
+    has_tokens,
+    input_lengths,
+    vocabulary,
+    with_token_ids,
+)
 from runtimes.vectors import dense_results
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
@@ -55,15 +64,22 @@ class OnnxDenseAdapter(OnnxAdapter):
         self.normalize = st.normalize if entry.normalize is None else entry.normalize
         self.do_lower_case = st.do_lower_case
         self.dims = int(self.model.config.hidden_size)
+        # Which ids a tokens item may hold: the tokenizer's, within the embedding's rows.
+        self.vocab = vocabulary(self.tokenizer, self.model.config.vocab_size)
 
     def _texts(self, parsed: ParsedRequest) -> list[str]:
         return self.prompted(parsed, self.do_lower_case)
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
+        tokens = has_tokens(parsed.items)
+        if tokens:
+            self.vocab.check(parsed.items, self.entry.id)
         if not parsed.options.truncate:
             ids = self.tokenizer(self._texts(parsed), truncation=False)["input_ids"]
-            check_lengths([len(row) for row in ids], self.model.max_length)
+            lengths = [len(row) for row in ids]
+            check_lengths(input_lengths(lengths, parsed.items) if tokens else lengths,
+                          self.model.max_length)
         return parsed
 
     def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
@@ -71,8 +87,10 @@ class OnnxDenseAdapter(OnnxAdapter):
         return self.finish(planned, self.forward(planned))
 
     def plan(self, prepared: list[ParsedRequest]) -> _Planned:
-        texts = [t for parsed in prepared for t in self._texts(parsed)]
-        input_ids, token_type_ids = encode_texts(self.tokenizer, texts, self.model.max_length)
+        texts: list[Input] = [t for parsed in prepared
+                              for t in with_token_ids(self._texts(parsed), parsed.items)]
+        input_ids, token_type_ids = encode_inputs(self.tokenizer, texts,
+                                                  self.model.max_length, self.vocab)
         return _Planned(prepared, input_ids,
                         self.model.chunks(input_ids, token_type_ids, self.chunk_tokens))
 

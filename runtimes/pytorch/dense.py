@@ -5,7 +5,8 @@ the same weights: same truncation, same pooling, same normalisation. Texts
 are sorted by token length and run in chunks bounded by padded tokens, so one
 long text does not pad a whole batch. `DenseAdapter` serves it: prompts,
 Matryoshka dimensions, output dtypes and LoRA adapters (texts of different
-LoRAs in one forward pass, `runtimes.pytorch.lora`).
+LoRAs in one forward pass, `runtimes.pytorch.lora`), and token-id items beside texts
+(`runtimes.token_ids`: no prompt, no tokenizer, the same vector as their text).
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import (
     HostCopy,
     check_lengths,
-    encode_texts,
     host_chunks,
     max_length,
     to_device,
 )
 from runtimes.st_config import read_st_config
+from runtimes.token_ids import (
+    Input,
+    encode_inputs,
+    has_tokens,
+    input_lengths,
+    vocabulary,
+    with_token_ids,
+)
 from runtimes.vectors import dense_results, normalize_rows
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
@@ -81,13 +89,20 @@ class DenseEncoder:
         self.dims = int(self.model.config.hidden_size)
         self.chunk_tokens = chunk_tokens
         self.loras = LoraSet(self.model, model_ref)
+        # Which ids a tokens item may hold: the tokenizer's, within the embedding's rows.
+        self.vocab = vocabulary(self.tokenizer, getattr(
+            self.model.get_input_embeddings(), "num_embeddings", None))
 
-    def _prepare(self, texts: list[str]) -> list[str]:
-        return [t.lower() for t in texts] if self.do_lower_case else texts
+    def _prepare(self, texts: list[Input]) -> list[Input]:
+        # A tokens item's ids are the model's input as they are: never lowercased.
+        if not self.do_lower_case:
+            return texts
+        return [t.lower() if type(t) is str else t for t in texts]
 
-    def tokenize(self, texts: list[str]) -> Tokenized:
-        return Tokenized(*encode_texts(self.tokenizer, self._prepare(texts),
-                                       self.max_seq_length))
+    def tokenize(self, texts: list[Input]) -> Tokenized:
+        """The model's inputs for texts and tokens items' ids (`runtimes.token_ids`)."""
+        return Tokenized(*encode_inputs(self.tokenizer, self._prepare(texts),
+                                        self.max_seq_length, self.vocab))
 
     def untruncated_lengths(self, texts: list[str]) -> list[int]:
         encoded = self.tokenizer(self._prepare(texts), truncation=False, padding=False)
@@ -167,8 +182,12 @@ class DenseAdapter(Adapter):
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
+        tokens = has_tokens(parsed.items)
+        if tokens:
+            self.encoder.vocab.check(parsed.items, self.entry.id)
         if not parsed.options.truncate:
-            check_lengths(self.encoder.untruncated_lengths(self.prompted(parsed)),
+            lengths = self.encoder.untruncated_lengths(self.prompted(parsed))
+            check_lengths(input_lengths(lengths, parsed.items) if tokens else lengths,
                           self.encoder.max_seq_length)
         return parsed
 
@@ -177,7 +196,8 @@ class DenseAdapter(Adapter):
         return self.finish(planned, self.forward(planned))
 
     def plan(self, prepared: list[ParsedRequest]) -> _Planned:
-        texts = [t for parsed in prepared for t in self.prompted(parsed)]
+        texts = [t for parsed in prepared
+                 for t in with_token_ids(self.prompted(parsed), parsed.items)]
         loras = [parsed.options.lora for parsed in prepared for _ in parsed.items]
         tokens = self.encoder.tokenize(texts)
         return _Planned(prepared, tokens, loras if any(loras) else None,

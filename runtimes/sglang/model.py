@@ -17,6 +17,7 @@ from runtimes.base import Load
 from runtimes.prompts import bos_id
 from runtimes.sglang.server import ServerConfig, SGLangServer
 from runtimes.sources import resolve_source
+from runtimes.token_ids import Vocabulary, vocabulary
 from tasks.catalog import ModelEntry, load_catalog
 
 ADAPTERS = ("causal-lm", "dense")
@@ -71,6 +72,14 @@ class ServedModel:
         self.calm = asyncio.Condition()  # notified when `isolating` drops
         self.load_cache: tuple[float, Load] | None = None
         self.load_refreshing = False  # a /v1/loads read is under way
+        self._vocab: Vocabulary | None = None
+
+    def vocabulary(self) -> Vocabulary:
+        """Which ids a tokens item may hold and how they are cut (`runtimes.token_ids`),
+        read from the tokenizer on first use; call it holding `tokenizer_lock`."""
+        if self._vocab is None:
+            self._vocab = vocabulary(self.tokenizer)
+        return self._vocab
 
     @property
     def generate(self) -> bool:

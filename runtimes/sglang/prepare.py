@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from runtimes.base import Request
 from runtimes.prompts import check_prompt, prompt_ids
 from runtimes.sglang.model import ServedModel
+from runtimes.token_ids import has_tokens
 from tasks.errors import ErrorCode, ShoalError
 
 # Requests with at most this many characters of text are tokenized on the runtime's loop.
@@ -78,15 +79,22 @@ def _prompts(model: ServedModel, parsed: Any) -> list[list[int]]:
 
 
 def _texts(model: ServedModel, parsed: Any) -> list[list[int]]:
-    """Each encode text's ids behind the entry's query or document prompt: one over the
-    context is INPUT_TOO_LONG unless options.truncate cuts it."""
+    """Each encode text's ids behind the entry's query or document prompt, a tokens item's
+    own ids (no prompt; `runtimes.token_ids`): one over the context is INPUT_TOO_LONG
+    unless options.truncate cuts it."""
     from tasks.schema import check_encode_output
 
     entry = model.entry
     check_encode_output(parsed.options, entry.id, "dense", entry.dims or 0)
     prompt = entry.prompts.query if parsed.options.is_query else entry.prompts.document
     texts = [prompt + t for t in parsed.texts]
+    tokens = has_tokens(parsed.items)
+    if tokens:
+        model.vocabulary().check(parsed.items, entry.id)
     full = model.tokenizer(texts, truncation=False, padding=False)["input_ids"]
+    if tokens:
+        full = [ids if item.tokens is None else list(item.tokens)
+                for ids, item in zip(full, parsed.items, strict=True)]
     if not parsed.options.truncate:
         for i, ids in enumerate(full):
             if len(ids) > model.context:
@@ -94,8 +102,13 @@ def _texts(model: ServedModel, parsed: Any) -> list[list[int]]:
                     ErrorCode.INPUT_TOO_LONG,
                     f"items[{i}] has {len(ids)} tokens, over the model's "
                     f"{model.context}; shorten it or set options.truncate to true")
-    return model.tokenizer(texts, truncation=True, max_length=model.context,
-                           padding=False)["input_ids"]
+    cut = model.tokenizer(texts, truncation=True, max_length=model.context,
+                          padding=False)["input_ids"]
+    if not tokens:
+        return cut
+    vocab = model.vocabulary()
+    return [ids if item.tokens is None else vocab.fit(item.tokens, model.context)
+            for ids, item in zip(cut, parsed.items, strict=True)]
 
 
 def sampling_seed(seed: int, index: int) -> int:

@@ -199,8 +199,10 @@ class _SimModel:
 
 
 def _keys(parsed: ParsedRequest) -> list[Any]:
-    """What identifies each item: its text, image bytes or messages."""
+    """What identifies each item: its text, image bytes, messages or token ids (the sim has
+    no tokenizer: a text and its ids get different numbers)."""
     return [("image", hashlib.blake2b(item.image).hexdigest()) if item.image is not None
+            else ("tokens", item.tokens) if item.tokens is not None
             else item.messages or item.text for item in parsed.items]
 
 

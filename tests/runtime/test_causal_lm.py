@@ -255,3 +255,23 @@ def test_chunks_by_padded_tokens_keep_results(host, dirs, tokenizers):
     whole = host.adapter(GPT2).generate(rows)
     small = CausalLMAdapter(_entry(GPT2, dirs[GPT2]), str(dirs[GPT2]), chunk_tokens=30)
     assert [g.token_ids for g in small.generate(rows)] == [g.token_ids for g in whole]
+
+
+@pytest.mark.parametrize("model_id", [LLAMA, GPT2])
+def test_token_id_prompts_run_as_given_beside_texts(host, tokenizers, model_id):
+    """A tokens item is the prompt as sent, nothing added or dropped: the ids a text prompt
+    becomes (BOS where the tokenizer puts one first, no end token) complete as the text
+    does; an id the tokenizer does not have fails its own request."""
+    tokenizer = tokenizers[model_id]
+    options = {"temperature": 0, "max_tokens": 6}
+    ids = prompt_ids(tokenizer, model_id, PROMPTS[0])
+    text, tokens, bad = run(
+        host, model_id,
+        {"items": texts(PROMPTS[0]), "options": options},
+        {"items": [{"tokens": ids}, {"text": PROMPTS[1]}], "options": options},
+        {"items": [{"tokens": [1, len(tokenizer)]}], "options": options})
+    assert text.ok and tokens.ok, [text.error_message, tokens.error_message]
+    assert tokens.result["choices"][0] == text.result["choices"][0]
+    assert bad.error_code == "VALIDATION_ERROR"
+    assert f"items[0] has token id {len(tokenizer)}, but {model_id}'s vocabulary has " \
+        f"{len(tokenizer)} ids" in bad.error_message

@@ -114,6 +114,15 @@ def test_dense_batches_take_the_profiles_time(monkeypatch, dense_dir, caplog):
     assert stamp["device"].startswith("emulated:")
 
 
+def test_token_id_items_run_beside_texts(monkeypatch, dense_dir):
+    monkeypatch.setenv(ENV, PROFILE)
+    host = serve(DENSE, "dense", dense_dir, dims=32)
+    ids = AutoTokenizer.from_pretrained(str(dense_dir))("hello")["input_ids"]
+    (outcome,) = run(host, DENSE, "encode", {"items": [{"text": "hi"}, {"tokens": ids}]})
+    assert outcome.ok, outcome.error_message
+    assert outcome.result["count"] == 2
+
+
 def test_a_late_wake_up_is_not_device_time(monkeypatch, dense_dir):
     """A wait that wakes late (a busy host, the GIL) bills the device only the time asked."""
     monkeypatch.setenv(ENV, PROFILE)

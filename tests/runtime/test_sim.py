@@ -155,6 +155,22 @@ def test_generate_fills_max_tokens_words(sim):
     assert len(default["choices"][0]["text"].split()) == 5
 
 
+def test_token_id_items_where_the_real_runtimes_take_them(sim):
+    ids = [{"tokens": [101, 7592, 102]}, {"tokens": [101, 7592, 102]}, {"tokens": [101, 5]}]
+    out = run_one(sim, DENSE, {"items": ids})
+    assert out.ok, out.error_message
+    rows = np.array(embedding_rows(out.result))
+    np.testing.assert_array_equal(rows[0], rows[1])
+    assert not np.allclose(rows[0], rows[2])
+    assert out.result["usage"]["tokens"] == 3 + 3 + 2
+    generated = run_one(sim, LLM, {"items": [{"tokens": [1, 2, 3]}],
+                                   "options": {"max_tokens": 4}})
+    assert generated.ok and generated.result["choices"][0]["prompt_tokens"] == 3
+    refused = run_one(sim, SPARSE, {"items": [{"tokens": [1]}]})
+    assert refused.error_code == "VALIDATION_ERROR"
+    assert "token-id input is for dense embeddings and completions" in refused.error_message
+
+
 def test_every_result_says_it_is_simulated(sim):
     for model in ALL:
         kwargs = {"items": texts("hello")}

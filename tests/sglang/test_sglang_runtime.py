@@ -138,6 +138,26 @@ def test_embeddings_match_pytorch_dense(runtime, llama_dir) -> None:
     assert cosine.min() >= 0.999, cosine
 
 
+def test_token_ids_run_as_their_text_does(runtime, tokenizer) -> None:
+    """Token-id items reach SGLang as they are: a prompt's ids (BOS first, as this
+    tokenizer's text prompts get it) complete as the text does, a text's ids
+    (`tokenizer(text)["input_ids"]`) embed as the text does; an id outside the vocabulary
+    fails its own request before SGLang sees it."""
+    ids = [tokenizer.bos_token_id, *tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]]
+    text, tokens = (run(runtime, generate(runtime, [item], max_tokens=8, temperature=0))
+                    for item in ({"text": PROMPTS[0]}, {"tokens": ids}))
+    assert text.ok and tokens.ok, (text, tokens)
+    assert tokens.result["choices"] == text.result["choices"]
+    embedded = [runtime.submit(EMBED, Request(rid(), "encode", {"model": EMBED, "items": [
+        item]})).result(60) for item in ({"text": "hello"},
+                                         {"tokens": tokenizer("hello")["input_ids"]})]
+    assert all(o.ok for o in embedded), embedded
+    np.testing.assert_allclose(*(np.asarray(embedding_rows(o.result)) for o in embedded),
+                               atol=1e-5)
+    bad = run(runtime, generate(runtime, [{"tokens": [1, len(tokenizer)]}], max_tokens=2))
+    assert bad.error_code == "VALIDATION_ERROR" and "vocabulary" in bad.error_message
+
+
 def test_streamed_deltas_make_the_final_text(runtime) -> None:
     deltas: list[Delta] = []
     request = generate(runtime, [{"text": p} for p in PROMPTS[:2]], stream=True,
