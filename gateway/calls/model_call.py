@@ -18,6 +18,7 @@ from tasks.errors import ErrorCode, ShoalError
 from tasks.render import shown
 from tasks.schema import ParsedRequest
 from tasks.served import read_served, reply_headers
+from tasks.token_estimate import CHARS_PER_TOKEN
 
 
 @dataclass(slots=True)
@@ -79,7 +80,7 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
 
 
 def check_items(request: Request, parsed: ParsedRequest) -> None:
-    """413 for more items, or longer texts, than this gateway accepts."""
+    """413 for more items, or longer texts (or token-id lists), than this gateway accepts."""
     settings = request.app.state.settings
     if len(parsed.items) > settings.max_items:
         # param: on the OpenAI routes a 400 naming the items' field, as OpenAI answers
@@ -87,12 +88,26 @@ def check_items(request: Request, parsed: ParsedRequest) -> None:
                        f"limit of {settings.max_items} per request (SHOAL_MAX_ITEMS); send "
                        "them in several requests", param="items")
     for i, item in enumerate(parsed.items):
+        if item.tokens is not None:
+            _check_token_count(i, len(item.tokens), settings.max_text_chars)
+            continue
         chars = len(item.text) if item.text is not None else sum(
             len(content) for _, content in item.messages or ())
         if chars > settings.max_text_chars:
             raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
                            f"item {i} has {chars} characters, over the limit of "
                            f"{settings.max_text_chars}", param=f"items[{i}]")
+
+
+def _check_token_count(index: int, count: int, max_text_chars: int) -> None:
+    """A token-id item may be as long as the longest text's tokens (SHOAL_MAX_TEXT_CHARS at
+    the estimate's characters per token), not the model's length limit: a longer one is
+    truncated where it runs, as a text is (or refused there with options.truncate false)."""
+    limit = max(1, max_text_chars // CHARS_PER_TOKEN)
+    if count > limit:
+        raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
+                       f"item {index} has {count} token ids, over the limit of {limit} "
+                       f"(SHOAL_MAX_TEXT_CHARS / {CHARS_PER_TOKEN})")
 
 
 def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:
@@ -104,6 +119,8 @@ def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:
             out.append({"image": item.image})
         elif item.messages is not None:
             out.append({"messages": [{"role": r, "content": c} for r, c in item.messages]})
+        elif item.tokens is not None:
+            out.append({"tokens": list(item.tokens)})
         else:
             out.append({"text": item.text})
     return out

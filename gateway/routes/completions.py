@@ -1,7 +1,8 @@
 """POST /v1/completions and /v1/chat/completions, OpenAI-compatible.
 
 The body is mapped onto a generate task: each prompt (or the chat) is an
-item, the sampling parameters are options. `stream: true` answers with
+item, the sampling parameters are options; a prompt may be token ids of the model's own
+vocabulary, used as they are (`gateway.calls.openai_input`). `stream: true` answers with
 server-sent events (`gateway.routes.streaming`). Parameters shoal does not
 implement are refused with a 422 naming them, unless they carry their
 neutral value, so a caller never gets silently different behaviour. `model` may
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.calls.model_call import Reply, call_model, check_items
+from gateway.calls.openai_input import openai_input_items
 from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import encode_response, read_body
 from gateway.edge.gateway_metrics import INTER_TOKEN, TIME_TO_FIRST_TOKEN
@@ -124,19 +126,21 @@ async def _body(request: Request) -> dict[str, Any]:
 async def create_completion(request: Request) -> Response:
     body = await _body(request)
     prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(
-        isinstance(p, str) for p in prompts
-    ):
-        raise invalid("'prompt' must be a string or a non-empty list of strings "
-                      "(token-id prompts are not supported)")
+    if isinstance(prompt, str):
+        items = [{"text": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        items = [{"text": p} for p in prompt]
+    else:
+        # Token ids of the model's own vocabulary (one prompt, or one list per prompt), as
+        # OpenAI's API takes them; anything else is refused there with what to send.
+        items = openai_input_items(prompt, "prompt")
     stream, include_usage = _streaming(body)
-    entry, kwargs = _task(request, body, [{"text": p} for p in prompts], {"model", "prompt"})
+    entry, kwargs = _task(request, body, items, {"model", "prompt"})
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     if stream:
         form = ChunkFormat("text_completion", completion_id, body["model"], chat=False,
                            include_usage=include_usage)
-        return await stream_generation(request, entry, kwargs, form, len(prompts))
+        return await stream_generation(request, entry, kwargs, form, len(items))
     usage, reply = await _generate(request, entry, kwargs)
     payload = {
         "id": completion_id,

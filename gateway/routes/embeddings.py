@@ -1,7 +1,8 @@
 """POST /v1/embeddings, OpenAI-compatible (works with the official `openai` client).
 
 `model` may name a LoRA adapter ("base:lora", or a `lora` field: `gateway.routes.lora_names`);
-the response's `model` is the caller's."""
+the response's `model` is the caller's. `input` may be token ids of the model's own
+vocabulary (`gateway.calls.openai_input`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.calls.model_call import call_model, check_items
+from gateway.calls.openai_input import openai_input_items
 from gateway.calls.vectors import dense_array
 from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import encode_response, read_body
@@ -19,17 +21,6 @@ from gateway.routes.lora_names import openai_model
 from tasks.adapters import DENSE, ENCODE
 
 ENCODING_FORMATS = ("float", "base64")
-
-
-def _input_texts(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return value
-    if isinstance(value, list) and value and all(isinstance(v, int | list) for v in value):
-        raise invalid("token-id input is not supported; send 'input' as a string or a list of "
-                      "strings")
-    raise invalid("'input' must be a string or a non-empty list of strings")
 
 
 async def create_embeddings(request: Request) -> Response:
@@ -40,7 +31,8 @@ async def create_embeddings(request: Request) -> Response:
     if entry.contract.outputs[0] != DENSE:
         raise invalid(f"{entry.id} gives {entry.contract.outputs[0]} embeddings; "
                       f"use POST /v1/encode/{entry.id}")
-    texts = _input_texts(body.get("input"))
+    # Strings and token ids (the model's own: `gateway.calls.openai_input`); empty refused.
+    items = openai_input_items(body.get("input"))
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
         raise invalid(f"'encoding_format' must be one of {list(ENCODING_FORMATS)}")
@@ -50,7 +42,7 @@ async def create_embeddings(request: Request) -> Response:
         options["dimensions"] = body["dimensions"]
     if lora is not None:
         options["lora"] = lora
-    kwargs = {"model": entry.id, "items": [{"text": t} for t in texts], "options": options}
+    kwargs = {"model": entry.id, "items": items, "options": options}
     # 422 (404 for an unknown LoRA) before anything is published; the entry's defaults
     # (prompts, dims) apply.
     check_items(request, entry.parse(kwargs))

@@ -60,7 +60,8 @@ def test_unsupported_media_type_415(stack):
     (f"/v1/encode/{MINILM}", {"texts": ["x"]}, "texts"),
     (f"/v1/encode/{MINILM}", ["x"], "object"),
     ("/v1/embeddings", {"model": MINILM, "input": 5}, "input"),
-    ("/v1/embeddings", {"model": MINILM, "input": [[1, 2]]}, "token-id"),
+    ("/v1/embeddings", {"model": MINILM, "input": ["x", [1, 2]]}, "input[1]"),
+    ("/v1/embeddings", {"model": MINILM, "input": ["x", ""]}, "input[1] is an empty string"),
     ("/v1/embeddings", {"model": MINILM, "input": "x", "encoding_format": "hex"},
      "encoding_format"),
     ("/v1/embeddings", {"model": MINILM, "input": "x", "dimensions": "8"}, "dimensions"),
@@ -77,7 +78,6 @@ def test_wrong_types_422_or_400_on_openai_routes(stack, path, body, fragment):
     if openai_route:
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert "param" in r.json()["error"]
-
 
 
 def test_bad_timeout_header_422(stack):
@@ -98,7 +98,6 @@ def test_too_large_413(stack):
     assert r.json()["error"]["param"] == "input"
 
 
-
 def test_too_long_input_without_truncation_413(stack):
     r = post(stack, f"/v1/encode/{MINILM}",
              json={"items": [{"text": "word " * 400}], "options": {"truncate": False}})
@@ -117,7 +116,6 @@ def test_deadline_504_when_no_worker_serves(stack):
     # It may have been running when the gateway stopped waiting: SDKs must not send it
     # again as it is (the openai SDK would retry a 504 twice).
     assert r.headers["x-should-retry"] == "false"
-
 
 
 def test_gateway_survives_all_of_the_above(stack):
