@@ -4,6 +4,7 @@ empty strings and mixed inputs are the caller's error (4xx), never a failed batc
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -36,6 +37,12 @@ def test_token_ids_embed_as_their_text(stack):
             / np.linalg.norm(want, axis=1)
         assert cosine.min() >= 0.99999, cosine
     assert one.usage.prompt_tokens == 3
+    # The native route takes them as items: {"tokens": [...]}.
+    native = httpx.post(f"{stack.url}/v1/encode/{MINILM}",
+                        json={"items": [{"tokens": HELLO}, {"text": texts[1]}]}, timeout=30)
+    assert native.status_code == 200, native.text
+    np.testing.assert_allclose(np.array(native.json()["embeddings"], dtype=np.float32),
+                               reference, atol=1e-6)
 
 
 @pytest.mark.parametrize("value,fragment", [
