@@ -102,11 +102,13 @@ def test_accept_header_picks_the_response_type(stack):
 
 def test_openai_client_float_and_base64(stack, reference):
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
-    # The client asks for base64 by default and decodes it itself.
-    default = client.embeddings.create(model=MINILM, input=TEXTS)
-    assert [d.index for d in default.data] == [0, 1, 2, 3]
+    # The client asks for base64 by default and decodes it itself. OpenAI's API refuses
+    # an empty string (tests/e2e/test_token_ids.py): the rest of TEXTS.
+    kept = [i for i, t in enumerate(TEXTS) if t]
+    default = client.embeddings.create(model=MINILM, input=[TEXTS[i] for i in kept])
+    assert [d.index for d in default.data] == [0, 1, 2]
     got = np.array([d.embedding for d in default.data], dtype=np.float32)
-    np.testing.assert_allclose(got, reference, atol=1e-6)
+    np.testing.assert_allclose(got, reference[kept], atol=1e-6)
     floats = client.embeddings.create(model=MINILM, input="The cat sits on the mat.",
                                       encoding_format="float", dimensions=32)
     assert len(floats.data) == 1 and len(floats.data[0].embedding) == 32
