@@ -56,9 +56,10 @@ def test_token_ids_embed_as_their_text(stack):
     (["hello", [101]], "input[1] is not a string"),
 ])
 def test_what_the_model_cannot_take_is_a_client_error(stack, value, fragment):
-    with pytest.raises(openai.APIStatusError) as err:
+    # 400, OpenAI's status for a bad input: the SDK's BadRequestError.
+    with pytest.raises(openai.BadRequestError) as err:
         openai_client(stack.url).embeddings.create(model=MINILM, input=value)
-    assert 400 <= err.value.status_code < 500
+    assert err.value.status_code == 400 and err.value.code == "VALIDATION_ERROR"
     assert fragment in str(err.value)
 
 
