@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import LLAMA, MINILM, RERANKER
+from tests.conftest import LLAMA, MINILM, RERANKER, SENTIMENT
 from tests.stack import REPO
 from tests.tiny_models import MINILM_DIR
 
@@ -39,7 +39,8 @@ RUNNER = REPO / "tests" / "clients" / "run_snippets.py"
 DOC_URL = 'SHOAL_URL = "http://localhost:8080"'
 # The docs' models, and what the test stack serves in their place (tests/conftest.py).
 DOC_MODELS = {"cross-encoder/ms-marco-MiniLM-L6-v2": RERANKER,
-              "HuggingFaceTB/SmolLM2-135M-Instruct": LLAMA}
+              "HuggingFaceTB/SmolLM2-135M-Instruct": LLAMA,
+              "distilbert/distilbert-base-uncased-finetuned-sst-2-english": SENTIMENT}
 SNIPPET = re.compile(r"<!-- test: ([\w-]+) -->\n```python\n(.*?)```", re.S)
 # What the clients would otherwise send off this machine (telemetry, litellm's price list)
 # is switched off; anything left goes to a closed local port instead of the network.
@@ -69,8 +70,8 @@ PROBES = {
               "else v for k, v in collection.get(ids=[str(i) for i in (0, 1, 500, 998, 999)], "
               "include=['embeddings', 'documents']).items() "
               "if k in ('ids', 'embeddings', 'documents')})",
-    "http-rerank": "dict(texts=texts, query_text=query_text, ranked=ranked, "
-                   "tei_vectors=tei_vectors, tei_ranked=tei_ranked)",
+    "http": "dict(texts=texts, query_text=query_text, ranked=ranked, "
+            "tei_vectors=tei_vectors, tei_ranked=tei_ranked, tei_labels=tei_labels)",
     "celery": "dict(texts=texts, vectors=vectors, query_text=query_text, best=best)",
 }
 IN_PROCESS = {"celery"}  # needs shoal itself (tasks.client): runs in this venv, in this process
@@ -284,7 +285,7 @@ def test_chroma_adds_1000_documents_in_one_request(runs, minilm):
 
 
 def test_http_rerank_and_tei_routes(runs, minilm):
-    got = runs.result("http-rerank")["probe"]
+    got = runs.result("http")["probe"]
     texts, query = got["texts"], got["query_text"]
     assert_ranked(runs.url, query, texts,
                   [(r["index"], r["relevance_score"]) for r in got["ranked"]], top_n=2)
@@ -293,6 +294,13 @@ def test_http_rerank_and_tei_routes(runs, minilm):
     assert_same_vectors(got["tei_vectors"], minilm.encode(texts))
     assert_ranked(runs.url, query, texts,
                   [(r["index"], r["score"]) for r in got["tei_ranked"]], top_n=len(texts))
+    r = httpx.post(f"{runs.url}/v1/classify/{SENTIMENT}", timeout=60,
+                   json={"items": [{"text": "What a lovely day!"}]})
+    assert r.status_code == 200, r.text
+    want = sorted(r.json()["labels"][0], key=lambda entry: -entry["score"])
+    assert [entry["label"] for entry in got["tei_labels"]] == [e["label"] for e in want]
+    for entry, expected in zip(got["tei_labels"], want, strict=True):
+        assert entry["score"] == pytest.approx(expected["score"], abs=1e-6)
 
 
 def test_celery(runs, minilm):
