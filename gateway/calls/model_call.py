@@ -107,7 +107,7 @@ def _check_token_count(index: int, count: int, max_text_chars: int) -> None:
     if count > limit:
         raise ApiError(ErrorCode.PAYLOAD_TOO_LARGE,
                        f"item {index} has {count} token ids, over the limit of {limit} "
-                       f"(SHOAL_MAX_TEXT_CHARS / {CHARS_PER_TOKEN})")
+                       f"(SHOAL_MAX_TEXT_CHARS / {CHARS_PER_TOKEN})", param=f"items[{index}]")
 
 
 def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:

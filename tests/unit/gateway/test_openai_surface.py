@@ -136,6 +136,18 @@ def test_too_many_inputs_are_400_on_openai_routes_and_413_on_native_ones(client)
                   503, "BROKER_UNAVAILABLE")
 
 
+def test_a_text_or_token_ids_over_the_length_limit_are_400_naming_input(catalog):
+    short = TestClient(_app(catalog, max_text_chars=40), raise_server_exceptions=False)
+    # 41 characters; 11 token ids, over 40 / 4
+    for inputs in (["ok", "x" * 41], [[101, 102], list(range(101, 112))]):
+        error = _openai_error(short.post("/v1/embeddings",
+                                         json={"model": DENSE, "input": inputs}),
+                              400, "PAYLOAD_TOO_LARGE")
+        assert error["param"] == "input" and "item 1" in error["message"], error
+    _native_error(short.post(f"/v1/encode/{DENSE}", json={"items": [{"text": "x" * 41}]}),
+                  413, "PAYLOAD_TOO_LARGE")
+
+
 def test_a_body_over_the_byte_limit_stays_413(catalog):
     small = TestClient(_app(catalog, max_body_bytes=1024), raise_server_exceptions=False)
     error = _openai_error(small.post("/v1/embeddings",
