@@ -48,7 +48,6 @@ QUIET = {"HAYSTACK_TELEMETRY_ENABLED": "False", "ANONYMIZED_TELEMETRY": "False",
          "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LANGCHAIN_TRACING_V2": "false",
          "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
          "ALL_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost"}
-RANKED = "[[text, float(score)] for text, score in best]"
 # Per snippet: what its run hands back (an expression over the snippet's variables).
 PROBES = {
     "openai": "dict(texts=texts, one=one, vectors=vectors, "
@@ -64,7 +63,8 @@ PROBES = {
     "haystack": "dict(texts=texts, vectors=vectors, query=query, query_text=query_text, "
                 "best=[[d.content, d.score] for d in best])",
     "litellm": "dict(texts=texts, vectors=vectors, answer=answer, query_text=query_text, "
-               "ranked=[[r['index'], r['relevance_score']] for r in ranked.results])",
+               "ranked=[[[r['index'], r['relevance_score']] for r in response.results] "
+               "for response in (ranked, via_jina, via_tei)])",
     "chroma": "dict(count=collection.count(), hits=hits['ids'][0], "
               "hit_documents=hits['documents'][0], sample={k: v.tolist() if k == 'embeddings' "
               "else v for k, v in collection.get(ids=[str(i) for i in (0, 1, 500, 998, 999)], "
@@ -265,8 +265,10 @@ def test_litellm(runs, minilm):
     got = runs.result("litellm")["probe"]
     assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
     assert got["answer"] == chat_reference(runs.url)
-    assert_ranked(runs.url, got["query_text"], got["texts"],
-                  [tuple(pair) for pair in got["ranked"]], top_n=2)
+    cohere, jina, tei = ([tuple(pair) for pair in pairs] for pairs in got["ranked"])
+    assert_ranked(runs.url, got["query_text"], got["texts"], cohere, top_n=2)
+    assert_ranked(runs.url, got["query_text"], got["texts"], jina, top_n=2)
+    assert_ranked(runs.url, got["query_text"], got["texts"], tei, top_n=len(got["texts"]))
 
 
 def test_chroma_adds_1000_documents_in_one_request(runs, minilm):
