@@ -62,11 +62,16 @@ async def rerank(request: Request) -> Response:
     body = await read_body(request, request.app.state.settings.max_body_bytes)
     if not isinstance(body, dict):
         raise invalid("the body must be an object with 'model', 'query' and 'documents'")
+    return await cohere_rerank(request, body)
+
+
+async def cohere_rerank(request: Request, body: dict[str, Any]) -> Response:
+    """A body in Cohere's and Jina's shape, answered in that shape (see the module doc)."""
     entry = chosen_model(request, body.get("model"), RERANKERS)
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise invalid("'query' must be a non-empty string: the query to rank the documents by")
-    top_n = _top_n(body.get("top_n"))
+    top_n = top_n_of(body.get("top_n"))
     return_documents = _flag(body, "return_documents")
     documents = body.get("documents")
     texts = _texts(documents, _rank_fields(body.get("rank_fields")))
@@ -95,7 +100,7 @@ async def rerank(request: Request) -> Response:
     return encode_response(request, payload, headers=reply.headers)
 
 
-def _top_n(value: Any) -> int | None:
+def top_n_of(value: Any) -> int | None:
     if value is None:
         return None
     if type(value) is not int or value < 1:

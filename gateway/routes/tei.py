@@ -4,7 +4,10 @@
 - `/embed` `{"inputs", "normalize"?: true, "truncate"?, "truncation_direction"?,
   "prompt_name"?, "dimensions"?}` → `[[float, ...], ...]`, one vector per input;
 - `/rerank` `{"query", "texts", "raw_scores"?: false, "return_text"?: false, "truncate"?,
-  "truncation_direction"?}` → `[{"index", "score", "text"?}]`, best first;
+  "truncation_direction"?, "top_n"?}` → `[{"index", "score", "text"?}]`, best first (`top_n`,
+  shoal's extension, keeps the best n); a body in Cohere's shape (`documents`, no `texts`),
+  as litellm's infinity/ and hosted_vllm/ providers send to /rerank, is answered as
+  `/v1/rerank` answers it;
 - `/predict` `{"inputs", "raw_scores"?: false, "truncate"?, "truncation_direction"?}` →
   `[{"score", "label"}]` best first for one input, a list of those for a batch.
 
@@ -36,7 +39,7 @@ from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import encode_response, read_body
 from gateway.edge.compat_errors import empty_batch, tei_error
 from gateway.edge.error_shapes import ROUTE_SHAPES
-from gateway.routes.rerank import RERANKERS
+from gateway.routes.rerank import RERANKERS, cohere_rerank, top_n_of
 from gateway.routes.tei_shapes import embed_items, flag, predict_texts, truncation_options
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, TEXT
 from tasks.catalog import ModelEntry
@@ -92,6 +95,10 @@ async def _embed(request: Request, body: dict[str, Any]) -> Response:
 
 
 async def _rerank(request: Request, body: dict[str, Any]) -> Response:
+    if "texts" not in body and "documents" in body:
+        # Cohere's body on TEI's path: what litellm's infinity/ and hosted_vllm/ providers
+        # send to {api_base}/rerank. It gets Cohere's answer, as those servers give.
+        return await cohere_rerank(request, body)
     entry = chosen_model(request, body.get("model"), RERANKERS)
     query, texts = body.get("query"), body.get("texts")
     if not isinstance(query, str) or not query:
@@ -104,13 +111,17 @@ async def _rerank(request: Request, body: dict[str, Any]) -> Response:
     if flag(body, "raw_scores"):
         options["activation"] = "none"  # the model's logit, as TEI's raw_scores
     return_text = flag(body, "return_text")
+    # Not TEI's (it answers every text) but litellm's huggingface/ provider sends it.
+    top_n = top_n_of(body.get("top_n"))
+    if top_n is not None:
+        options["top_n"] = top_n
     kwargs: dict[str, Any] = {"model": entry.id, "query": query,
                               "items": [{"text": text} for text in texts]}
     if options:
         kwargs["options"] = options
     reply = await _run(request, entry, kwargs)
     ranks = []
-    for row in ranked(reply.result):
+    for row in ranked(reply.result, top_n):
         rank: dict[str, Any] = {"index": row["index"]}
         if return_text:
             rank["text"] = texts[row["index"]]

@@ -237,6 +237,16 @@ def test_tei_rerank_answers_v1_scores_scores(families):
     logits = score(families, DOCS, activation="none")["results"]
     raw = ok(post(families, "/rerank", {"query": QUERY, "texts": DOCS, "raw_scores": True}))
     assert raw == [{"index": x["index"], "score": x["score"]} for x in logits]
+    best = ok(post(families, "/rerank", {"query": QUERY, "texts": DOCS, "top_n": 2}))
+    assert best == [{"index": x["index"], "score": x["score"]} for x in expected[:2]]
+
+
+def test_tei_rerank_answers_a_cohere_body_as_v1_rerank(families):
+    # What litellm's infinity/ and hosted_vllm/ providers post to {api_base}/rerank.
+    body = {"model": RERANKER, "query": QUERY, "documents": DOCS, "top_n": 2,
+            "return_documents": True}
+    assert ok(post(families, "/rerank", body))["results"] == \
+        ok(post(families, "/v1/rerank", body))["results"]
 
 
 def classify(live: Any, texts: list[str]) -> list[list[dict[str, Any]]]:
