@@ -235,28 +235,15 @@ def test_openai_chat(runs):
     assert got["finish"] in ("stop", "length")
 
 
-def test_langchain(runs, minilm):
-    got = runs.result("langchain")["probe"]
+@pytest.mark.parametrize("framework", ["langchain", "llamaindex", "haystack"])
+def test_framework(runs, minilm, framework):
+    """Documents and a query embedded, a chat answer (Haystack's snippet has none), and
+    the documents reranked, each as the framework does it."""
+    got = runs.result(framework)["probe"]
     assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
     assert_same_vectors([got["query"]], minilm.encode([got["query_text"]]))
-    assert got["answer"] == chat_reference(runs.url)
-    assert_ranked(runs.url, got["query_text"], got["texts"],
-                  by_text(got["texts"], got["best"]), top_n=2)
-
-
-def test_llamaindex(runs, minilm):
-    got = runs.result("llamaindex")["probe"]
-    assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
-    assert_same_vectors([got["query"]], minilm.encode([got["query_text"]]))
-    assert got["answer"] == chat_reference(runs.url)
-    assert_ranked(runs.url, got["query_text"], got["texts"],
-                  by_text(got["texts"], got["best"]), top_n=2)
-
-
-def test_haystack(runs, minilm):
-    got = runs.result("haystack")["probe"]
-    assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
-    assert_same_vectors([got["query"]], minilm.encode([got["query_text"]]))
+    if framework != "haystack":
+        assert got["answer"] == chat_reference(runs.url)
     assert_ranked(runs.url, got["query_text"], got["texts"],
                   by_text(got["texts"], got["best"]), top_n=2)
 
