@@ -5,7 +5,8 @@
 Each round starts a private stack (gateway, worker, the zero-cost `sim` runtime: the
 model costs nothing, so what is measured is the path around it) from each tree in
 turn, and runs closed-loop clients at each load (`--loads`: clients x texts per
-request, `POST /v1/encode/{model}` with JSON bodies, the raw keep-alive client). The
+request, `POST /v1/encode/{model}` with JSON bodies, or with `--route embeddings` OpenAI's
+`POST /v1/embeddings`; the raw keep-alive client). The
 CPU of each process over the measured window comes from /proc. Reported: medians over
 the rounds of the gateway's CPU per request and per text, requests/s, and the whole
 stack's CPU per request (gateway, worker, RabbitMQ).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import subprocess
@@ -73,7 +75,8 @@ def measure_tree(tree: Path, loads: list[tuple[int, int]], args: argparse.Namesp
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, str(Path(__file__).resolve()), "--child",
                "--loads", ",".join(f"{c}x{t}" for c, t in loads),
-               "--duration", str(args.duration), "--warmup", str(args.warmup)]
+               "--duration", str(args.duration), "--warmup", str(args.warmup),
+               "--route", args.route]
     out = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True,
                          check=False)
     if out.returncode != 0:
@@ -88,16 +91,21 @@ def child(args: argparse.Namespace) -> None:
     import uvloop
 
     from app.tuning.bench_stack import bench_stack
-    from app.tuning.load import prepare, run_load
+    from app.tuning.load import items_body, prepare, run_load
 
     texts = make_texts(512, seed=1)
     rows = []
     with bench_stack(MINILM, extra_env=ZERO_COST_SIM) as running:
-        endpoint = f"{running.url}/v1/encode/{MINILM}"
+        if args.route == "embeddings":
+            endpoint = f"{running.url}/v1/embeddings"
+            body = functools.partial(_embeddings_body, MINILM)
+        else:
+            endpoint = f"{running.url}/v1/encode/{MINILM}"
+            body = items_body
         for clients, per_request in args.loads:
             requests = [texts[i:i + per_request] for i in range(0, len(texts) - per_request,
                                                                  max(1, per_request // 2))]
-            level = uvloop.run(run_load(endpoint, prepare(endpoint, requests), "closed",
+            level = uvloop.run(run_load(endpoint, prepare(endpoint, requests, body), "closed",
                                         clients, warmup=args.warmup, duration=args.duration,
                                         cpu_pids=running.pids))
             roles = cpu_roles(level.cpu_ms_per_request, list(running.gateway_pids))
@@ -106,6 +114,10 @@ def child(args: argparse.Namespace) -> None:
                          "gateway_ms": roles["gateway"], "worker_ms": roles["worker"],
                          "broker_ms": roles["broker"], "total_ms": roles["total"]})
     print(json.dumps(rows))
+
+
+def _embeddings_body(model: str, texts: list[str]) -> dict[str, Any]:
+    return {"model": model, "input": texts}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="CLIENTSxTEXTS,... (default 1x1,8x1,32x1,32x16)")
     parser.add_argument("--before", help="a git revision to compare with, alternating")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--route", choices=("encode", "embeddings"), default="encode",
+                        help="the native POST /v1/encode/{model} or OpenAI's /v1/embeddings")
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per load")
     parser.add_argument("--warmup", type=float, default=1.5, help="seconds before each")
     parser.add_argument("--json", type=Path)
