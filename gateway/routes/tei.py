@@ -86,7 +86,7 @@ async def _embed(request: Request, body: dict[str, Any]) -> Response:
         options["dimensions"] = body["dimensions"]
     prompt_name = body.get("prompt_name")
     if prompt_name is not None:
-        if prompt_name not in _PROMPTS:
+        if type(prompt_name) is not str or prompt_name not in _PROMPTS:
             raise invalid(f"'prompt_name' must be one of {list(_PROMPTS)} (the model entry's "
                           f"prompts), got {shown(prompt_name)}")
         options["is_query"] = _PROMPTS[prompt_name]
