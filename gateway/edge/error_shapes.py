@@ -106,7 +106,13 @@ def openai_param(path: str, error: ShoalError) -> str | None:
 def openai_body(path: str, error: ShoalError, status: int | None = None) -> dict[str, Any]:
     """OpenAI's error envelope for `error` on `path`, shoal's code in `code`."""
     status = openai_status(error) if status is None else status
-    return {"error": {"message": error.message, "type": openai_type(error, status),
+    message = error.message
+    field = OPENAI_ROUTES.get(path)
+    if field is not None and message.startswith("items["):
+        # The runtime's checks name the task's items ("items[2] has token id 99999 ..."):
+        # on this route the caller sent them as `input` (or `prompt`, `messages`).
+        message = field + message.removeprefix("items")
+    return {"error": {"message": message, "type": openai_type(error, status),
                       "param": openai_param(path, error), "code": str(error.code)}}
 
 

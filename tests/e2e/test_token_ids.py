@@ -46,8 +46,10 @@ def test_token_ids_embed_as_their_text(stack):
 
 
 @pytest.mark.parametrize("value,fragment", [
-    ([[101, 100257, 102]], "has token id 100257, but sentence-transformers/all-MiniLM-L6-v2's "
-                           "vocabulary has 30522 ids (0-30521)"),
+    # The runtime's checks name the item as the caller sent it: input[0], not items[0].
+    ([[101, 100257, 102]], "input[0] has token id 100257, but "
+                           "sentence-transformers/all-MiniLM-L6-v2's vocabulary has 30522 ids "
+                           "(0-30521)"),
     # LangChain's default: OpenAI's tiktoken ids ("hello"), which BERT's range would take.
     ([[15339]], "does not start with [CLS] (101) and end with [SEP] (102)"),
     (["hello", ""], "input[1] is an empty string"),

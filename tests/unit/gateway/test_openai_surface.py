@@ -20,7 +20,7 @@ from openai._utils import path_template
 from starlette.testclient import TestClient
 
 from gateway.auth.key_file import hash_key, new_key
-from gateway.edge.error_shapes import OPENAI_ROUTES, is_openai_path, openai_param
+from gateway.edge.error_shapes import OPENAI_ROUTES, is_openai_path, openai_body, openai_param
 from tasks.errors import ErrorCode, ShoalError, invalid
 from tasks.pool_state import encode_state
 from tasks.settings import Settings
@@ -202,6 +202,16 @@ def test_msgpack_callers_get_the_same_envelope(client):
 ])
 def test_param_is_the_field_at_fault_in_openai_s_terms(path, error, param):
     assert openai_param(path, error) == param
+
+
+@pytest.mark.parametrize(("path", "message", "shown"), [
+    ("/v1/embeddings", "items[2] has token id 99999", "input[2] has token id 99999"),
+    ("/v1/completions", "items[0] has 900 prompt tokens", "prompt[0] has 900 prompt tokens"),
+    ("/v1/embeddings", "'input' must be a string", "'input' must be a string"),
+    ("/v1/models", "items[0] x", "items[0] x"),  # no items on this route: as it was
+])
+def test_the_message_names_items_as_the_route_calls_them(path, message, shown):
+    assert openai_body(path, invalid(message))["error"]["message"] == shown
 
 
 def test_the_openai_routes_are_one_named_set():
