@@ -95,15 +95,38 @@ class Runtime(Protocol):
     """What the worker runs batches on: one batch of one model at a time.
 
     Implementations: in a child process that may crash without taking the
-    worker down (`runtimes.process.ProcessRuntime`), and simulated devices
-    (`runtimes.sim.SimRuntime`). The in-process `runtimes.host.ModelHost`
-    computes the same batches but is no Runtime: it has nothing to restart.
+    worker down (`runtimes.process.ProcessRuntime`, several of them on one device in
+    `runtimes.replicas.ReplicaSet`), SGLang servers (`runtimes.sglang.SGLangRuntime`),
+    several engines by model (`runtimes.router.RuntimeRouter`), and simulated devices
+    (`runtimes.sim.SimRuntime`). Every member here is one the worker reads or calls.
+    The in-process `runtimes.host.ModelHost` computes the same batches but is no
+    Runtime: it has nothing to restart.
     """
 
     # Counters the worker's metrics read: child restarts so far, and requests
     # blamed as POISON_INPUT so far (0 where nothing can crash).
     restarts: int
     poison_isolated: int
+
+    @property
+    def spare_promotions(self) -> int:
+        """Restarts that promoted a spare child (0 where there is none): a worker gauge."""
+        ...
+
+    @property
+    def start_failures(self) -> int:
+        """Replacement children that failed to start (0 where nothing restarts): a gauge."""
+        ...
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches `run_batch` may run at once: the worker's runtime threads (1: one)."""
+        ...
+
+    @property
+    def parallel(self) -> int:
+        """Batches run side by side (replicas): the worker's scheduler starts that many."""
+        ...
 
     @property
     def pid(self) -> int | None:

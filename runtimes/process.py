@@ -155,6 +155,7 @@ class ProcessRuntime:
         # Batches `run_batch` may be running at once (from as many threads): the child
         # computes one while it prepares the next (`runtimes.pipeline`).
         self.pipeline_depth = pipeline_depth
+        self.parallel = 1  # one child computes one batch at a time (`ReplicaSet` has more)
         self._catalog_dir = catalog_dir
         # A model that hangs (a deadlocked kernel, a stuck device) is killed
         # after this long and treated like a crash: restart, then bisect.

@@ -35,22 +35,21 @@ class RuntimeRouter:
 
     @property
     def spare_promotions(self) -> int:
-        return sum(getattr(r, "spare_promotions", 0) for r in self.runtimes.values())
+        return sum(r.spare_promotions for r in self.runtimes.values())
 
     @property
     def start_failures(self) -> int:
-        return sum(getattr(r, "start_failures", 0) for r in self.runtimes.values())
+        return sum(r.start_failures for r in self.runtimes.values())
 
     @property
     def pipeline_depth(self) -> int:
         """Batches in flight at once: the batching runtimes' (continuous ones get none)."""
-        return max((getattr(r, "pipeline_depth", 1) for r in self.runtimes.values()),
-                   default=1)
+        return max((r.pipeline_depth for r in self.runtimes.values()), default=1)
 
     @property
     def parallel(self) -> int:
         """Batches run side by side: the replicas of the batching runtimes."""
-        return max((getattr(r, "parallel", 1) for r in self.runtimes.values()), default=1)
+        return max((r.parallel for r in self.runtimes.values()), default=1)
 
     @property
     def pid(self) -> int | None:

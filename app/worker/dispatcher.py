@@ -74,9 +74,9 @@ class Dispatcher(Intake, Feed, Batches, Drain):
         self.part_target_s = part_target_s  # the longest a part of a split request should run
         # A pipelined runtime takes the next batch while it computes one (its
         # `pipeline_depth`); each batch in flight waits for its answer on a thread here.
-        depth = max(1, int(getattr(runtime, "pipeline_depth", 1)))
+        depth = max(1, runtime.pipeline_depth)
         # Runtime replicas run that many of them side by side (`runtimes.replicas`).
-        parallel = max(1, int(getattr(runtime, "parallel", 1)))
+        parallel = max(1, runtime.parallel)
         self.scheduler = Scheduler(lanes, hold, self._peers, depth=depth, parallel=parallel)
         self.continuous = {model for model in lanes if runtime.continuous(model)}
         self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)

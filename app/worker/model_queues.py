@@ -92,8 +92,8 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         RUNTIME_RESTARTS.set_function(lambda: self.runtime.restarts)
         POISON_ISOLATED.set_function(lambda: self.runtime.poison_isolated)
         # Only the PyTorch runtime has a spare; SGLang's and the simulated one count none.
-        SPARE_PROMOTIONS.set_function(lambda: getattr(self.runtime, "spare_promotions", 0))
-        START_FAILURES.set_function(lambda: getattr(self.runtime, "start_failures", 0))
+        SPARE_PROMOTIONS.set_function(lambda: self.runtime.spare_promotions)
+        START_FAILURES.set_function(lambda: self.runtime.start_failures)
         self.pool = Pool(device_budget(settings, self.runtime.device_bytes))
         self.dispatcher: Dispatcher | None = None
         self.consumers: list[Any] = []

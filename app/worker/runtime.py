@@ -4,8 +4,8 @@ behind a router (by model). Its own process(es), started with the pinned models 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from runtimes.base import Runtime
 from runtimes.process import ProcessRuntime
 from runtimes.replicas import ReplicaSet, default_replicas
 from tasks.catalog import ONNX_ADAPTERS, ModelEntry
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def start_runtime(entries: list[ModelEntry], pinned: set[str], settings: Settings,
-                  chunk_tokens: int) -> Any:
+                  chunk_tokens: int) -> Runtime:
     """The runtime of SHOAL_RUNTIME, the pinned models loaded (`chunk_tokens`: the most
     tokens a batch of any served model holds)."""
     if settings.runtime == "sim":
@@ -32,12 +32,12 @@ def start_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
 
 
 def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Settings,
-                  chunk_tokens: int) -> Any:
+                  chunk_tokens: int) -> Runtime:
     """The PyTorch and ONNX runtime processes, SGLang servers, or several behind a router
     (by model). The two runtime processes share the worker's memory budget through the
     placement, which counts each model's bytes wherever it lives."""
     on = runtime_of_models(entries, settings.runtime)
-    runtimes: dict[str, Any] = {}
+    runtimes: dict[str, Runtime] = {}
     for engine in ("pytorch", "onnx"):
         if engine not in on.values():
             continue

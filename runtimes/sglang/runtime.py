@@ -128,6 +128,13 @@ class SGLangRuntime:
     def poison_isolated(self) -> int:
         return self._recovery.poison_isolated
 
+    # SGLang restarts a dead server in place: no spare to promote, no failed start counted.
+    spare_promotions = 0
+    start_failures = 0
+    # It forms its own batches (`submit`): the worker hands it none, so one slot suffices.
+    pipeline_depth = 1
+    parallel = 1
+
     @property
     def requests_sent(self) -> int:
         """HTTP requests that reached an SGLang server (generate/encode)."""

@@ -212,8 +212,9 @@ class SimRuntime:
     `device` picks the constants (`runtimes.sim.devices`); `speed` divides
     every latency (2.0: a device twice as fast, or time compressed twice);
     `constants` (a_ms, b_us, c_ns) overrides the device for every model.
-    Nothing crashes here, so `restarts` and `poison_isolated` stay 0 and
-    there is no child `pid`; they exist because the worker's metrics read them.
+    Nothing crashes here, so `restarts`, `poison_isolated`, `spare_promotions` and
+    `start_failures` stay 0 and there is no child `pid`; they exist because the worker's
+    metrics read them.
 
     `entries` are the models it may serve; `loaded` those resident from the start
     (default: all). A load sleeps the profile's `load_ms` (over `speed`) and takes its
@@ -230,6 +231,10 @@ class SimRuntime:
         self.speed = float(speed)
         self.restarts = 0
         self.poison_isolated = 0
+        self.spare_promotions = 0  # no child, so no spare either
+        self.start_failures = 0
+        self.pipeline_depth = 1  # one simulated batch at a time
+        self.parallel = 1
         self.pid: int | None = None
         self._closed = False
         self._models = {e.id: _SimModel(e, sim_constants(e, device, constants)) for e in entries}

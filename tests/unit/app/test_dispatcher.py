@@ -43,7 +43,10 @@ class Runtime:
     `go` is set, and fails the requests whose ids are in `fail`."""
 
     pipeline_depth = 1
+    parallel = 1
     device_bytes = None
+    restarts = poison_isolated = spare_promotions = start_failures = 0
+    pid = None
 
     def __init__(self) -> None:
         self.resident = {MODEL: MB}  # loaded from the start (pinned)
