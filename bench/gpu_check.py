@@ -8,14 +8,14 @@ weights, or `--minilm DIR`) and models of bge-small's and bge-base's shapes (ran
 initialised from their configs: no hub here; speed does not depend on the weights'
 values), loaded through the catalog and `from_pretrained` as a user's model is:
 
-1. **in process** (`runtimes.host.ModelHost`, the real adapter path: parse, tokenize,
+1. **in process** (`runtimes.child_side.host.ModelHost`, the real adapter path: parse, tokenize,
    pad, forward, pool, results) in fp32 and bf16, one batch after another of 1, 8, 32
    and 256 texts: texts/s, tokens/s, the device's busy fraction (CUDA events around the
    forward ÷ wall time), p50/p99 batch latency, and fp32-vs-bf16 parity (the least
    cosine of a text's two vectors); CUDA graphs and shape buckets on (the default,
    `runtimes.pytorch.buckets`), and MiniLM bf16 at 32 and 256 texts again with them off
    (`SHOAL_CUDA_GRAPHS=off`: eager PyTorch, every kernel launched from Python);
-2. **through the runtime process** (`runtimes.process.ProcessRuntime`: msgpack frames
+2. **through the runtime process** (`runtimes.worker_side.process.ProcessRuntime`: msgpack frames
    over the socket, as a worker runs it) with 1, 32 and 256 concurrent clients sending
    1 or 8 texts per request, batched as the worker's former does (up to the profile's
    item and token budget), one batch at a time (depth 1) and pipelined (depth 2: the
@@ -23,7 +23,7 @@ values), loaded through the catalog and `from_pretrained` as a user's model is:
    request p50/p99;
 3. a fit of the forward's device time per batch, a + b x padded tokens, per model and
    precision: the constants an emulated device of this GPU runs with
-   (`runtimes.pytorch.emulated`).
+   (`runtimes.doubles.emulated`).
 
 With `--stack` (after those) or `--stack-only`, the whole stack on this host too:
 RabbitMQ and Redis unpacked from `make gpu-bundle`'s Debian packages, gateway, worker and
@@ -187,7 +187,7 @@ def in_process(catalog_dir: Path, model: str, device: str, precision: str,
     import numpy as np
 
     from runtimes.base import Request
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
     from runtimes.pytorch.buckets import buckets_of
     from tasks.catalog import load_catalog
 
@@ -345,10 +345,10 @@ def through_runtime(catalog_dir: Path, model: str, device: str, precision: str,
                     loads: list[tuple[int, int]], seconds: float, depth: int,
                     replicas: int = 1) -> list[Row]:
     """Rows per load through the runtime process (`replicas` of them on the device, each
-    `depth` batches in flight: `runtimes.replicas`)."""
+    `depth` batches in flight: `runtimes.worker_side.replicas`)."""
     from runtimes.base import Request
-    from runtimes.process import ProcessRuntime
-    from runtimes.replicas import ReplicaSet
+    from runtimes.worker_side.process import ProcessRuntime
+    from runtimes.worker_side.replicas import ReplicaSet
     from tasks.catalog import load_catalog
 
     load_catalog.cache_clear()
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from runtimes.replicas import default_replicas
+    from runtimes.worker_side.replicas import default_replicas
 
     if args.cpu:
         device = "cpu"

@@ -5,7 +5,7 @@
         [--png docs/bench/onnx-inprocess.png]
 
 The packaged sentence-transformers/all-MiniLM-L6-v2 is loaded three times in this
-process through `runtimes.host.ModelHost` (the worker's path: tokenise, forward, pool,
+process through `runtimes.child_side.host.ModelHost` (the worker's path: tokenise, forward, pool,
 normalise, float32 bytes out): engine pytorch, engine onnx at fp32, engine onnx at
 int8, all with the same intra-op threads. A missing ONNX graph is exported first
 (`shoal export`, a child process), before anything is timed.
@@ -177,7 +177,7 @@ def _timed_pass(host: Any, model_id: str, cut: list[list[str]]) -> float:
 
 
 def load_hosts(threads: int) -> tuple[str, dict[str, Any]]:
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
     from tasks.catalog import load_catalog
     from tasks.settings import get_settings
 

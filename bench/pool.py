@@ -260,7 +260,7 @@ def write_real_catalog(directory: Path, models: Sequence[str],
                        profile: dict[str, Any]) -> int:
     """Entries for `models` served by tiny random sentence encoders built here (a seed
     each); the bytes of one model's weight files."""
-    from runtimes.footprint import estimate_bytes
+    from runtimes.model_files.footprint import estimate_bytes
     from tests.tiny_models import build_tiny_sentence_transformer
 
     weights = directory / "weights"

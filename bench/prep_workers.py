@@ -5,15 +5,16 @@
 
 MiniLM (the packaged weights) on an emulated device fast enough that the host's work is
 the limit (`h100-graphs/minilm`: 0.3 ms + 0.0644 us per padded token, an H100 without
-launch gaps; `runtimes.pytorch.emulated`), fed batches of 256 texts (requests of `--texts`
+launch gaps; `runtimes.doubles.emulated`), fed batches of 256 texts (requests of `--texts`
 texts each, 5-40 words) as fast as it answers, without the gateway or the broker (they
 are `bench.device_feed`'s): what one device's preparation (decode, tokenize, pad, pool,
 results, frames) can carry, per way of spreading it over cores:
 
-- processes: `runtimes.replicas.ReplicaSet` of N runtime processes (SHOAL_RUNTIME_REPLICAS
+- processes: `runtimes.worker_side.replicas.ReplicaSet` of N runtime processes
+(SHOAL_RUNTIME_REPLICAS
   = N), their emulated passes queued on one shared device; N x 2 batches in flight
   (each process pipelines two, as the worker hands them);
-- threads: one `runtimes.host.ModelHost` in this process, N threads each running whole
+- threads: one `runtimes.child_side.host.ModelHost` in this process, N threads each running whole
   batches (`run_batch`) on it: what preparation threads inside one runtime would give
   (they share its GIL).
 
@@ -131,8 +132,8 @@ def drive(run: Callable[[list[Any]], list[Any]], feeders: int, work: list[list[A
 
 def processes(workers: int, work: list[list[Any]], duration: float, warmup: float,
               round_: int) -> Point:
-    from runtimes.process import ProcessRuntime
-    from runtimes.replicas import ReplicaSet
+    from runtimes.worker_side.process import ProcessRuntime
+    from runtimes.worker_side.replicas import ReplicaSet
     from tasks.settings import PACKAGED_CATALOG_DIR
 
     profile_env = {**ENV, "SHOAL_EMULATE_DEVICE": os.environ["SHOAL_EMULATE_DEVICE"]}
@@ -157,7 +158,7 @@ def processes(workers: int, work: list[list[Any]], duration: float, warmup: floa
 
 def threads(workers: int, work: list[list[Any]], duration: float, warmup: float,
             round_: int) -> Point:
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
     from tasks.catalog import load_catalog
     from tasks.settings import PACKAGED_CATALOG_DIR
 

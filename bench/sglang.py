@@ -19,7 +19,7 @@ worker starts the model's SGLang server (`runtimes.sglang`). Requests go to the 
 
 bare SGLang: that very server, asked directly on its OpenAI `/v1/completions`, with the
 prompt's token ids (the ids shoal's runtime sends SGLang for that text:
-`runtimes.prompts.prompt_ids`, [CLS] + words, no [SEP]), so both systems run the same
+`runtimes.families.prompts.prompt_ids`, [CLS] + words, no [SEP]), so both systems run the same
 process, flags (`runtimes.sglang.server.ServerConfig`) and warm caches. A second server
 started with the same flags would spin: an idle SGLang scheduler polls its sockets
 without sleeping (SGLang's `--sleep-on-idle` is off; shoal does not pass it), so an idle
@@ -555,7 +555,7 @@ def candidate_prompts(model_dir: Path, count: int) -> tuple[Any, list[Prompt]]:
     from transformers import AutoTokenizer
 
     from app.tuning.mix import make_texts
-    from runtimes.prompts import bos_id, prompt_ids
+    from runtimes.families.prompts import bos_id, prompt_ids
     from tasks.schema import Item
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

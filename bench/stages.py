@@ -4,7 +4,7 @@
         [--texts 16] [--repeats 20] [--minilm DIR] [--json PATH]
 
 MiniLM (the packaged weights, or `--minilm`) through the real dense adapter of a
-`runtimes.host.ModelHost`, one batch of `--batch` texts (5-40 words, in requests of
+`runtimes.child_side.host.ModelHost`, one batch of `--batch` texts (5-40 words, in requests of
 `--texts`) cut into the stages the runtime process runs it in, each timed alone (the
 device synchronised at its end, so its kernels count where they ran):
 
@@ -25,7 +25,7 @@ runtime process), and its share of the sum;
 the medians of `--repeats` runs after warm-up. The sum is what one preparation worker
 pays per text in series, so `1e6 / sum` is one worker's ceiling in texts/s; the stage
 with the largest CPU share is the next bottleneck. The runtime overlaps these stages on
-three threads (`runtimes.pipeline`), which this does not: it names costs, not overlap.
+three threads (`runtimes.child_side.pipeline`), which this does not: it names costs, not overlap.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from bench.gpu_check import texts
 from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
-HEADER_BYTES = 4  # runtimes.protocol's length prefix
+HEADER_BYTES = 4  # runtimes.wire.protocol's length prefix
 STAGES = ("frames in", "parse", "tokenize", "pack", "host->device", "forward", "pool",
           "device->host", "results", "frames out")
 
@@ -68,13 +68,13 @@ def measure(device: str, precision: str, batch: int, per_request: int, repeats: 
     import torch
 
     from runtimes.base import Request, prepare_each
-    from runtimes.frames import BATCH_REPLY_DECODER, BATCH_REQUEST_DECODER, Run, RunRequest
-    from runtimes.host import ModelHost
-    from runtimes.pipeline import outcomes_reply
-    from runtimes.protocol import encode_frame
+    from runtimes.child_side.host import ModelHost
+    from runtimes.child_side.pipeline import outcomes_reply
+    from runtimes.families.vectors import dense_results
     from runtimes.pytorch import buckets
     from runtimes.pytorch.text import HostCopy, to_device
-    from runtimes.vectors import dense_results
+    from runtimes.wire.frames import BATCH_REPLY_DECODER, BATCH_REQUEST_DECODER, Run, RunRequest
+    from runtimes.wire.protocol import encode_frame
     from tasks.catalog import load_catalog
 
     load_catalog.cache_clear()

@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batching.feeder import Load
+
 
 @dataclass(slots=True)
 class Request:
@@ -37,23 +39,6 @@ class Delta:
 # Called with the deltas of one decode step (or one chunk a server streamed), from the
 # runtime's thread; it must not block.
 OnDeltas = Callable[[list[Delta]], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """What a continuously batching runtime holds for one model now, and its bounds."""
-
-    running: int  # requests being decoded
-    waiting: int  # requests accepted but not yet running
-    max_running: int  # the most it decodes at once
-    tokens: int = 0  # KV-cache tokens in use
-    max_tokens: int = 0  # the KV cache's size (0: unknown)
-
-    @property
-    def saturated(self) -> bool:
-        """More work would only wait inside the runtime (where no peer can take it)."""
-        full_cache = self.max_tokens > 0 and self.tokens >= self.max_tokens
-        return self.waiting > 0 or self.running >= self.max_running or full_cache
 
 
 @dataclass(slots=True)
@@ -95,11 +80,11 @@ class Runtime(Protocol):
     """What the worker runs batches on: one batch of one model at a time.
 
     Implementations: in a child process that may crash without taking the
-    worker down (`runtimes.process.ProcessRuntime`, several of them on one device in
-    `runtimes.replicas.ReplicaSet`), SGLang servers (`runtimes.sglang.SGLangRuntime`),
-    several engines by model (`runtimes.router.RuntimeRouter`), and simulated devices
-    (`runtimes.sim.SimRuntime`). Every member here is one the worker reads or calls.
-    The in-process `runtimes.host.ModelHost` computes the same batches but is no
+    worker down (`runtimes.worker_side.process.ProcessRuntime`, several of them on one device in
+    `runtimes.worker_side.replicas.ReplicaSet`), SGLang servers (`runtimes.sglang.SGLangRuntime`),
+    several engines by model (`runtimes.worker_side.router.RuntimeRouter`), and simulated devices
+    (`runtimes.doubles.sim.SimRuntime`). Every member here is one the worker reads or calls.
+    The in-process `runtimes.child_side.host.ModelHost` computes the same batches but is no
     Runtime: it has nothing to restart.
     """
 
@@ -133,7 +118,7 @@ class Runtime(Protocol):
         """The process the models run in now; None where there is no child process."""
         ...
 
-    # The models loaded now (and LoRA adapters, as `runtimes.pool.lora_key`), with the
+    # The models loaded now (and LoRA adapters, as `runtimes.worker_side.pool.lora_key`), with the
     # device bytes each takes; and the device's memory
     # (None: unknown, the worker's settings decide the budget).
     resident: dict[str, int]
@@ -187,7 +172,7 @@ class ContinuousRuntime(Runtime, Protocol):
 
 
 # The file an emulated device's queue lives in, shared by the processes of one device
-# (`runtimes.replicas` sets it, `runtimes.pytorch.emulated` reads it).
+# (`runtimes.worker_side.replicas` sets it, `runtimes.doubles.emulated` reads it).
 EMULATED_QUEUE_ENV = "SHOAL_EMULATE_DEVICE_QUEUE"
 CANCELLED = "cancelled"  # the finish_reason of a generation its caller abandoned
 

@@ -72,12 +72,12 @@ ADAPTERS: dict[str, AdapterContract] = {
                   "caller-given labels scored by an NLI model"),
         _contract("causal-lm", GENERATE, "runtimes.pytorch.causal_lm:CausalLMAdapter",
                   "text generation (completions and chat)"),
-        # Test only: crashes, raises or stalls on marker texts (runtimes.pytorch.faulty).
-        _contract("dense-faulty", ENCODE, "runtimes.pytorch.faulty:FaultyDenseAdapter",
+        # Test only: crashes, raises or stalls on marker texts (runtimes.doubles.faulty).
+        _contract("dense-faulty", ENCODE, "runtimes.doubles.faulty:FaultyDenseAdapter",
                   "test-only dense adapter that fails on purpose",
                   outputs=(DENSE,), has_dims=True),
         _contract("cross-encoder-faulty", SCORE,
-                  "runtimes.pytorch.faulty:FaultyCrossEncoderAdapter",
+                  "runtimes.doubles.faulty:FaultyCrossEncoderAdapter",
                   "test-only cross-encoder that fails on purpose"),
     )
 }

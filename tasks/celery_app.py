@@ -5,7 +5,7 @@ finds it there); importing this module loads no worker code.
 
 msgpack and JSON only (never pickle), the rpc result backend (results go to
 the caller's `reply_to`), publisher confirms for clients (a worker confirms
-its results asynchronously instead, see app.worker.replies), task events off unless
+its results asynchronously instead, see app.worker.lifecycle.replies), task events off unless
 SHOAL_TASK_EVENTS or `-E` (Flower turns them on when it starts). shoal tasks are
 routed to the queue of the model named in their kwargs.
 """

@@ -40,7 +40,8 @@ H_DEADLINE = "shoal_deadline"  # epoch milliseconds
 # a Python float as a 32-bit one, far too coarse for an epoch.
 H_SENT = "shoal_sent_us"
 H_LORA = "shoal_lora"
-# Set by shoal gateways: "my replies may come several to a message" (see app.worker.replies).
+# Set by shoal gateways: "my replies may come several to a message" (see
+# app.worker.lifecycle.replies).
 H_REPLY_BATCH = "shoal_reply_batch"
 # On a reply message that carries {"results": [...]} instead of one result.
 H_MULTI = "shoal_multi"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
-# PyTorch's formats (runtimes.precision).
+# PyTorch's formats (runtimes.model_files.precision).
 PRECISIONS: tuple[Precision, ...] = ("fp32", "fp16", "bf16")
 # PyTorch's fp16 kernels on CPUs are slow and some are missing; bf16 has CPU kernels
 # (AMX/AVX-512 BF16 where the CPU has them) and fp32's range.

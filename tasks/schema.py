@@ -36,7 +36,7 @@ MAX_LABELS = 64
 MAX_NEW_TOKENS = 4096
 # The largest token id a tokens item may carry: no vocabulary comes near it, and every id
 # below it fits the int64 (and int32) arrays runtimes pad ids into. Which ids a model
-# knows is its runtime's to say (`runtimes.token_ids`): the contract has no tokenizer.
+# knows is its runtime's to say (`runtimes.families.token_ids`): the contract has no tokenizer.
 MAX_TOKEN_ID = 2**31 - 1
 TOKENS_FOR = "token-id input is for dense embeddings and completions"
 # Zero-shot's hypothesis when the caller and the catalog give none (as transformers' pipeline).

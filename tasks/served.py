@@ -1,10 +1,10 @@
 """The envelope of a successful result: what it carries beside its operation's fields.
 
 Written in two places, read in one:
-- the runtime that computed it (`runtimes/host.py`, `runtimes/sim`) adds
+- the runtime that computed it (`runtimes/child_side/host.py`, `runtimes/sim`) adds
   `model`, `batch` (the batch it ran in) and, for the sim, `simulated`
   (`stamp_batch`);
-- the worker that answered it (`app/worker/dispatcher.py`) adds `timing` and `worker`
+- the worker that answered it (`app/worker/lifecycle/dispatcher.py`) adds `timing` and `worker`
   (`stamp_delivery`);
 - whoever awaits it reads them back with `read_served` (the gateway turns them
   into response headers with `reply_headers`, bench counts device time with it).

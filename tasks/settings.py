@@ -216,7 +216,7 @@ class Settings(BaseSettings):
         "loaded: several prepare (tokenize, pad, pool, answer) batches on several cores "
         "while the device runs them; auto = 1 on a CPU (its forward uses every core "
         "already), a quarter of the host's cores (at most 8) on a GPU "
-        "(runtimes/replicas.py)")
+        "(runtimes/worker_side/replicas.py)")
 
     # --- runtime recovery (spare runtime) ---
     runtime_spare: bool = Field(

@@ -1,4 +1,4 @@
-"""The faulty adapter's slow batches (`@@slow@@`, runtimes.pytorch.faulty) as a test sees
+"""The faulty adapter's slow batches (`@@slow@@`, runtimes.doubles.faulty) as a test sees
 them: how many have started sleeping in the model, and holding them there until the test
 has done what it must do while they run."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtimes.pytorch.faulty import SLOW_HOLD_ENV, SLOW_LOG_ENV
+from runtimes.doubles.faulty import SLOW_HOLD_ENV, SLOW_LOG_ENV
 from tests.stack import wait_for
 
 

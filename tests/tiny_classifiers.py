@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from runtimes.base import Outcome, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 from tests.tiny_models import MINILM_DIR
 

@@ -13,10 +13,10 @@ from tasks.catalog import ONNX_ADAPTERS, load_catalog
 
 
 def export(args: argparse.Namespace) -> int:
-    from runtimes.files import encoder_ref
+    from runtimes.families.splade import read_splade_config
+    from runtimes.model_files.files import encoder_ref
+    from runtimes.model_files.sources import resolve_source
     from runtimes.onnx.export import export_graph
-    from runtimes.sources import resolve_source
-    from runtimes.splade import read_splade_config
 
     entry = load_catalog(catalog_dir(args)).get(args.model)
     if entry is None:

@@ -114,7 +114,7 @@ def _from_sentence_transformers(files: ModelFiles) -> Detection:
 
 
 def _pooling(files: ModelFiles, module: dict[str, Any]) -> Setting:
-    from runtimes.st_config import pooling_mode
+    from runtimes.families.st_config import pooling_mode
 
     path = f"{module.get('path', '')}/config.json"
     config = files.module_config(module)

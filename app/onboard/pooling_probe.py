@@ -46,7 +46,7 @@ def pairing_accuracy(first: np.ndarray, second: np.ndarray) -> float:
 def score_poolings(fields: dict[str, Any], poolings: list[str]) -> dict[str, float]:
     """Pairing accuracy of shoal's dense adapter under each pooling (fp32, PyTorch)."""
     from runtimes.base import Request
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
     from tasks.catalog import ModelEntry
 
     scores: dict[str, float] = {}

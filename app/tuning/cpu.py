@@ -34,7 +34,7 @@ def process_label(pid: int) -> str:
     for i, word in enumerate(words):
         if word.endswith("/shoal") or word in ("shoal", "app.cli"):
             return f"{' '.join(['shoal', *words[i + 1 : i + 2]])} ({pid})"
-        if word == "runtimes.server":
+        if word == "runtimes.child_side.server":
             return f"runtime ({pid})"
     name = Path(words[0]).name if words else "?"
     return f"{name} ({pid})"

@@ -129,7 +129,7 @@ def calibrate(entry: Any, requests: list[list[str]], sizes: Iterable[int] = (1, 
     """(estimated padded tokens, estimated longest, seconds) of in-process batches, on
     `engine` (pytorch, onnx) at `precision` (None: the entry's)."""
     from runtimes.base import Request
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
 
     host = ModelHost(engine=engine, precision=precision)
     host.load([entry])

@@ -2,10 +2,10 @@
 
 A worker is a plain Celery worker of the app (`celery -A app worker`, `shoal worker`);
 `install` adds its consumer bootsteps (`app.worker.steps`), which consume every served
-model's queue into the dispatcher (`app.worker.dispatcher`): it holds each
+model's queue into the dispatcher (`app.worker.lifecycle.dispatcher`): it holds each
 request, has the scheduler (`batching.scheduler`) form batches, runs them on the model
-runtime (`runtimes/`) and publishes the results (`app.worker.replies`). Models load on
-demand (`app.worker.placement`); SIGTERM drains (`app.worker.shutdown`).
+runtime (`runtimes/`) and publishes the results (`app.worker.lifecycle.replies`). Models load on
+demand (`app.worker.lifecycle.placement`); SIGTERM drains (`app.worker.shutdown`).
 
 Importing this package loads none of that: `install` imports the steps when called
 (`app.celery` calls it from a worker's `worker_init`).

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery.worker import control
 
-from app.worker.model_queues import ModelQueueConsumer
+from app.worker.steps.model_queues import ModelQueueConsumer
 
 
 @control.inspect_command()

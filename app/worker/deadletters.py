@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from app.worker.lifecycle.replies import Delivery, Replier
 from app.worker.metrics import DEAD_LETTERED
-from app.worker.replies import Delivery, Replier
 from tasks.envelope import H_COALESCED, read_coalesced
 from tasks.errors import ErrorCode
 

@@ -13,7 +13,7 @@ SHOAL_WORKER_METRICS_HOST:SHOAL_WORKER_METRICS_PORT answers:
   and reconnecting to the broker are not stalls (restarting would only lose the models).
 - `/metrics`: Prometheus, the default registry. Anything else: 404.
 
-The health steps (`app.worker.health_steps`) report in on the event loop: `consuming(hub)`
+The health steps (`app.worker.steps.health`) report in on the event loop: `consuming(hub)`
 when it has started, `stopped()` when it stops, `draining()` when a shutdown begins.
 """
 

@@ -8,8 +8,8 @@ from fnmatch import fnmatchcase
 
 from batching.former import BatchLimits
 from batching.latency_model import CostModel
-from runtimes.footprint import physical_memory_bytes
-from runtimes.precision import device_kind
+from runtimes.model_files.footprint import physical_memory_bytes
+from runtimes.model_files.precision import device_kind
 from tasks.catalog import BatchProfile, ModelEntry
 from tasks.settings import Settings
 

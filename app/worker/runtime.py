@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from runtimes.base import Runtime
-from runtimes.process import ProcessRuntime
-from runtimes.replicas import ReplicaSet, default_replicas
+from runtimes.worker_side.process import ProcessRuntime
+from runtimes.worker_side.replicas import ReplicaSet, default_replicas
 from tasks.catalog import ONNX_ADAPTERS, ModelEntry
 from tasks.precision import precisions_of
 from tasks.settings import Settings
@@ -21,7 +21,7 @@ def start_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
     tokens a batch of any served model holds)."""
     if settings.runtime == "sim":
         # Imported here: a real worker never loads it, a simulated one never loads torch.
-        from runtimes.sim import SimRuntime
+        from runtimes.doubles.sim import SimRuntime
 
         log.warning("SIMULATED runtime: no model runs; %s batches sleep as a %s would "
                     "(speed x%g) and results are fake", [e.id for e in entries],
@@ -57,7 +57,7 @@ def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
             start_timeout=settings.runtime_start_timeout_s)
     if len(runtimes) == 1:
         return next(iter(runtimes.values()))
-    from runtimes.router import RuntimeRouter
+    from runtimes.worker_side.router import RuntimeRouter
 
     return RuntimeRouter(runtimes, on)
 

@@ -1,7 +1,7 @@
 """Streamed requests, and revoking requests whose callers left.
 
 A streamed request's PROGRESS states (its output so far, see
-`app.worker.replies.Replier.progress`) arrive on the reply queue before its result and
+`app.worker.lifecycle.replies.Replier.progress`) arrive on the reply queue before its result and
 go, with the result last, to the queue its caller reads (`stream`). A caller
 that leaves revokes the request (`cancel`: Celery's broadcast control message,
 `shoal_cancel`), so the worker stops generating for it.

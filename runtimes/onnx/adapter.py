@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from runtimes.adapter import Adapter
+from runtimes.child_side.adapter import Adapter
 from runtimes.onnx.session import OnnxModel, SessionClock
 
 

@@ -1,5 +1,5 @@
 """Sequence classifiers on ONNX Runtime: the graph's logits for the shared adapters of
-`runtimes.classifiers` (a model's own labels, zero-shot labels, reranker scores)."""
+`runtimes.families.classifiers` (a model's own labels, zero-shot labels, reranker scores)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from runtimes import classifiers
-from runtimes.classifiers import Tokens
+from runtimes.families import classifiers
+from runtimes.families.classifiers import Tokens
 from runtimes.onnx.adapter import OnnxAdapter
 from runtimes.onnx.session import OnnxModel
 

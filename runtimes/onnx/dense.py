@@ -2,8 +2,8 @@
 
 The same results as `runtimes.pytorch.dense` on the same weights: the
 sentence-transformers files' pooling, normalisation, length and lowercasing, the
-entry's prompts, Matryoshka dimensions and output dtypes (`runtimes.vectors`), and
-token-id items beside texts (`runtimes.token_ids`).
+entry's prompts, Matryoshka dimensions and output dtypes (`runtimes.families.vectors`), and
+token-id items beside texts (`runtimes.families.token_ids`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from runtimes.onnx.adapter import OnnxAdapter
-from runtimes.st_config import read_st_config
-from runtimes.text import check_lengths
-from runtimes.token_ids import (
+from runtimes.families.st_config import read_st_config
+from runtimes.families.text import check_lengths
+from runtimes.families.token_ids import (
     Input,
     encode_inputs,
     has_tokens,
@@ -25,7 +24,8 @@ from runtimes.token_ids import (
     vocabulary,
     with_token_ids,
 )
-from runtimes.vectors import dense_results
+from runtimes.families.vectors import dense_results
+from runtimes.onnx.adapter import OnnxAdapter
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
 

@@ -7,11 +7,11 @@ import importlib
 import subprocess
 from typing import Any
 
-from runtimes.adapter import Adapter
-from runtimes.footprint import physical_memory_bytes
+from runtimes.child_side.adapter import Adapter
+from runtimes.model_files.footprint import physical_memory_bytes
+from runtimes.model_files.precision import device_kind
 from runtimes.onnx.adapter import OnnxAdapter
 from runtimes.onnx.session import SessionClock
-from runtimes.precision import device_kind
 from tasks.catalog import ModelEntry
 from tasks.precision import ONNX_CPU_PRECISIONS, ONNX_PRECISIONS
 

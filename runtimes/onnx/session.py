@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from runtimes.families.text import chunked_inputs, max_length
 from runtimes.onnx.graphs import GraphMissing, graph_of
 from runtimes.onnx.tokenizer import FileTokenizer
-from runtimes.text import chunked_inputs, max_length
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class OnnxModel:
 
     def chunks(self, input_ids: list[list[int]], token_type_ids: list[list[int]] | None,
                budget: int) -> list[tuple[list[int], dict[str, Any]]]:
-        """Padded inputs per chunk of similar lengths (`runtimes.text.chunked_inputs`)."""
+        """Padded inputs per chunk of similar lengths (`runtimes.families.text.chunked_inputs`)."""
         if "token_type_ids" not in self.input_names:
             token_type_ids = None
         return list(chunked_inputs(input_ids, token_type_ids, self.pad_id, budget))

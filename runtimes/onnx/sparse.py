@@ -1,14 +1,12 @@
 """SPLADE sparse embeddings on ONNX Runtime: the graph's masked-LM logits, pooled into
-term weights here (`runtimes.splade`, as `runtimes.pytorch.sparse` does with torch)."""
+term weights here (`runtimes.families.splade`, as `runtimes.pytorch.sparse` does with torch)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from runtimes.files import encoder_ref
-from runtimes.onnx.adapter import OnnxAdapter
-from runtimes.splade import (
+from runtimes.families.splade import (
     LOGITS_BUDGET,
     check_sparse_request,
     check_vocabulary,
@@ -17,7 +15,9 @@ from runtimes.splade import (
     sparse_results,
     splade_weights,
 )
-from runtimes.st_config import read_st_config
+from runtimes.families.st_config import read_st_config
+from runtimes.model_files.files import encoder_ref
+from runtimes.onnx.adapter import OnnxAdapter
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
-from runtimes.text import encoding_lock
+from runtimes.families.text import encoding_lock
 
 # Tokenizers without a limit report a huge sentinel, as transformers' do.
 NO_LIMIT = int(1e30)

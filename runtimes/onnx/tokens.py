@@ -1,12 +1,12 @@
 """Named entities (NER, PII) on ONNX Runtime: the graph's logits per token, made label
-probabilities here; the entities are `runtimes.entities`'."""
+probabilities here; the entities are `runtimes.families.entities`'."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from runtimes.classifiers import softmax
-from runtimes.entities import EntityAdapter
+from runtimes.families.classifiers import softmax
+from runtimes.families.entities import EntityAdapter
 from runtimes.onnx.adapter import OnnxAdapter
 
 

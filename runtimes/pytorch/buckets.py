@@ -55,7 +55,7 @@ worker's) decides, read at each model load:
 - `off`: neither: every pass eager at its own shape, as before.
 
 Graphs are never attempted on a device other than CUDA, nor on an emulated device
-(`runtimes.pytorch.emulated`, CPU only): the emulated forward sees the bucket's padded
+(`runtimes.doubles.emulated`, CPU only): the emulated forward sees the bucket's padded
 shape in `buckets`/`on` mode, as a bucketed device would. A capture that fails logs a
 warning and leaves the model bucketed and eager.
 """

@@ -9,7 +9,7 @@ prompt alone. Each row samples with its own temperature, top_p and random
 generator, so a seeded request gives the same text whatever else shares its
 batch.
 
-Prompt tokens (`runtimes.prompts`, shared with the SGLang runtime): a text prompt
+Prompt tokens (`runtimes.families.prompts`, shared with the SGLang runtime): a text prompt
 gets the tokenizer's BOS token when the tokenizer itself adds one (Llama, Mistral,
 Gemma) and nothing otherwise (GPT-2, Qwen); end tokens a tokenizer appends (BERT's
 [SEP]) are never added, as they would tell the model the text is over. Chat messages
@@ -44,8 +44,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from runtimes.base import CANCELLED
-from runtimes.deltas import sendable
-from runtimes.prompts import bos_id, check_prompt, prompt_ids
+from runtimes.families.deltas import sendable
+from runtimes.families.prompts import bos_id, check_prompt, prompt_ids
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model, pad_id
 from runtimes.pytorch.lora import LoraSet
@@ -147,7 +147,7 @@ class CausalLMAdapter(Adapter):
         return bos_id(self.tokenizer)
 
     def prompt_ids(self, item: Item, index: int) -> list[int]:
-        """Built by `runtimes.prompts`, as the SGLang runtime builds them."""
+        """Built by `runtimes.families.prompts`, as the SGLang runtime builds them."""
         return prompt_ids(self.tokenizer, self.bos_id, item, index, self.entry.id)
 
     def check(self, parsed: ParsedRequest) -> Prepared:

@@ -23,10 +23,10 @@ import transformers
 from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers import AutoImageProcessor, AutoModel
 
+from runtimes.families.vectors import dense_result
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import length_chunks, max_length, too_long
-from runtimes.vectors import dense_result
 from tasks.catalog import ModelEntry
 from tasks.errors import ShoalError
 from tasks.schema import ParsedRequest, check_encode_output, invalid

@@ -6,7 +6,7 @@ are sorted by token length and run in chunks bounded by padded tokens, so one
 long text does not pad a whole batch. `DenseAdapter` serves it: prompts,
 Matryoshka dimensions, output dtypes and LoRA adapters (texts of different
 LoRAs in one forward pass, `runtimes.pytorch.lora`), and token-id items beside texts
-(`runtimes.token_ids`: no prompt, no tokenizer, the same vector as their text).
+(`runtimes.families.token_ids`: no prompt, no tokenizer, the same vector as their text).
 """
 
 from __future__ import annotations
@@ -20,7 +20,18 @@ import numpy as np
 import torch
 from transformers import AutoModel
 
-from runtimes.pytorch import buckets, emulated
+from runtimes.doubles import emulated
+from runtimes.families.st_config import read_st_config
+from runtimes.families.token_ids import (
+    Input,
+    encode_inputs,
+    has_tokens,
+    input_lengths,
+    vocabulary,
+    with_token_ids,
+)
+from runtimes.families.vectors import dense_results, normalize_rows
+from runtimes.pytorch import buckets
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
@@ -31,16 +42,6 @@ from runtimes.pytorch.text import (
     max_length,
     to_device,
 )
-from runtimes.st_config import read_st_config
-from runtimes.token_ids import (
-    Input,
-    encode_inputs,
-    has_tokens,
-    input_lengths,
-    vocabulary,
-    with_token_ids,
-)
-from runtimes.vectors import dense_results, normalize_rows
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest, check_encode_output
 
@@ -100,7 +101,7 @@ class DenseEncoder:
         return [t.lower() if type(t) is str else t for t in texts]
 
     def tokenize(self, texts: list[Input]) -> Tokenized:
-        """The model's inputs for texts and tokens items' ids (`runtimes.token_ids`)."""
+        """The model's inputs for texts and tokens items' ids (`runtimes.families.token_ids`)."""
         return Tokenized(*encode_inputs(self.tokenizer, self._prepare(texts),
                                         self.max_seq_length, self.vocab))
 

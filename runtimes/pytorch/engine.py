@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from runtimes.adapter import Adapter
-from runtimes.footprint import physical_memory_bytes, tensor_bytes
-from runtimes.precision import resolve_precision
+from runtimes.child_side.adapter import Adapter
+from runtimes.doubles.emulated import emulation_stamp
+from runtimes.model_files.footprint import physical_memory_bytes, tensor_bytes
+from runtimes.model_files.precision import resolve_precision
 from runtimes.pytorch.buckets import graph_bytes
 from runtimes.pytorch.device_time import device_clock
-from runtimes.pytorch.emulated import emulation_stamp
 from tasks.catalog import ModelEntry
 
 

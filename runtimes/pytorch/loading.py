@@ -8,10 +8,10 @@ from typing import Any, NamedTuple
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from runtimes.doubles.emulated import configured_profile, emulate_forward
+from runtimes.families.text import max_length
 from runtimes.pytorch import buckets
 from runtimes.pytorch.device_time import watch_forward
-from runtimes.pytorch.emulated import configured_profile, emulate_forward
-from runtimes.text import max_length
 
 
 class LoadedModel(NamedTuple):

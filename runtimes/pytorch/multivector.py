@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AddedToken, AutoModel, PreTrainedTokenizerBase
 
-from runtimes.files import encoder_ref, model_file
+from runtimes.families.st_config import read_st_config
+from runtimes.model_files.files import encoder_ref, model_file
 from runtimes.pytorch import buckets
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import check_lengths, length_chunks, max_length, pad
-from runtimes.st_config import read_st_config
 from tasks.catalog import ModelEntry, Prompts
 from tasks.schema import ParsedRequest, check_encode_output
 

@@ -1,7 +1,7 @@
 """Text classification with PyTorch: the logits of AutoModelForSequenceClassification.
 
 The adapters (a model's own labels, zero-shot labels via NLI) are
-`runtimes.classifiers`'; this module gives them torch's `Classifier`, which
+`runtimes.families.classifiers`'; this module gives them torch's `Classifier`, which
 computes the logits in chunks bounded by padded tokens, so one long text does
 not pad a whole batch.
 """
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from runtimes import classifiers
-from runtimes.classifiers import Tokens
-from runtimes.precision import torch_dtype
+from runtimes.families import classifiers
+from runtimes.families.classifiers import Tokens
+from runtimes.model_files.precision import torch_dtype
 from runtimes.pytorch import buckets
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import padded_chunks

@@ -16,19 +16,19 @@ from typing import Any
 import torch
 from transformers import AutoModelForMaskedLM
 
-from runtimes.files import encoder_ref
-from runtimes.pytorch import buckets
-from runtimes.pytorch.adapter import Adapter
-from runtimes.pytorch.loading import load_model
-from runtimes.pytorch.text import max_length, padded_chunks
-from runtimes.splade import (
+from runtimes.families.splade import (
     LOGITS_BUDGET,
     check_sparse_request,
     check_vocabulary,
     read_splade_config,
     sparse_results,
 )
-from runtimes.st_config import read_st_config
+from runtimes.families.st_config import read_st_config
+from runtimes.model_files.files import encoder_ref
+from runtimes.pytorch import buckets
+from runtimes.pytorch.adapter import Adapter
+from runtimes.pytorch.loading import load_model
+from runtimes.pytorch.text import max_length, padded_chunks
 from tasks.catalog import ModelEntry
 from tasks.schema import ParsedRequest
 

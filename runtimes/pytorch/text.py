@@ -1,5 +1,5 @@
 """Text helpers every PyTorch adapter uses: padded tensors, chunks on the device's side
-(the torch-free ones, limits and chunking, are `runtimes.text`)."""
+(the torch-free ones, limits and chunking, are `runtimes.families.text`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from runtimes.pytorch import emulated
-from runtimes.text import (
+from runtimes.doubles import emulated
+from runtimes.families.text import (
     check_lengths,
     chunked_inputs,
     encode_texts,
@@ -43,7 +43,7 @@ def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False,
 def encoder_inputs(input_ids: Sequence[Sequence[int]],
                    token_type_ids: Sequence[Sequence[int]] | None, pad_id: int,
                    device: str, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """`runtimes.text.padded_inputs` as tensors on `device`."""
+    """`runtimes.families.text.padded_inputs` as tensors on `device`."""
     inputs = padded_inputs(input_ids, token_type_ids, pad_id, multiple)
     return to_device(staged(as_tensors(inputs), device), device)
 
@@ -118,6 +118,7 @@ def padded_chunks(input_ids: Sequence[Sequence[int]],
                   token_type_ids: Sequence[Sequence[int]] | None, pad_id: int, device: str,
                   budget: int, multiple: int = 1
                   ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
-    """`runtimes.text.chunked_inputs` as tensors on `device`: what every encoder loop runs."""
+    """`runtimes.families.text.chunked_inputs` as tensors on `device`: what every encoder loop
+    runs."""
     for chunk, inputs in chunked_inputs(input_ids, token_type_ids, pad_id, budget, multiple):
         yield chunk, to_device(staged(as_tensors(inputs), device), device)

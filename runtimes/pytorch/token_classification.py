@@ -1,5 +1,5 @@
 """Named entities (NER, PII) with PyTorch: AutoModelForTokenClassification's label
-probabilities per token; the entities are `runtimes.entities`'."""
+probabilities per token; the entities are `runtimes.families.entities`'."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForTokenClassification
 
-from runtimes.entities import EntityAdapter
-from runtimes.precision import torch_dtype
+from runtimes.families.entities import EntityAdapter
+from runtimes.model_files.precision import torch_dtype
 from runtimes.pytorch import buckets
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.text import padded_chunks

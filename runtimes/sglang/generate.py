@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from runtimes.base import CANCELLED, Delta, OnDeltas, Outcome, Request, failed
-from runtimes.deltas import sendable
+from runtimes.families.deltas import sendable
 from runtimes.sglang.client import SGLangClient, died_or_broke
 from runtimes.sglang.live import Live
 from runtimes.sglang.model import ServedModel
@@ -159,7 +159,7 @@ class GenerateItem:
         return ttft, itl
 
     def _send(self, final: bool, text: str | None = None) -> None:
-        """Stream what the item gained since `sent` (what `runtimes.deltas.sendable` lets
+        """Stream what the item gained since `sent` (what `runtimes.families.deltas.sendable` lets
         go: text that may still change is held back until `final`)."""
         assert self.on_deltas is not None
         stops = self.options.stop

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from runtimes.base import Load
+from batching.feeder import Load
 from runtimes.sglang.client import SGLangClient
 from runtimes.sglang.model import ServedModel
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtimes.base import Load
-from runtimes.prompts import bos_id
+from batching.feeder import Load
+from runtimes.families.prompts import bos_id
+from runtimes.families.token_ids import Vocabulary, vocabulary
+from runtimes.model_files.sources import resolve_source
 from runtimes.sglang.server import ServerConfig, SGLangServer
-from runtimes.sources import resolve_source
-from runtimes.token_ids import Vocabulary, vocabulary
 from tasks.catalog import ModelEntry, load_catalog
 
 ADAPTERS = ("causal-lm", "dense")
@@ -75,7 +75,7 @@ class ServedModel:
         self._vocab: Vocabulary | None = None
 
     def vocabulary(self) -> Vocabulary:
-        """Which ids a tokens item may hold and how they are cut (`runtimes.token_ids`),
+        """Which ids a tokens item may hold and how they are cut (`runtimes.families.token_ids`),
         read from the tokenizer on first use; call it holding `tokenizer_lock`."""
         if self._vocab is None:
             self._vocab = vocabulary(self.tokenizer)

@@ -1,5 +1,5 @@
 """What SGLang is sent for a request: the request checked against its model and tokenized
-here, by the very rules of the PyTorch causal-lm adapter (`runtimes.prompts`), and each
+here, by the very rules of the PyTorch causal-lm adapter (`runtimes.families.prompts`), and each
 generate item's body for SGLang's native `/generate` API (prompt token ids and sampling
 parameters from the request's options)."""
 
@@ -10,9 +10,9 @@ import hashlib
 from typing import Any, NamedTuple
 
 from runtimes.base import Request
-from runtimes.prompts import check_prompt, prompt_ids
+from runtimes.families.prompts import check_prompt, prompt_ids
+from runtimes.families.token_ids import has_tokens
 from runtimes.sglang.model import ServedModel
-from runtimes.token_ids import has_tokens
 from tasks.errors import ErrorCode, ShoalError
 
 # Requests with at most this many characters of text are tokenized on the runtime's loop.
@@ -80,7 +80,7 @@ def _prompts(model: ServedModel, parsed: Any) -> list[list[int]]:
 
 def _texts(model: ServedModel, parsed: Any) -> list[list[int]]:
     """Each encode text's ids behind the entry's query or document prompt, a tokens item's
-    own ids (no prompt; `runtimes.token_ids`): one over the context is INPUT_TOO_LONG
+    own ids (no prompt; `runtimes.families.token_ids`): one over the context is INPUT_TOO_LONG
     unless options.truncate cuts it."""
     from tasks.schema import check_encode_output
 

@@ -49,7 +49,7 @@ def encode_result(request: Request, parsed: Any, tokens: list[list[int]],
     """The request's vectors from SGLang's `/encode` answer (one row, or a list of rows)."""
     import numpy as np
 
-    from runtimes.vectors import dense_result
+    from runtimes.families.vectors import dense_result
 
     rows = data if isinstance(data, list) else [data]
     vectors = np.asarray([row["embedding"] for row in rows], dtype=np.float32)

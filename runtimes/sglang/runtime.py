@@ -6,7 +6,7 @@ worker's venv and never imports sglang: it talks HTTP to servers started from SG
 own venv (`runtimes.sglang.server`).
 
 Generate: prompts are tokenized here with the model's own tokenizer, by the very rules
-of the PyTorch causal-lm adapter (`runtimes.prompts`), and SGLang gets token ids; the
+of the PyTorch causal-lm adapter (`runtimes.families.prompts`), and SGLang gets token ids; the
 completion's text is decoded here from the token ids SGLang returns, as the adapter
 decodes it, so both runtimes give the same text for the same tokens. Each item of a
 request is its own SGLang request, rid "{request id}/{index}", streamed from the native
@@ -48,8 +48,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtimes.base import Load, LoadFailed, OnDeltas, Outcome, Request, failed
-from runtimes.footprint import UNKNOWN_BYTES, estimate_bytes
+from batching.feeder import Load
+from runtimes.base import LoadFailed, OnDeltas, Outcome, Request, failed
+from runtimes.model_files.footprint import UNKNOWN_BYTES, estimate_bytes
+from runtimes.model_files.sources import resolve_source
 from runtimes.sglang.client import SGLangClient
 from runtimes.sglang.live import Live, LiveRequests
 from runtimes.sglang.loads import load_of
@@ -64,7 +66,6 @@ from runtimes.sglang.prepare import prepare_soon
 from runtimes.sglang.recovery import Recovery
 from runtimes.sglang.results import deadline_exceeded
 from runtimes.sglang.server import ServerStartError, SGLangServer
-from runtimes.sources import resolve_source
 from tasks.catalog import load_catalog
 from tasks.errors import ErrorCode, ShoalError
 from tasks.served import stamp_batch

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtimes.children import OutputTail, describe_exit
+from runtimes.worker_side.children import OutputTail, describe_exit
 
 log = logging.getLogger(__name__)
 

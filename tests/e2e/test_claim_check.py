@@ -245,7 +245,7 @@ def test_a_worker_killed_after_fetching_leaves_the_claim_for_its_successor(
     first = clip_worker(private, "claims-killed")
     vectors(encode(private.url, [small_png((0, 90, 0))]))  # the model is loaded
     # Its runtime stops: the worker fetches the claim, then its batch cannot end.
-    runtime = first.child_pid(b"runtimes.server")
+    runtime = first.child_pid(b"runtimes.child_side.server")
     os.kill(runtime, signal.SIGSTOP)
     known = claim_keys(blobs)
     with ThreadPoolExecutor(1) as pool:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
-from app.worker.replies import Delivery, Replier
+from app.worker.lifecycle.replies import Delivery, Replier
 from tasks.catalog import load_catalog
 from tasks.envelope import (
     CONTENT_ENCODING,

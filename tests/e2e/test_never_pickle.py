@@ -31,7 +31,7 @@ import msgpack
 import pytest
 from kombu import Connection, Producer
 
-from app.worker.replies import rpc_result
+from app.worker.lifecycle.replies import rpc_result
 from tasks.envelope import H_COALESCED, Annotations, read_coalesced, task_body, task_headers
 from tasks.errors import ErrorCode, ShoalError
 from tasks.queues import kombu_queues
@@ -549,7 +549,7 @@ def test_job_driver_reads_its_redis_records_as_msgpack_only(stack: Any, armed: A
 
 
 def _decoders() -> dict[str, Any]:
-    from runtimes import frames, protocol
+    from runtimes.wire import frames, protocol
 
     return {"any": protocol._ANY,
             **{name: getattr(frames, name) for name in dir(frames)
@@ -561,7 +561,7 @@ def test_runtime_frames_refuse_a_pickle(armed: Armed, decoder: str) -> None:
     """Both ends of the worker <-> runtime connection decode msgpack only: a frame whose
     body is a pickle is a ProtocolError (not msgpack, or not a frame: a pickle's first byte
     reads as an empty msgpack map), never loaded."""
-    from runtimes.protocol import ProtocolError, recv_frame
+    from runtimes.wire.protocol import ProtocolError, recv_frame
 
     body = armed.pickled({"frame": "run", "model": TINY_CLS, "requests": [armed.bomb]})
     ours, theirs = socket.socketpair()

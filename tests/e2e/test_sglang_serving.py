@@ -1,5 +1,5 @@
 """A model served on SGLang through the whole stack: gateway -> RabbitMQ -> worker (its
-continuous path, `app.worker.feeder`) -> SGLang server, streams back as PROGRESS states.
+continuous path, `batching.feeder`) -> SGLang server, streams back as PROGRESS states.
 
 One worker of its own serves a tiny random Llama (`runtime: sglang` in its catalog
 entry) for this module; its SGLang server starts once (~30-60 s on this CPU). The

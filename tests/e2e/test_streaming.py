@@ -136,7 +136,7 @@ def test_a_runtime_killed_mid_stream_ends_that_stream_with_an_error(stack, strea
     with pytest.raises(APIError) as raised:
         for i, _ in enumerate(chunks):
             if i == 1:
-                os.kill(streams.child_pid(b"runtimes.server"), signal.SIGKILL)
+                os.kill(streams.child_pid(b"runtimes.child_side.server"), signal.SIGKILL)
     assert "STREAM_INTERRUPTED" in str(raised.value.body) or \
         "interrupted" in str(raised.value).lower()
     # The runtime restarts; the next stream completes.

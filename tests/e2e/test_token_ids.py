@@ -69,7 +69,8 @@ def test_token_id_prompts_complete_as_their_text(families):
     client = openai_client(families.url)
     tokenizer = AutoTokenizer.from_pretrained(family_dir(LLAMA))
     prompts = ["The cat sits", "hello there"]
-    # A text prompt becomes BOS and its ids, no end token (`runtimes.prompts`): the same ids
+    # A text prompt becomes BOS and its ids, no end token (`runtimes.families.prompts`): the same
+    # ids
     # as token input complete the same way.
     ids = [[tokenizer.bos_token_id, *tokenizer(p, add_special_tokens=False)["input_ids"]]
            for p in prompts]

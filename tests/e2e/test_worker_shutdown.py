@@ -117,7 +117,7 @@ def _runtimes(worker: MeteredWorker) -> list[int]:
         except (OSError, ValueError):
             continue
         if int(stat.rsplit(")", 1)[1].split()[1]) == worker.process.pid \
-                and b"runtimes.server" in cmdline:
+                and b"runtimes.child_side.server" in cmdline:
             found.append(int(entry.name))
     assert found, "the worker has no runtime process"
     return found

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from runtimes.pytorch import buckets
 from runtimes.pytorch.buckets import ROWS, Buckets, Plan, all_buckets, bucket_for, plan, widths
 from tasks.catalog import ModelEntry
@@ -297,7 +297,7 @@ def test_token_classification(monkeypatch, tmp_path, architecture):
 
 
 def test_an_emulated_device_sees_the_bucket(monkeypatch, dense_dir):
-    from runtimes.pytorch import emulated
+    from runtimes.doubles import emulated
 
     monkeypatch.setenv(emulated.ENV, "0,0")
     emulated.reset()

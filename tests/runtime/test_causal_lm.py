@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtimes.base import Outcome, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from runtimes.pytorch.causal_lm import CausalLMAdapter, Row
 from tasks.catalog import ModelEntry
 from tasks.schema import GenerateOptions

@@ -16,7 +16,7 @@ from PIL import Image, ImageOps
 from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
 from runtimes.base import Outcome, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 from tasks.results import embedding_rows
 from tests.tiny_clip import (

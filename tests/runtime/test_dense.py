@@ -7,7 +7,7 @@ import pytest
 from sentence_transformers import SentenceTransformer
 
 from runtimes.base import Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from runtimes.pytorch.dense import DenseEncoder
 from tests.tiny_models import MINILM_DIR, build_tiny_sentence_transformer
 

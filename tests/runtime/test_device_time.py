@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from runtimes.base import Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from runtimes.pytorch.device_time import DeviceClock, device_clock, watch_forward
 from tasks.catalog import ModelEntry
 from tasks.served import batch_device_ms

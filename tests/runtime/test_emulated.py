@@ -1,4 +1,4 @@
-"""The emulated device (runtimes.pytorch.emulated): real adapters, the forward a wait."""
+"""The emulated device (runtimes.doubles.emulated): real adapters, the forward a wait."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from runtimes.host import ModelHost
-from runtimes.pytorch import emulated
-from runtimes.pytorch.emulated import (
+from runtimes.child_side.host import ModelHost
+from runtimes.doubles import emulated
+from runtimes.doubles.emulated import (
     ENV,
     PROFILES,
     EmulatedForward,

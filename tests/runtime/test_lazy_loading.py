@@ -18,8 +18,8 @@ import yaml
 from transformers import AutoModel
 
 from runtimes.base import LoadFailed, Request
-from runtimes.footprint import estimate_bytes, tensor_bytes
-from runtimes.process import ProcessRuntime
+from runtimes.model_files.footprint import estimate_bytes, tensor_bytes
+from runtimes.worker_side.process import ProcessRuntime
 from tests.slow_batches import SlowBatches
 from tests.tiny_models import build_tiny_bert, build_tiny_sentence_transformer
 

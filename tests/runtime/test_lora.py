@@ -22,7 +22,7 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtimes.base import Outcome, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.causal_lm import Row
 from tasks.adapters import ADAPTERS

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, BertModel
 
 from runtimes.base import Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 from tasks.results import multivector_rows
 from tests.tiny_encoders import (

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from runtimes.base import LoadFailed, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from runtimes.onnx.export import export_graph
 from runtimes.onnx.graphs import GraphMissing
-from runtimes.process import ProcessRuntime
+from runtimes.worker_side.process import ProcessRuntime
 from tasks.catalog import ModelEntry
 from tests.tiny_classifiers import (
     build_tiny_cross_encoder,
@@ -230,7 +230,7 @@ def test_serving_imports_no_torch(dense_path, onnx_cache):
 import json, sys
 from runtimes.base import Request
 from runtimes.base import LoadFailed, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 host = ModelHost(engine="onnx")
 entry = ModelEntry.model_validate({{"id": "m", "adapter": "dense", "dims": 32,
@@ -265,7 +265,7 @@ def test_a_missing_graph_without_torch_names_the_command(tmp_path, onnx_cache):
 import sys
 sys.modules["torch"] = None
 from runtimes.base import LoadFailed, Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 entry = ModelEntry.model_validate({{"id": "test/unexported", "adapter": "dense", "dims": 32,
                                    "source": {{"path": {str(path)!r}}}}})

@@ -1,4 +1,5 @@
-"""Two batches in flight to one runtime process (`runtimes.pipeline`, `runtimes.process`).
+"""Two batches in flight to one runtime process (`runtimes.child_side.pipeline`,
+`runtimes.worker_side.process`).
 
 The worker hands its runtime a second batch while the first runs; the child prepares it
 meanwhile and answers both in order. A crash or a kill with both in flight must lose
@@ -19,11 +20,11 @@ import pytest
 import yaml
 
 from runtimes.base import Outcome, Request
-from runtimes.frames import CONTROL_REPLY_DECODER, Cancel, Ping, Pong
-from runtimes.host import ModelHost
-from runtimes.process import ProcessRuntime
-from runtimes.protocol import recv_frame, send_frame
-from runtimes.server import serve_control
+from runtimes.child_side.host import ModelHost
+from runtimes.child_side.server import serve_control
+from runtimes.wire.frames import CONTROL_REPLY_DECODER, Cancel, Ping, Pong
+from runtimes.wire.protocol import recv_frame, send_frame
+from runtimes.worker_side.process import ProcessRuntime
 from tasks.catalog import Catalog
 from tests.slow_batches import SlowBatches
 from tests.stack import wait_for as stack_wait_for

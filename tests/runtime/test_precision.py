@@ -1,7 +1,7 @@
 """bf16 against fp32 on CPU, for a tiny random model of every encoder family.
 
 Each model is loaded twice through the real path (a ModelHost whose precision overrides
-the entry's, `runtimes.precision`, down to the adapter's `from_pretrained` dtype) and
+the entry's, `runtimes.model_files.precision`, down to the adapter's `from_pretrained` dtype) and
 answers the same requests: vectors point the same way (cosine >= 0.99 per item, per
 token for ColBERT), classifiers pick the same top label, NER finds the same spans, a
 reranker orders the documents the same. What a GPU adds (bf16 kernels, SDPA) is
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from runtimes.base import Outcome
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.results import embedding_arrays, multivector_rows
 from tests.runtime.test_clip import image_bytes
 from tests.tiny_classifiers import (

@@ -1,7 +1,7 @@
 """The health probe: every adapter's own small request is answered by a real runtime.
 
 After a failure the process runtime blames a lone request only if the model's
-probe is answered (runtimes.process). A probe the adapter refuses would hide
+probe is answered (runtimes.worker_side.process). A probe the adapter refuses would hide
 every poison request behind RuntimeUnhealthy, and one that is refused but
 read as healthy would blame innocent requests, so each adapter's probe is
 run here in a real runtime process on a tiny model of its family.
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from runtimes.base import Request
-from runtimes.process import ProcessRuntime
 from runtimes.pytorch.adapter import probe_kwargs
+from runtimes.worker_side.process import ProcessRuntime
 from tasks.adapters import ADAPTERS, ENCODE, IMAGE, OPERATIONS
 from tests.tiny_classifiers import (
     build_tiny_cross_encoder,

@@ -2,7 +2,7 @@
 
 One real runtime process (tiny models) is shared by the module; tests that
 crash it check that it came back. `test/faulty` and `test/faulty-score`
-misbehave on marker texts (runtimes.pytorch.faulty); `test/tiny` is the
+misbehave on marker texts (runtimes.doubles.faulty); `test/tiny` is the
 dense one's weights with the plain adapter.
 """
 
@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import yaml
 
-from runtimes import frames, protocol, server
 from runtimes.base import Outcome, Request, RuntimeClosed, RuntimeStartError, RuntimeUnhealthy
-from runtimes.host import ModelHost
-from runtimes.process import ProcessRuntime
-from runtimes.pytorch.faulty import EVERY_BATCH_ENV, AdapterRefused
+from runtimes.child_side import server
+from runtimes.child_side.host import ModelHost
+from runtimes.doubles.faulty import EVERY_BATCH_ENV, AdapterRefused
+from runtimes.wire import frames, protocol
+from runtimes.worker_side.process import ProcessRuntime
 from tasks.catalog import Catalog
 from tests.slow_batches import SlowBatches
 from tests.tiny_classifiers import build_tiny_cross_encoder

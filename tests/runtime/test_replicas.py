@@ -1,4 +1,5 @@
-"""Several runtime processes on one device (`runtimes.replicas.ReplicaSet`): batches spread
+"""Several runtime processes on one device (`runtimes.worker_side.replicas.ReplicaSet`): batches
+spread
 over them, and everything one runtime promises holds with several: a kill or a poison
 request on one loses nothing and blames only the poison, cancels reach the replica that
 runs the request, loads and LoRAs are on every replica and counted once per copy.
@@ -16,10 +17,10 @@ import pytest
 import yaml
 
 from runtimes.base import CANCELLED, EMULATED_QUEUE_ENV, LoadFailed, Outcome, Request
-from runtimes.host import ModelHost
-from runtimes.pool import lora_key
-from runtimes.process import ProcessRuntime
-from runtimes.replicas import ReplicaSet, default_replicas
+from runtimes.child_side.host import ModelHost
+from runtimes.worker_side.pool import lora_key
+from runtimes.worker_side.process import ProcessRuntime
+from runtimes.worker_side.replicas import ReplicaSet, default_replicas
 from tasks.catalog import Catalog
 from tests.runtime.test_pipeline import InFlight, requests, vectors, wait_for
 from tests.tiny_lm import build_tiny_llama
@@ -240,7 +241,7 @@ def test_a_failed_start_of_one_replica_stops_the_others(catalog_dir):
 
 def test_the_replicas_share_one_emulated_device_queue(tmp_path, monkeypatch):
     """Two processes' passes queue one behind the other, as on one GPU."""
-    from runtimes.pytorch import emulated
+    from runtimes.doubles import emulated
 
     path = tmp_path / "queue"
     monkeypatch.setenv(EMULATED_QUEUE_ENV, str(path))

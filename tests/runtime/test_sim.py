@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from batching.latency_model import BatchShape
 from runtimes.base import Outcome, Request, RuntimeClosed
-from runtimes.sim import DEVICE_KINDS, SimRuntime, sim_constants
+from runtimes.doubles.sim import DEVICE_KINDS, SimRuntime, sim_constants
 from tasks.catalog import BatchProfile, ModelEntry
 from tasks.errors import ErrorCode
 from tasks.results import embedding_rows, multivector_rows, row_width
@@ -355,6 +355,6 @@ def test_settings_take_all_three_costs_or_none():
 
 
 def test_the_sim_imports_neither_torch_nor_transformers():
-    code = ("import sys, runtimes.sim; "
+    code = ("import sys, runtimes.doubles.sim; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

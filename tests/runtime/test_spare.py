@@ -1,8 +1,8 @@
 """The spare runtime: a crash promotes a process imported ahead, and a crash during a
-restart is retried (runtimes.process, `spare=True`; the worker's SHOAL_RUNTIME_SPARE).
+restart is retried (runtimes.worker_side.process, `spare=True`; the worker's SHOAL_RUNTIME_SPARE).
 
 Real child processes on tiny models. `test/faulty` crashes, raises or stalls on marker
-texts (runtimes.pytorch.faulty); `test/lora` is a dense model with one LoRA adapter.
+texts (runtimes.doubles.faulty); `test/lora` is a dense model with one LoRA adapter.
 Each test starts its own runtime: they kill its processes.
 """
 
@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from runtimes.base import Outcome, Request, RuntimeStartError
-from runtimes.pool import lora_key
-from runtimes.process import ProcessRuntime
-from runtimes.supervisor import RESTART_ATTEMPTS
+from runtimes.worker_side.pool import lora_key
+from runtimes.worker_side.process import ProcessRuntime
+from runtimes.worker_side.supervisor import RESTART_ATTEMPTS
 from tests.slow_batches import SlowBatches
 from tests.stack import wait_for
 from tests.tiny_lora import BERT_TARGETS, build_tiny_lora

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
 from runtimes.base import Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 from tests.tiny_encoders import build_tiny_splade
 

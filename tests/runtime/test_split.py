@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runtimes.base import Request
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tasks.catalog import ModelEntry
 from tasks.split import merge_results, split_kwargs
 from tests.tiny_classifiers import (

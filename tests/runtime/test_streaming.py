@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from runtimes.base import CANCELLED, Delta, Outcome, Request
-from runtimes.deltas import held_back
-from runtimes.host import ModelHost
-from runtimes.process import ProcessRuntime
+from runtimes.child_side.host import ModelHost
+from runtimes.families.deltas import held_back
+from runtimes.worker_side.process import ProcessRuntime
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tests.tiny_lm import build_tiny_llama

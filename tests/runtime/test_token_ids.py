@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from runtimes.host import ModelHost
+from runtimes.child_side.host import ModelHost
 from tests.tiny_classifiers import run, serve
 from tests.tiny_models import MINILM_DIR
 

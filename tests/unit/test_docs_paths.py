@@ -9,7 +9,7 @@ Read from the docs' text, line by line (prose, backticks, links and code blocks 
   folder". A path written `pkg/mod.Name` (a module, then a name in it) is read as the
   dotted name `pkg.mod.Name`;
 - a dotted name that starts with one of the repository's Python packages (`tasks.errors`,
-  `tasks.errors.ShoalError`, `app.worker.replies.Replier.progress`) must resolve: its
+  `tasks.errors.ShoalError`, `app.worker.lifecycle.replies.Replier.progress`) must resolve: its
   longest prefix that is a module (a `.py` file or a package folder) exists, the next
   name is defined at the top of that module (def, class, assignment, import, `__all__`),
   and a name after a class is a member of that class (method, class attribute, dataclass
@@ -362,7 +362,7 @@ Drift: `gateway/bulk.py`, gateway/bulk.InputCheck, `tasks.errors.NoSuchError`,
 Fine: `gateway/jobs/bulk_files.py`, `app/worker/`, `runtimes/pytorch/<family>.py`,
 `infra/k8s/...`, `tests/tiny_*.py`, `tasks/envelope.coalesce`, `tasks.errors.ShoalError`,
 `batching.latency_model.CostModel.admission`, `runtimes.sglang.SGLangRuntime`,
-`app.worker.replies.Replier.progress`, `ModelHost.begin/forward/finish`, `feeder.py`,
+`app.worker.lifecycle.replies.Replier.progress`, `ModelHost.begin/forward/finish`, `feeder.py`,
 `python -m bench.lone`, `bench/out/`, [models](models.md#lora-adapters), `make test`.
 Not ours: `x-should-retry`, e.g. `/v1/embeddings`, make sure, `SHOAL_RUNTIME=onnx`,
 `base/gateway.yaml`, https://github.com/o/r/blob/main/tasks/nope.py, `Pooling.include_prompt`,

@@ -13,7 +13,7 @@ from app.onboard import probes
 from app.onboard.parity.common import NEW_TOKENS, Outputs, ShoalRefused, prompt_kinds
 
 if TYPE_CHECKING:
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
     from tasks.catalog import ModelEntry
 
 
@@ -139,9 +139,9 @@ _SHOAL: dict[str, Callable[[ModelHost, ModelEntry], Outputs]] = {
 
 def _graph_folder(entry: ModelEntry) -> Path:
     """Where the graph's transformer sits: a SparseEncoder save keeps it in a subfolder."""
-    from runtimes.files import encoder_ref
-    from runtimes.sources import resolve_source
-    from runtimes.splade import read_splade_config
+    from runtimes.families.splade import read_splade_config
+    from runtimes.model_files.files import encoder_ref
+    from runtimes.model_files.sources import resolve_source
 
     ref = resolve_source(entry.source)
     if entry.adapter == "sparse":
@@ -152,7 +152,7 @@ def _graph_folder(entry: ModelEntry) -> Path:
 def shoal_outputs(entry: ModelEntry, engine: str = "pytorch", precision: str = "fp32") -> Outputs:
     """Shoal's adapter on the probes, loaded by a `ModelHost` on the CPU. For engine
     "onnx" the graph at `precision` is exported first when it is missing."""
-    from runtimes.host import ModelHost
+    from runtimes.child_side.host import ModelHost
 
     if entry.adapter not in _SHOAL:
         raise ValueError(f"no parity probes for adapter {entry.adapter!r}")

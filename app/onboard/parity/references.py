@@ -125,7 +125,7 @@ def _reference_sparse(entry: ModelEntry, folder: Path) -> tuple[Outputs, str]:
 
 def _activation(entry: ModelEntry, num_labels: int) -> str:
     """The activation shoal's scores carry: the entry's default, else sigmoid for one
-    logit and the last class's softmax for several (runtimes.classifiers)."""
+    logit and the last class's softmax for several (runtimes.families.classifiers)."""
     chosen = entry.defaults.get("activation")
     return str(chosen) if chosen else ("sigmoid" if num_labels == 1 else "softmax")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from app.worker.claims import ClaimFetcher, Fetched
-from app.worker.held import Held
-from app.worker.replies import Delivery
-from app.worker.splits import Split
+from app.worker.lifecycle.claims import ClaimFetcher, Fetched
+from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.replies import Delivery
+from app.worker.lifecycle.splits import Split
 from gateway.broker.outbox import _coalescible, _Outgoing
 from gateway.calls.blob_offload import check_out
 from tasks.blobs import CLAIMS, BlobStore

@@ -13,14 +13,14 @@ from typing import Any
 import msgpack
 import pytest
 
-from app.worker.dispatcher import Dispatcher
-from app.worker.held import PARKED, RUNNING, SCHEDULED
+from app.worker.lifecycle.dispatcher import Dispatcher
+from app.worker.lifecycle.held import PARKED, RUNNING, SCHEDULED
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
 from batching.latency_model import CostModel
 from batching.scheduler import Lane
 from runtimes.base import Outcome, Request
-from runtimes.pool import lora_key
+from runtimes.worker_side.pool import lora_key
 from tasks.envelope import (
     H_MULTI,
     Annotations,

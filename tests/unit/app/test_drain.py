@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from celery.worker import state as worker_state
 
-from app.worker.held import Held
-from app.worker.replies import Delivery
-from app.worker.returns import plan_returns
+from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.replies import Delivery
+from app.worker.lifecycle.returns import plan_returns
 from app.worker.shutdown import GracefulShutdown
 from tasks.envelope import Annotations
 from tests.fakes import Hub, Message

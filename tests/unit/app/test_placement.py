@@ -9,8 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.worker.placement import Placement
-from runtimes.pool import Pool
+from app.worker.lifecycle.placement import Placement
+from runtimes.worker_side.pool import Pool
 from tasks.pool_state import COLD, LOADING, RESIDENT
 
 MB = 2**20

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.worker.held import Held
-from app.worker.replies import Delivery
-from app.worker.returns import plan_returns
+from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.replies import Delivery
+from app.worker.lifecycle.returns import plan_returns
 from tasks.envelope import Annotations
 from tests.fakes import Message
 

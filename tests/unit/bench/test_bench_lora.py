@@ -62,7 +62,7 @@ def test_ratios_are_taken_inside_each_round_then_the_median():
 
 def test_worker_load_lines_are_read_for_the_model_not_its_loras():
     log = ("[x: INFO/MainProcess] loaded m (86.7 MiB) in 5.58s; 86.7 of 1 MiB in use\n"
-           "runtime[1] INFO runtimes.host: loaded m (dense, 86.7 MiB) in 5.6s\n"
+           "runtime[1] INFO runtimes.child_side.host: loaded m (dense, 86.7 MiB) in 5.6s\n"
            "[x: INFO/MainProcess] loaded m:lora0 (0.3 MiB) in 0.02s; ...\n"
            "[x: INFO/MainProcess] loaded m (86.7 MiB) in 0.15s; 86.7 of 1 MiB in use\n")
     assert logged_loads(log, "m") == [5.58, 0.15]

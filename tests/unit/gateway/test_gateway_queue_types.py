@@ -32,7 +32,7 @@ def test_the_gateway_declares_each_models_queue_of_its_entrys_type(tmp_path):
         types = {m: q.arguments["x-queue-type"] for m, q in queues.items()}
         assert types == {"test/qt-classic": "classic", "test/qt-quorum": "quorum",
                          "test/qt-plain": setting}
-        # The very arguments a worker declares (app.worker.model_queues does the same call).
+        # The very arguments a worker declares (app.worker.steps.model_queues does the same call).
         assert queues["test/qt-classic"].arguments == \
             queue_for("test/qt-classic", settings, "classic").arguments
         assert "x-delivery-limit" not in queues["test/qt-classic"].arguments

@@ -431,7 +431,7 @@ def test_the_onnx_image_installs_pyprojects_dependencies_but_the_pytorch_side():
 
 def test_the_onnx_worker_image_runs_without_torch_or_transformers():
     # The worker's process (Celery app, every app.worker module, the CLI) and the ONNX
-    # runtime process (runtimes.server, every runtimes.onnx module, the engine, the
+    # runtime process (runtimes.child_side.server, every runtimes.onnx module, the engine, the
     # adapter of each ONNX-family catalog entry) import none of the left-out packages, nor
     # try to: a guarded `try: import torch` would pass the image's build and still show here.
     probe = f"""
@@ -443,13 +443,13 @@ class Absent(importlib.abc.MetaPathFinder):
             tried.append(name)
             raise ImportError("not in the ONNX worker image: " + name)
 sys.meta_path.insert(0, Absent())
-import app.celery, app.cli, app.worker, runtimes.onnx, runtimes.server
+import app.celery, app.cli, app.worker, runtimes.onnx, runtimes.child_side.server
 for package in (app.worker, runtimes.onnx):
     for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
         importlib.import_module(module.name)
 from app.worker.runtime import runtime_of_models
-from runtimes.host import make_engine
-from runtimes.server import ENGINE_IMPORTS
+from runtimes.child_side.host import make_engine
+from runtimes.child_side.server import ENGINE_IMPORTS
 from tasks.catalog import ONNX_ADAPTERS, load_catalog
 from tasks.settings import PACKAGED_CATALOG_DIR
 for module in ENGINE_IMPORTS["onnx"]:

@@ -369,7 +369,7 @@ def test_images_are_the_ones_infra_docker_builds_and_match_the_device(overlay: s
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pools_on_the_torch_free_image_serve_only_the_graphs_it_holds(overlay: str) -> None:
     from app.worker.runtime import runtime_of_models
-    from runtimes.host import make_engine
+    from runtimes.child_side.host import make_engine
     from tasks.precision import precisions_of
     from tests.unit.infra.test_containers import docker_env, onnx_image_graphs
 

@@ -1,4 +1,4 @@
-"""Which request of a failed batch is to blame (`runtimes.bisection`), with no runtime
+"""Which request of a failed batch is to blame (`runtimes.worker_side.bisection`), with no runtime
 process: each attempt is a function of the requests it is given."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from runtimes.base import Outcome, Request, RuntimeUnhealthy
-from runtimes.bisection import Failure, bisect
+from runtimes.worker_side.bisection import Failure, bisect
 
 CRASH = Failure("crash", "killed by SIGSEGV")
 

@@ -1,4 +1,4 @@
-"""The worker↔runtime frames (`runtimes.frames`) through the length-prefixed protocol: each
+"""The worker↔runtime frames (`runtimes.wire.frames`) through the length-prefixed protocol: each
 decodes, on the connection it travels, into the frame sent."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from runtimes import frames, protocol
+from runtimes.wire import frames, protocol
 
 BATCH_REQUESTS = [
     frames.Run("m", [frames.RunRequest("a", "encode", {"items": [{"text": "x"}]}),

@@ -1,4 +1,5 @@
-"""Plain texts tokenized by a lighter copy of the tokenizer (`runtimes.text.plain_text_twin`)
+"""Plain texts tokenized by a lighter copy of the tokenizer
+(`runtimes.families.text.plain_text_twin`)
 get exactly the ids the tokenizer itself gives; any other text goes through the tokenizer,
 and a batch of both keeps its order."""
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from runtimes.text import encode_texts, is_plain, plain_text_twin
+from runtimes.families.text import encode_texts, is_plain, plain_text_twin
 from tests.tiny_models import MINILM_DIR
 
 LIMIT = 128

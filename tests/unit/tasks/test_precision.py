@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from runtimes.precision import default_precision, device_kind, resolve_precision
+from runtimes.model_files.precision import default_precision, device_kind, resolve_precision
 from tasks.catalog import ModelEntry
 from tasks.precision import CPU_PRECISIONS, PRECISIONS
 from tasks.settings import Settings

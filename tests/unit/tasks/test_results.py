@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtimes.vectors import dense_result, quantize
+from runtimes.families.vectors import dense_result, quantize
 from tasks.results import embedding_rows, multivector_rows, ranked, row_width
 from tasks.schema import EncodeOptions
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.calls.openai_input import openai_input_items
-from runtimes.token_ids import Vocabulary, encode_inputs, vocabulary
+from runtimes.families.token_ids import Vocabulary, encode_inputs, vocabulary
 from tasks.adapters import ADAPTERS, TEXT
 from tasks.catalog import TOKEN_ADAPTERS, ModelEntry, Source
 from tasks.errors import ErrorCode, ShoalError

@@ -1,0 +1,224 @@
+"""Intake: a delivered message becomes held requests, each placed where it waits.
+
+Life of a request: delivered -> held (body not decoded; headers carry the cost) -> placed:
+into the scheduler's lane of its model (`batching.scheduler`), or the feeder of a
+continuously batching runtime (`batching.feeder`); first, if need be, its claimed
+inputs are fetched (header `shoal_claims`, see `tasks.claims`: on `app.worker.lifecycle.claims`'s
+threads; the bytes stay on its `Held`, its body keeps the claims, so a request given back
+carries no bytes; its blobs are deleted once its message is acked), or it is parked until
+its LoRA adapter is loaded (`app.worker.lifecycle.held`). A message delivered while draining goes
+straight back.
+
+A request for a model that is not loaded waits in its lane (which starts no batch) while
+`app.worker.lifecycle.placement` loads the model beside the other models' batches; when the load
+ends the lane runs, or its requests are answered MODEL_UNAVAILABLE. A request for a LoRA
+adapter that is not loaded is parked (outside the scheduler) until its model and then its
+adapter are loaded. Requests for different LoRAs of one model, and for none, batch
+together: the runtime runs them in one forward pass (SHOAL_LORA_MIXED_BATCHES=false
+batches each LoRA apart, to compare).
+
+A message from a shoal gateway may carry several requests (coalesced, see
+`tasks.envelope.coalesce`), its members: each is held, scheduled, answered and shown in
+Flower on its own; the message is acked once all of them are settled
+(`app.worker.lifecycle.replies.Delivery`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery.worker import state as worker_state
+
+from app.worker import metrics
+from app.worker.lifecycle.claims import Fetched
+from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.replies import Delivery
+from app.worker.lifecycle.splits import split_request
+from batching.feeder import Waiting
+from batching.shapes import Pending
+from tasks.envelope import (
+    H_COALESCED,
+    Annotations,
+    annotate,
+    decode_body,
+    now_ms,
+    read_annotations,
+    read_coalesced,
+)
+from tasks.errors import ErrorCode
+from tasks.names import ENCODE
+from tasks.pool_state import RESIDENT
+
+if TYPE_CHECKING:
+    from app.worker.lifecycle.dispatcher import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    """The dispatcher's intake (loop thread); a mixin of `Dispatcher`, whose state it uses."""
+
+    def on_message(self: Dispatcher, message: Any) -> None:
+        if self.draining:
+            # Delivered before the broker saw the consumer cancelled: straight back.
+            self._refuse_delivery(message)
+            return
+        try:
+            self._hold(message)
+        except Exception:
+            # Whatever a message holds, it must not take the consumer down.
+            log.exception("message dead-lettered: it could not be held")
+            message.reject(requeue=False)
+
+    def _hold(self: Dispatcher, message: Any) -> None:
+        headers = message.headers or {}
+        task_name = headers.get("task", ENCODE)
+        deliveries = 1 + int(headers.get("x-delivery-count") or 0)
+        if H_COALESCED in headers:
+            try:
+                members = read_coalesced(headers, message.body)
+            except ValueError:
+                log.exception("coalesced message dead-lettered: it could not be read")
+                message.reject(requeue=False)
+                return
+            delivery = Delivery(message, len(members))
+            for member in members:
+                self._take(delivery, member.task_id, task_name, member.annotations,
+                           member.body, deliveries, member.returns)
+            self._queue_tick()
+            return
+        task_id = headers.get("id") or message.properties.get("correlation_id")
+        if not task_id:
+            log.error("message without a task id dead-lettered: %r", headers)
+            message.reject(requeue=False)
+            return
+        delivery = Delivery(message)
+        annotations = read_annotations(headers)
+        if annotations is None:  # a client that wrote no shoal headers
+            try:
+                kwargs = decode_body(message.body)
+            except ValueError as exc:
+                self.replier.failure(delivery, task_id, ErrorCode.INVALID_REQUEST, str(exc))
+                return
+            entry = self.entries.get(kwargs.get("model"))  # type: ignore[arg-type]
+            annotations = annotate(task_name, kwargs, entry)
+        self._take(delivery, task_id, task_name, annotations, message.body, deliveries, 0,
+                   headers)
+        self._queue_tick()
+
+    def _take(self: Dispatcher, delivery: Delivery, task_id: str, task_name: str,
+              annotations: Annotations, body: bytes, deliveries: int, returns: int,
+              headers: dict[str, Any] | None = None) -> None:
+        """Hold one request (the only one of its message, or a member of a coalesced
+        one)."""
+        held = Held(delivery, task_id, annotations, body, returns)
+        if self.replier.task_events:  # off unless -E or Flower: no fields built then
+            h = headers or {}
+            self.replier.event(
+                "task-received", task_id, name=task_name, args="()",
+                kwargs=h.get("kwargsrepr") or
+                f"{{'model': {annotations.model!r}, 'items': {annotations.items}}}",
+                root_id=h.get("root_id", task_id), parent_id=h.get("parent_id"),
+                retries=h.get("retries", 0), eta=None, expires=h.get("expires"))
+        if annotations.claims:
+            # Once acked (answered, whichever way), nobody needs its blobs any more.
+            delivery.on_acked = [lambda: self.claims.delete(body)]
+        model = annotations.model
+        if model not in self.scheduler.lanes:  # a message routed to the wrong queue
+            self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
+                                 f"this worker does not serve {model!r}")
+            return
+        if annotations.claims:
+            self._fetch_claims(model, held, deliveries + returns)
+            return
+        self._place(model, held, deliveries + returns)
+
+    def _fetch_claims(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+        """Fetch a request's claimed inputs (on the fetcher's threads) before it is placed:
+        it enters the scheduler only when its inputs are here."""
+        generation = self.generation
+        a = held.annotations
+        self.holdings.fetch(model, held)
+
+        def fetched(outcome: Fetched) -> None:  # on the loop
+            if generation != self.generation:
+                return  # the connection was lost: the message is redelivered
+            if not self.holdings.fetched(held):
+                return  # handed back when the drain began
+            if outcome.error_code is not None:
+                self.answers.refuse(model, held, outcome.error_message or "",
+                             ErrorCode(outcome.error_code))
+                return
+            held.blobs = outcome.blobs
+            self._place(model, held, deliveries)
+            self._queue_tick()
+
+        self.claims.fetch(held.body, a.sent_ms, a.deadline_ms,
+                          lambda: held.task_id in worker_state.revoked, fetched)
+
+    def _place(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+        """A held request (its inputs at hand) joins its model's feeder or scheduler."""
+        if model in self.continuous:
+            self._admit_continuous(model, held, deliveries)
+            return
+        split = split_request(held, self.scheduler.lanes[held.annotations.model],
+                              self.entries.get(held.annotations.model), self.part_target_s)
+        if split is not None:
+            metrics.SPLIT.labels(model).inc()
+            held = split.part_held(held, 0)
+        self._admit(model, held, deliveries)
+
+    def _admit(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+        """Into the scheduler, once what it needs is loaded (loads start here)."""
+        lora = held.annotations.lora
+        # Used recently = asked for recently: a popular model stays the most recent even
+        # while its requests wait (or were handed to a peer), and so is evicted last.
+        self.placement.touch(model)
+        if lora is not None and not self.placement.lora_resident(model, lora):
+            self.holdings.park(model, lora, held, deliveries)
+            why = self.placement.ensure(model, lora)
+            if why is not None:
+                self._on_lora(model, lora, why)
+            return
+        self._append(model, held, deliveries)
+        if not self.scheduler.lanes[model].ready:
+            why = self.placement.ensure(model)
+            if why is not None:
+                self._on_load_failed(model, why)
+
+    def _admit_continuous(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+        self.placement.touch(model)
+        deadline = held.annotations.deadline_ms
+        now = time.monotonic()
+        self.feeder.add(model, Waiting(
+            held, now, None if deadline is None else now + (deadline - now_ms()) / 1000,
+            deliveries, key=held.task_id))
+        if self.placement.state(model) != RESIDENT:
+            why = self.placement.ensure(model)
+            if why is not None:
+                self._on_load_failed(model, why)
+
+    def _append(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+        now = time.monotonic()
+        annotations = held.annotations
+        deadline = annotations.deadline_ms
+        self.scheduler.append(model, Pending(
+            handle=held,
+            # Parts batch only with parts: a short request batched with a part would be
+            # padded to the part's length and wait as long as it. LoRAs mix (see above).
+            group=(annotations.op, held.split is not None) if self.lora_mixed_batches
+            else (annotations.op, held.split is not None, annotations.lora),
+            items=annotations.items,
+            cost=annotations.cost,
+            longest=annotations.longest,
+            received=now,
+            deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
+            budget_s=None if deadline is None or annotations.sent_ms is None
+            else (deadline - annotations.sent_ms) / 1000,
+            deliveries=deliveries,
+            returnable=held.split is None,
+            bulk=annotations.bulk,
+            key=held.task_id,
+        ))

@@ -1,0 +1,285 @@
+"""Which models this worker holds: loads on first request, LRU evictions, pinned models.
+
+The bookkeeping is `runtimes.worker_side.pool.Pool`'s; this class drives it from the worker's event
+loop thread and runs the loads and unloads on a thread of its own, beside the batches
+of the models already loaded (the runtime takes them on a connection of their own), so
+the event loop (and with it the broker heartbeats) never waits for a load.
+
+Life of a model on a worker: cold -> loading -> resident -> (evicted) cold. A request
+held for a model that is not resident starts its load at once; when it ends, `on_state`
+tells the dispatcher (the lane may run, the consumer's priority rises) or `on_failed`
+has every request held for it answered MODEL_UNAVAILABLE with the reason. A LoRA
+adapter is loaded the same way once its model is resident (`on_lora` reports the
+end), counts against the same budget and is evicted LRU too (with its model, or
+alone). A failure is remembered for `FAILURE_MEMORY_S`, and the requests that arrive
+meanwhile are answered at once instead of each trying the load again.
+
+Loads queue and run one at a time; each evicts what it needs when it starts. A load
+that does not fit yet (what is in use or loading must end first) waits; one whose
+requests are all gone by its turn (answered at their deadlines) is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from app.worker import metrics
+from runtimes.base import Runtime
+from runtimes.worker_side.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
+from tasks.pool_state import COLD, LOADING, RESIDENT
+
+log = logging.getLogger(__name__)
+
+FAILURE_MEMORY_S = 10.0
+DEFAULT_LOAD_S = 1.0
+
+
+class Placement:
+    def __init__(self, runtime: Runtime, pool: Pool, models: list[str], pinned: set[str],
+                 call_soon: Callable[..., Any], in_use: Callable[[], Mapping[str, int]],
+                 on_state: Callable[[str, str], None],
+                 on_failed: Callable[[str, str], None],
+                 load_s: dict[str, float] | None = None,
+                 on_lora: Callable[[str, str, str | None], None] | None = None) -> None:
+        self.runtime = runtime
+        self.pool = pool
+        self.models = models  # all it may serve
+        self.pinned = pinned
+        self.call_soon = call_soon  # runs a callable on the event loop thread
+        self.in_use = in_use  # keys with held, parked or running work: how many requests
+        self.on_state = on_state  # (model, RESIDENT | LOADING | COLD)
+        self.on_failed = on_failed  # (model, why): answer what is held for it
+        self.on_lora = on_lora or (lambda model, lora, why: None)  # why None: loaded
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-loader")
+        self.failures: dict[str, tuple[float, str]] = {}  # model -> (when, why)
+        self.started: dict[str, float] = {}  # model -> when its load began
+        self.queued: list[tuple[str, str | None]] = []  # loads waiting, first come first
+        self.current: tuple[str, str | None] | None = None  # the load running
+        self.asked: set[str] = set()  # queued by an operator (shoal_load), not by requests
+        self.estimates: dict[str, int] = {}  # key -> bytes the runtime estimated
+        self._starting = False
+        self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
+        now = time.monotonic()
+        for model, measured in runtime.resident.items():  # what the runtime started with
+            pool.add(model, measured, now, pinned=model in pinned)
+        if pool.used() > pool.budget:
+            log.warning("the pinned models take %.1f MiB, over the %.1f MiB budget: nothing "
+                        "else can load", pool.used() / 2**20, pool.budget / 2**20)
+        self._gauges()
+
+    # --- state ---------------------------------------------------------------------------
+
+    def state(self, model: str) -> str:
+        if self.pool.resident(model):
+            return RESIDENT
+        return LOADING if self.pool.loading(model) or (model, None) in self.queued else COLD
+
+    def load_seconds(self, model: str) -> float:
+        """How long a load of `model` takes (measured here last time, else the profile's)."""
+        return self.load_s.get(model, DEFAULT_LOAD_S)
+
+    def lora_resident(self, model: str, lora: str) -> bool:
+        return self.pool.resident(lora_key(model, lora))
+
+    def touch(self, key: str) -> None:
+        self.pool.touch(key, time.monotonic())
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `celery inspect shoal_models` and the pool-state messages report."""
+        models = []
+        for model in self.models:
+            slot = self.pool.slots.get(model)
+            loras = sorted(k.rpartition(LORA_SEPARATOR)[2] for k in self.pool.adapters_of(model)
+                           if self.pool.resident(k))
+            models.append({"id": model, "state": self.state(model),
+                           "pinned": model in self.pinned,
+                           "bytes": slot.bytes if slot is not None and not slot.loading
+                           else None, "loras": loras})
+        return {"budget_bytes": self.pool.budget, "used_bytes": self.pool.used(),
+                "models": models}
+
+    # --- loads (event loop thread) ---------------------------------------------------------
+
+    def ensure(self, model: str, lora: str | None = None, asked: bool = False) -> str | None:
+        """Have `model` (or its LoRA adapter `lora`, once the model is resident: until
+        then, the model) loaded: None, or why it cannot be (it failed to load moments
+        ago, or it could not fit even with every unpinned model evicted); the caller
+        answers its requests then. Otherwise its load is queued and starts when the
+        loader is free and it fits (`_start_next`). `asked`: by an operator, so it loads
+        even with no request waiting."""
+        if lora is not None and not self.pool.resident(model):
+            lora = None  # the model first; the dispatcher asks again once it is resident
+        key = model if lora is None else lora_key(model, lora)
+        if self.pool.resident(key) or self.pool.loading(key) or (model, lora) in self.queued:
+            return None
+        now = time.monotonic()
+        failure = self.failures.get(key)
+        if failure is not None and now - failure[0] < FAILURE_MEMORY_S:
+            return failure[1]
+        estimate = self._estimate(model, lora)
+        room = self.pool.budget - sum(s.bytes for s in self.pool.slots.values() if s.pinned)
+        if estimate > room:
+            why = (f"{key} does not fit this worker's device memory: it needs about "
+                   f"{estimate / 2**20:.1f} MiB and the budget leaves {room / 2**20:.1f} MiB "
+                   "beside the pinned models (SHOAL_DEVICE_MEMORY_BYTES, SHOAL_PIN)")
+            metrics.LOADS.labels(model, "does_not_fit").inc()
+            self.failures[key] = (now, why)
+            return why
+        self.queued.append((model, lora))
+        if asked:
+            self.asked.add(key)
+        if lora is None:
+            self.on_state(model, LOADING)
+        self._start_next()
+        return None
+
+    def _estimate(self, model: str, lora: str | None) -> int:
+        """The runtime's estimate, read once (it stats the weight files, and a queued load
+        is tried again after every batch), then what the model measured once loaded."""
+        key = model if lora is None else lora_key(model, lora)
+        estimate = self.estimates.get(key)
+        if estimate is None:
+            estimate = self.estimates[key] = self.runtime.estimate_bytes(model, lora)
+        return estimate
+
+    def kick(self) -> None:
+        """Something was freed (a batch ended, requests were answered): a queued load
+        that did not fit may fit now."""
+        if self.queued and self.current is None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        """Start the first queued load that fits now, evicting for it at this moment (not
+        when it was queued: what is in use changes meanwhile). One load at a time: loads
+        share the device's bandwidth, and the pool can only promise room for what runs."""
+        if self.current is not None or self._starting:
+            return  # (re-entered from a callback below: the outer call goes on)
+        self._starting = True
+        try:
+            self._start_first_that_fits()
+        finally:
+            self._starting = False
+
+    def _start_first_that_fits(self) -> None:
+        now = time.monotonic()
+        in_use = self.in_use()
+        for gone in [(m, lo) for m, lo in self.queued
+                     if (m if lo is None else lora_key(m, lo)) not in set(in_use) | self.asked]:
+            self.queued.remove(gone)  # nobody waits for it any more
+            if gone[1] is None:
+                self.on_state(gone[0], COLD)
+        in_use = self.in_use()  # those callbacks may have taken new requests in
+        # The load most requests wait for first (first come among equals): a popular
+        # model must not wait behind the loads of rare ones.
+        self.queued.sort(key=lambda q: -in_use.get(q[0] if q[1] is None else
+                                                   lora_key(q[0], q[1]), 0))
+        for i, (model, lora) in enumerate(self.queued):
+            if lora is not None and not self.pool.resident(model):
+                continue  # its model was evicted meanwhile; asked again once it is back
+            key = model if lora is None else lora_key(model, lora)
+            try:
+                evicted = self.pool.admit(key, self._estimate(model, lora), now,
+                                          in_use, base=None if lora is None else model)
+            except DoesNotFit:
+                continue  # not now: what is in use or loading must end first
+            del self.queued[i]
+            self.asked.discard(key)
+            self.current = (model, lora)
+            self.started[key] = now
+            for gone in evicted:
+                metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0]).inc()
+                log.info("evicting %s to make room for %s", gone, key)
+            log.info("loading %s", key)
+            future = self.executor.submit(self._load, model, lora, evicted)
+            future.add_done_callback(
+                lambda f, m=model, lo=lora: self.call_soon(self._loaded, m, lo, f))
+            self._gauges()
+            # Told last: a callback may come back here (a consumer restarting delivers).
+            for gone in evicted:
+                if LORA_SEPARATOR not in gone:
+                    self.on_state(gone, COLD)
+            return
+
+    def unload(self, model: str) -> str | None:
+        """Drop a model now (operators' `shoal_unload`): None, or why not."""
+        if model in self.pinned:
+            return f"{model} is pinned (SHOAL_PIN)"
+        if not self.pool.resident(model):
+            return f"{model} is {self.state(model)}, not resident"
+        if model in self.in_use():
+            return f"{model} has requests held or running"
+        self.pool.remove(model)  # with its LoRA adapters
+        self.on_state(model, COLD)
+        self.executor.submit(self.runtime.unload, model)
+        self._gauges()
+        return None
+
+    def _load(self, model: str, lora: str | None, evicted: list[str]) -> tuple[int, float]:
+        """On the loader thread: the evictions, then the load; (bytes, seconds)."""
+        for gone in evicted:
+            base, _, gone_lora = gone.partition(LORA_SEPARATOR)
+            if gone_lora and base in evicted:
+                continue  # goes with its model
+            self.runtime.unload(base, gone_lora or None)
+        # Measured from here: a load's own time. Its wait in the queue shows in the
+        # requests' X-Queue-Time-Ms and shoal_model_load_wait_seconds.
+        started = time.perf_counter()
+        measured = self.runtime.load(model, lora)
+        return measured, time.perf_counter() - started
+
+    def _loaded(self, model: str, lora: str | None, future: Future) -> None:
+        now = time.monotonic()
+        key = model if lora is None else lora_key(model, lora)
+        self.started.pop(key, None)
+        self.current = None
+        try:
+            self._finish_load(model, lora, key, future, now)
+        finally:
+            self._start_next()
+
+    def _finish_load(self, model: str, lora: str | None, key: str, future: Future,
+                     now: float) -> None:
+        try:
+            measured, seconds = future.result()
+        except Exception as exc:
+            why = f"{key} could not be loaded: {exc}"
+            log.error("%s", why)
+            self.pool.failed(key)
+            self.failures[key] = (now, why)
+            metrics.LOADS.labels(model, "failed").inc()
+            if lora is None:
+                self.on_state(model, COLD)
+                self.on_failed(model, why)
+            else:
+                self.on_lora(model, lora, why)
+            self._gauges()
+            return
+        if key not in self.pool.slots:  # its model was unloaded meanwhile
+            self.executor.submit(self.runtime.unload, model, lora)
+            return
+        self.pool.loaded(key, measured, now)
+        self.estimates[key] = measured  # the next load of it, after an eviction, needs as much
+        self.failures.pop(key, None)
+        metrics.LOADS.labels(model, "ok").inc()
+        log.info("loaded %s (%.1f MiB) in %.2fs; %.1f of %.1f MiB in use", key,
+                 measured / 2**20, seconds, self.pool.used() / 2**20, self.pool.budget / 2**20)
+        if lora is None:
+            metrics.LOAD_SECONDS.labels(model).observe(seconds)
+            self.load_s[model] = seconds
+            self.on_state(model, RESIDENT)
+        else:
+            self.on_lora(model, lora, None)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        resident = [s for s in self.pool.slots.values() if not s.loading]
+        metrics.RESIDENT_MODELS.set(len(resident))
+        metrics.RESIDENT_BYTES.set(sum(s.bytes for s in resident))
+        metrics.BUDGET_BYTES.set(self.pool.budget)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

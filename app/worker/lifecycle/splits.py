@@ -1,0 +1,93 @@
+"""Requests too big for one batch, run as parts.
+
+A request too big for one batch of its model is split into budget-sized parts
+(`tasks.split`) that run one after another: the next part joins the backlog when the
+previous one ends, so requests that arrived meanwhile go first and nobody waits behind
+one long batch. The caller is answered once, with the parts' results joined in order (or
+the first part's error).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.worker.lifecycle.held import Held
+from batching.parts import items_per_part
+from batching.scheduler import Lane
+from runtimes.base import Outcome
+from tasks.envelope import Annotations, EstimatingEntry, decode_body, task_body
+from tasks.served import read_served, stamp_parts
+from tasks.split import SPLITTABLE, merge_results, split_kwargs
+
+
+@dataclass(slots=True)
+class Split:
+    """A request run as parts, one at a time; answered once, when all are done."""
+
+    parts: list[tuple[Annotations, bytes]]  # each part's annotations and Celery body
+    results: list[dict[str, Any]] = field(default_factory=list)  # of the parts done
+    inference_ms: float = 0.0  # summed over the parts' batches
+    answered: bool = False
+
+    def part_held(self, whole: Held, index: int) -> Held:
+        annotations, body = self.parts[index]
+        return Held(whole.delivery, whole.task_id, annotations, body, whole.returns,
+                    whole.started, self, index, whole.blobs)
+
+    def describe(self, index: int) -> str:
+        first = sum(a.items for a, _ in self.parts[:index])
+        last = first + self.parts[index][0].items - 1
+        items = f"item {first}" if first == last else f"items {first}-{last}"
+        return f"{items} (part {index + 1} of {len(self.parts)})"
+
+
+def split_request(held: Held, lane: Lane, entry: EstimatingEntry | None,
+                  part_target_s: float | None) -> Split | None:
+    """The parts of a request too big for one batch of its model, or None."""
+    a = held.annotations
+    if a.op not in SPLITTABLE or a.items <= 1 or entry is None:
+        return None
+    bulk_slice = lane.limits.bulk_slice_s if a.bulk and \
+        lane.callers_active(time.monotonic()) else None
+    target = min((t for t in (part_target_s, lane.limits.latency_target_s,
+                              bulk_slice) if t is not None), default=None)
+    per_part = items_per_part(a.items, a.longest, a.cost, lane.limits, lane.cost, target)
+    if per_part >= a.items:
+        return None
+    try:
+        kwargs = decode_body(held.body)
+    except ValueError:
+        return None  # runs whole, and is answered INVALID_REQUEST
+    parts = []
+    for part in split_kwargs(kwargs, per_part):
+        items, cost, longest = entry.estimate(part)
+        parts.append((Annotations(a.model, a.op, items, cost, longest, a.deadline_ms,
+                                  a.sent_ms, a.lora, bulk=a.bulk), task_body(part)))
+    return Split(parts)
+
+
+def next_parts(helds: list[Held], outcomes: list[Outcome]) -> list[Held]:
+    """Keep each split request's part result; the next parts to run (they join the
+    backlog behind what arrived meanwhile)."""
+    following: list[Held] = []
+    for held, outcome in zip(helds, outcomes, strict=True):
+        split = held.split
+        if split is None or split.answered or not outcome.ok:
+            continue
+        assert outcome.result is not None
+        split.results.append(outcome.result)
+        split.inference_ms += (read_served(outcome.result).batch or {}).get(
+            "inference_ms", 0.0)
+        if len(split.results) < len(split.parts):
+            following.append(split.part_held(held, len(split.results)))
+    return following
+
+
+def merged_result(split: Split) -> dict[str, Any]:
+    """A split request's result: its parts' joined; the inference time it reports is that
+    of all its parts' batches."""
+    result = merge_results(split.results)
+    stamp_parts(result, split.inference_ms, len(split.parts))
+    return result

@@ -1,0 +1,62 @@
+"""The pool-state publisher step: this worker's models, told to its peers and the gateways.
+
+Publishes the placement's snapshot (`app.worker.pool_states`) every
+SHOAL_POOL_STATE_INTERVAL_S and on the loop's next turn after a model's state changes;
+reads its peers' states, which say whether a peer holds a model warm
+(`ModelQueueConsumer.warm_peers`). On shutdown it says farewell (a state with no models),
+so gateways stop counting this worker at once rather than when its state goes stale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import bootsteps
+
+from app.worker.pool_states import PoolStates
+from app.worker.steps.model_queues import ModelQueueConsumer
+
+
+class PoolStatePublisher(bootsteps.StartStopStep):
+    """Sets `c.shoal_pool_states`."""
+
+    requires = (ModelQueueConsumer,)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        settings = c.shoal_queues.settings
+        self.interval_s = settings.pool_state_interval_s
+        self.pool_states = c.shoal_pool_states = PoolStates(settings.queue_prefix,
+                                                            self.interval_s)
+        self.timer: Any = None
+
+    def start(self, c: Any) -> None:
+        queues = c.shoal_queues
+        if not queues.started:
+            return
+        dispatcher = queues.dispatcher
+        self.pool_states.busy_seconds = lambda: dispatcher.device_busy_s
+        self.pool_states.open(c, dispatcher.placement.snapshot)
+        dispatcher.on_placement = self.pool_states.soon
+        self.timer = c.hub.call_repeatedly(self.interval_s, self.pool_states.publish)
+
+    def stop_publishing(self) -> None:
+        """No more periodic states (a drain, a stop)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def farewell(self) -> None:
+        """Gateways stop counting this worker as serving its models now."""
+        self.pool_states.farewell()
+
+    def stop(self, c: Any) -> None:
+        self.stop_publishing()
+        dispatcher = c.shoal_queues.dispatcher
+        if dispatcher is not None:
+            dispatcher.on_placement = lambda: None
+
+    def shutdown(self, c: Any) -> None:
+        # Gateways stop counting this worker as serving its models now, not when its
+        # state goes stale.
+        self.farewell()

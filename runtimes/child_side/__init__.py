@@ -1,0 +1,1 @@
+"""runtimes/child_side."""

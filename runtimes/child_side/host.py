@@ -1,0 +1,297 @@
+"""The model host: loads the served models and runs batches of requests.
+
+One host per device and engine: PyTorch (`runtimes.pytorch.engine`) or ONNX Runtime
+(`runtimes.onnx.engine`); the engine says which adapter class serves an entry and how
+the device's memory and busy time are read, so this module imports neither. It runs
+either inside the worker on a dedicated thread or, behind a socket, in its own process
+(`runtimes.child_side.server`); it keeps no reference to the broker, so both compute the same
+thing.
+
+An inference exception propagates out of `run_batch`: the caller decides
+which request is to blame (`runtimes.worker_side.bisection` bisects the batch). Only
+problems found by checking a request before inference are per-request
+outcomes here.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
+from runtimes.child_side.adapter import Adapter
+from runtimes.model_files.sources import resolve_source
+from runtimes.worker_side.pool import keys_of, lora_key
+from tasks.catalog import ModelEntry
+from tasks.errors import ErrorCode
+from tasks.served import stamp_batch
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("pytorch", "onnx")
+# Cancelled ids kept at most: one cancelled after its batch ended is never forgotten else.
+MAX_CANCELLED = 65_536
+
+
+class Engine(Protocol):
+    """What the host needs of the library that computes (see the module doc)."""
+
+    name: str
+    clock: Any  # take_span() after a batch's forward: a span whose seconds() it was busy
+
+    def adapter_class(self, entry: ModelEntry) -> type[Adapter]: ...
+    def precision(self, entry: ModelEntry, override: str | None) -> str: ...
+    def allocated(self) -> int: ...
+    def measure(self, adapter: Adapter, allocated_before: int) -> int: ...
+    def release(self) -> None: ...
+    def total_bytes(self) -> int: ...
+    def stamp(self) -> dict[str, Any] | None: ...
+
+
+def make_engine(name: str, device: str, threads: int = 0) -> Engine:
+    """The engine of that name (its library imported now, the other never)."""
+    if name == "onnx":
+        from runtimes.onnx.engine import OnnxEngine
+
+        return OnnxEngine(device, threads)
+    if name != "pytorch":
+        raise ValueError(f"engine {name!r} is none of {list(ENGINES)}")
+    from runtimes.pytorch.engine import TorchEngine
+
+    return TorchEngine(device, threads)
+
+
+@dataclass(slots=True)
+class BatchWork:
+    """One batch on its way through the host's stages (`begin`, `forward`, `finish`)."""
+
+    model_id: str
+    requests: list[Request]
+    adapter: Adapter | None
+    outcomes: dict[str, Outcome] = field(default_factory=dict)  # refused requests, then all
+    runnable: list[tuple[Request, Any]] = field(default_factory=list)
+    started: float = 0.0  # perf_counter, when its checks were done
+    planned: Any = None
+    stream: Any = None  # a streamed batch's Stream
+    output: Any = None
+    device: Any = None  # its forward passes' device time (the engine clock's span)
+
+
+class ModelHost:
+    """Holds loaded models by id and runs batches on them.
+
+    Loads and unloads may come from another thread than batches (the runtime process
+    loads beside serving); the caller never unloads a model while a batch of it runs.
+    """
+
+    def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384,
+                 precision: str | None = None, engine: str = "pytorch") -> None:
+        self.device = device
+        self.chunk_tokens = chunk_tokens
+        # For every model; None: each entry's (runtimes.model_files.precision).
+        self.precision = precision
+        self.engine = make_engine(engine, device, threads)
+        self.clock = self.engine.clock
+        self._models: dict[str, Adapter] = {}
+        self.footprints: dict[str, int] = {}  # measured device bytes, by model id
+        self._loading = threading.Lock()  # one load at a time: their memory adds up
+        # Requests whose callers left (from any thread), oldest first: an id is forgotten
+        # when its batch ends, or, cancelled after that, once MAX_CANCELLED newer ones came.
+        self._cancelled: dict[str, None] = {}
+        self._cancel_lock = threading.Lock()
+        self.skipped = 0  # batches whose device work was skipped: all their requests cancelled
+
+    def load(self, entries: Iterable[ModelEntry]) -> None:
+        for entry in entries:
+            self.load_one(entry)
+
+    def load_one(self, entry: ModelEntry) -> int:
+        """Load a model (a no-op if loaded): the device bytes it takes, measured."""
+        with self._loading:
+            if entry.id in self._models:
+                return self.footprints[entry.id]
+            started = time.perf_counter()
+            allocated = self.engine.allocated()
+            precision = self.engine.precision(entry, self.precision)
+            adapter = self.engine.adapter_class(entry)(
+                entry, resolve_source(entry.source), device=self.device,
+                chunk_tokens=self.chunk_tokens, precision=precision,
+            )
+            measured = self.engine.measure(adapter, allocated)
+            self._models[entry.id] = adapter
+            self.footprints[entry.id] = measured
+            log.info("loaded %s (%s, %s, %.1f MiB) in %.1fs", entry.id, entry.adapter,
+                     precision, measured / 2**20, time.perf_counter() - started)
+            return measured
+
+    def unload(self, model_id: str) -> None:
+        """Free a model and its LoRA adapters."""
+        adapter = self._models.pop(model_id, None)
+        for key in keys_of(model_id, self.footprints):
+            del self.footprints[key]
+        if adapter is None:
+            return
+        del adapter
+        gc.collect()  # adapters hold reference cycles (modules, hooks)
+        self.engine.release()
+        log.info("unloaded %s", model_id)
+
+    def load_lora(self, model_id: str, lora: str) -> int:
+        """Load a LoRA adapter of a loaded model (a no-op if loaded): the bytes it takes."""
+        with self._loading:
+            adapter = self._models.get(model_id)
+            if adapter is None:
+                raise ValueError(f"{model_id} is not loaded")
+            if not adapter.supports_lora:
+                raise ValueError(f"{model_id} ({adapter.entry.adapter}) serves no LoRA adapters")
+            source = adapter.entry.loras.get(lora)
+            if source is None:
+                raise ValueError(f"{model_id} has no LoRA adapter {lora!r} in the catalog")
+            key = lora_key(model_id, lora)
+            if lora in adapter.loaded_loras:
+                return self.footprints[key]
+            started = time.perf_counter()
+            measured = adapter.load_lora(lora, resolve_source(source))
+            self.footprints[key] = measured
+            log.info("loaded LoRA %s of %s (%.1f MiB) in %.2fs", lora, model_id,
+                     measured / 2**20, time.perf_counter() - started)
+            return measured
+
+    def unload_lora(self, model_id: str, lora: str) -> None:
+        adapter = self._models.get(model_id)
+        self.footprints.pop(lora_key(model_id, lora), None)
+        if adapter is None or lora not in adapter.loaded_loras:
+            return
+        adapter.unload_lora(lora)
+        gc.collect()
+        self.engine.release()
+        log.info("unloaded LoRA %s of %s", lora, model_id)
+
+    def device_total_bytes(self) -> int:
+        """The memory of the device models load into (RAM on CPU)."""
+        return self.engine.total_bytes()
+
+    def adapter(self, model_id: str) -> Adapter | None:
+        return self._models.get(model_id)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """These requests' callers left (from any thread): a generation stops at its next
+        step, and a batch whose runnable requests are all cancelled before its device
+        work skips it (`forward`)."""
+        with self._cancel_lock:
+            self._cancelled.update(dict.fromkeys(request_ids))
+            while len(self._cancelled) > MAX_CANCELLED:
+                del self._cancelled[next(iter(self._cancelled))]
+
+    def run_batch(self, model_id: str, requests: list[Request],
+                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+        """One batch, its stages in a row (a streamed one through the adapter's stream)."""
+        try:
+            work = self.begin(model_id, requests, on_deltas)
+            self.forward(work)
+            return self.finish(work)
+        finally:
+            self.forget_cancelled(requests)
+
+    def begin(self, model_id: str, requests: list[Request],
+              on_deltas: OnDeltas | None = None) -> BatchWork:
+        """A batch's host work before the device: each request checked (a refused one
+        fails alone), then the adapter's `plan`. Raises what the plan raises."""
+        work = BatchWork(model_id, requests, self._models.get(model_id))
+        if work.adapter is None:
+            work.outcomes = {r.id: failed(r.id, ErrorCode.MODEL_NOT_FOUND,
+                                          f"this worker does not serve {model_id}")
+                             for r in requests}
+            return work
+        adapter = work.adapter
+        work.outcomes, work.runnable = prepare_each(model_id, adapter.operation, requests,
+                                                    lambda r: adapter.prepare(r.kwargs))
+        if not work.runnable:
+            return work
+        work.started = time.perf_counter()
+        prepared = [p for _, p in work.runnable]
+        if getattr(adapter, "streams", False) and on_deltas is not None:
+            # A stream talks to its caller step by step: it runs whole, in `forward`.
+            work.stream = self._stream([r for r, _ in work.runnable], on_deltas)
+            work.planned = prepared
+        else:
+            work.planned = adapter.plan(prepared)
+        return work
+
+    def forward(self, work: BatchWork) -> None:
+        """A batch's device work (one batch at a time: the device clock's span after it
+        is this batch's). Raises what the model raises."""
+        if work.adapter is None or not work.runnable or self._skip_cancelled(work):
+            return
+        self.clock.take_span()  # what ran before this batch (a load, a probe) is not its
+        try:
+            if work.stream is not None:
+                work.output = work.adapter.run(work.planned, work.stream)
+            else:
+                work.output = work.adapter.forward(work.planned)
+        finally:
+            work.device = self.clock.take_span()
+
+    def finish(self, work: BatchWork) -> list[Outcome]:
+        """A batch's outcomes, in request order, once its outputs are on the host."""
+        if work.adapter is not None and work.runnable:
+            results = work.output if work.stream is not None else \
+                work.adapter.finish(work.planned, work.output)
+            stamp_batch(results, work.model_id, (r.kwargs for r, _ in work.runnable),
+                        work.started, self.engine.stamp(), device_s=work.device.seconds()
+                        if work.device is not None else None)
+            for (request, _), result in zip(work.runnable, results, strict=True):
+                work.outcomes[request.id] = Outcome(request.id, result=result)
+        return [work.outcomes[r.id] for r in work.requests]
+
+    def _skip_cancelled(self, work: BatchWork) -> bool:
+        """A batch (not streamed) whose runnable requests were all cancelled before its
+        device work: they are answered CANCELLED and it never reaches the device (True).
+        One with a request left runs whole (its cancelled rows are dropped by the worker)."""
+        if work.stream is not None:
+            return False  # a stream stops its cancelled rows itself, step by step
+        with self._cancel_lock:
+            if not self._cancelled or any(r.id not in self._cancelled
+                                          for r, _ in work.runnable):
+                return False
+        for request, _ in work.runnable:
+            work.outcomes[request.id] = failed(
+                request.id, ErrorCode.CANCELLED,
+                "the request was revoked by its caller before its batch reached the device")
+        log.info("skipped a batch of %d requests for %s: all revoked before it reached the "
+                 "device", len(work.runnable), work.model_id)
+        work.runnable = []
+        self.skipped += 1
+        return True
+
+    def forget_cancelled(self, requests: list[Request]) -> None:
+        with self._cancel_lock:
+            for request in requests:
+                self._cancelled.pop(request.id, None)
+
+    def _stream(self, requests: list[Request], on_deltas: OnDeltas) -> Any:
+        """The adapter's `Stream` for a batch: deltas of its streamed requests go to
+        `on_deltas`, and each step learns which requests were cancelled meanwhile."""
+        from runtimes.pytorch.causal_lm import Stream
+
+        ids = [r.id for r in requests]
+
+        def send(deltas: list[tuple[int, int, str, int]]) -> set[int]:
+            if deltas:
+                on_deltas([Delta(ids[n], index, text, tokens)
+                           for n, index, text, tokens in deltas])
+            with self._cancel_lock:
+                if not self._cancelled:
+                    return set()
+                return {n for n, id_ in enumerate(ids) if id_ in self._cancelled}
+
+        return Stream(frozenset(n for n, r in enumerate(requests) if r.stream), send)
+
+    def close(self) -> None:
+        self._models.clear()
+        self.footprints.clear()

@@ -1,0 +1,1 @@
+"""runtimes/doubles."""

@@ -1,0 +1,1 @@
+"""runtimes/worker_side."""

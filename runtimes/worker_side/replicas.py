@@ -1,0 +1,186 @@
+"""Several runtime processes on one device: the host's cores prepare its batches.
+
+One runtime process prepares its batches on one thread: decoding, the Rust tokenizer,
+padding, pooling and the results all take its GIL, so one process tops out at some
+thousands of texts per second (6,000-6,500 on the H200 host, BENCHMARKS.md "On a GPU")
+while the device could take a hundred times more and the host's other cores idle. A
+`ReplicaSet` runs `count` `runtimes.worker_side.process.ProcessRuntime`s (the worker's
+SHOAL_RUNTIME_REPLICAS) on the same device, each with every model loaded, and hands
+each batch to the one with the fewest batches in flight; their device work interleaves
+on the device as the streams of separate processes do (CUDA time-slices contexts; an
+emulated device is one queue that every replica's passes wait in, `runtimes.pytorch.
+emulated`). Threads inside one process would share its GIL, which is most of the
+preparation's CPU (BENCHMARKS.md, "Preparation on several cores").
+
+Everything a single runtime promises holds per replica, because each is one: a crash,
+hang or fatal device error ends one child, its supervisor restarts it with its models
+(the others keep serving), and its batch is bisected there (`runtimes.worker_side.bisection`), so a
+poison request is still blamed alone. Cancels go to every replica (a request runs on
+one; the others ignore ids they do not run). Loads and unloads go to all of them, in
+parallel; a load that fails on one is undone on the rest, so every replica serves the
+same models, and what a model takes is the sum over replicas: the worker's pool counts
+each copy against the device's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from runtimes.base import EMULATED_QUEUE_ENV, LoadFailed, OnDeltas, Outcome, Request
+from runtimes.worker_side.process import ProcessRuntime
+
+log = logging.getLogger(__name__)
+
+
+def default_replicas(device: str, cores: int | None = None) -> int:
+    """How many runtime processes a device gets when the worker's setting says `auto`.
+
+    On a CPU the model's forward itself runs on every core (torch's intra-op threads), so
+    a second replica only splits them: 1. On a GPU a quarter of the host's cores: at
+    16-text requests the runtime is ~40% of the whole stack's CPU per text, and the
+    gateway, RabbitMQ and the worker need the rest (BENCHMARKS.md, "Feeding the device");
+    capped at 8 (each holds a CUDA context and a copy of every model)."""
+    if not device.startswith("cuda"):
+        return 1
+    return max(1, min(8, (cores or os.cpu_count() or 1) // 4))
+
+
+class ReplicaSet:
+    """`runtimes.base.Runtime` over `count` ProcessRuntimes on one device (module doc).
+
+    `start(index, env)` starts replica `index` with `env` added to its child's
+    environment (the shared emulated-device queue)."""
+
+    def __init__(self, start: Callable[[int, dict[str, str]], ProcessRuntime],
+                 count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a replica set needs at least one replica, not {count}")
+        fd, self._queue_file = tempfile.mkstemp(prefix="shoal-emulated-queue-")
+        os.close(fd)
+        env = {EMULATED_QUEUE_ENV: self._queue_file}
+        self.replicas: list[ProcessRuntime] = []
+        self._lock = threading.Lock()
+        self._in_flight = [0] * count
+        self.batches = [0] * count  # batches handed to each replica so far
+        # Started side by side: each imports torch and loads the pinned models.
+        with ThreadPoolExecutor(count, thread_name_prefix="shoal-replica-start") as pool:
+            futures = [pool.submit(start, i, env) for i in range(count)]
+            errors = []
+            for future in futures:
+                try:
+                    self.replicas.append(future.result())
+                except BaseException as exc:
+                    errors.append(exc)
+        if errors:
+            self.close()
+            raise errors[0]
+        self.pipeline_depth = sum(r.pipeline_depth for r in self.replicas)
+        self.parallel = count  # batches that run side by side (the worker's scheduler)
+        log.info("%d runtime replicas on one device: pids %s", count,
+                 [r.pid for r in self.replicas])
+
+    # --- what the worker reads ----------------------------------------------------------
+
+    @property
+    def restarts(self) -> int:
+        return sum(r.restarts for r in self.replicas)
+
+    @property
+    def poison_isolated(self) -> int:
+        return sum(r.poison_isolated for r in self.replicas)
+
+    @property
+    def spare_promotions(self) -> int:
+        return sum(r.spare_promotions for r in self.replicas)
+
+    @property
+    def start_failures(self) -> int:
+        return sum(r.start_failures for r in self.replicas)
+
+    @property
+    def pid(self) -> int | None:
+        return self.replicas[0].pid if self.replicas else None
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [r.pid for r in self.replicas]
+
+    @property
+    def device_bytes(self) -> int | None:
+        return self.replicas[0].device_bytes if self.replicas else None
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """Every model (and LoRA adapter) loaded, with the bytes of all its copies."""
+        merged: dict[str, int] = {}
+        for replica in self.replicas:
+            for key, size in dict(replica.resident).items():
+                merged[key] = merged.get(key, 0) + size
+        return merged
+
+    # --- batches --------------------------------------------------------------------------
+
+    @contextmanager
+    def _least_busy(self) -> Iterator[ProcessRuntime]:
+        with self._lock:
+            index = min(range(len(self.replicas)), key=self._in_flight.__getitem__)
+            self._in_flight[index] += 1
+            self.batches[index] += 1
+        try:
+            yield self.replicas[index]
+        finally:
+            with self._lock:
+                self._in_flight[index] -= 1
+
+    def run_batch(self, model_id: str, requests: list[Request],
+                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+        with self._least_busy() as replica:
+            return replica.run_batch(model_id, requests, on_deltas)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        for replica in self.replicas:
+            replica.cancel(request_ids)
+
+    def continuous(self, model_id: str) -> bool:
+        return False
+
+    # --- models ---------------------------------------------------------------------------
+
+    def estimate_bytes(self, model: str, lora: str | None = None) -> int:
+        return len(self.replicas) * self.replicas[0].estimate_bytes(model, lora)
+
+    def load(self, model: str, lora: str | None = None) -> int:
+        """Load on every replica at once: the bytes of all the copies. LoadFailed (and the
+        copies that loaded unloaded again) if any replica cannot."""
+        results = self._on_each(lambda r: r.load(model, lora))
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            self._on_each(lambda r: r.unload(model, lora))
+            reason = failed[0]
+            raise reason if isinstance(reason, LoadFailed) else LoadFailed(repr(reason))
+        return sum(int(r) for r in results)
+
+    def unload(self, model: str, lora: str | None = None) -> None:
+        for result in self._on_each(lambda r: r.unload(model, lora)):
+            if isinstance(result, BaseException):
+                log.warning("unloading %s on a replica failed: %r", model, result)
+
+    def _on_each(self, call: Callable[[ProcessRuntime], Any]) -> list[Any]:
+        """`call` on every replica in parallel: each one's result or exception."""
+        with ThreadPoolExecutor(len(self.replicas),
+                                thread_name_prefix="shoal-replica-control") as pool:
+            futures = [pool.submit(call, r) for r in self.replicas]
+            return [f.exception() or f.result() for f in futures]
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+        with suppress(FileNotFoundError):
+            os.unlink(self._queue_file)

@@ -1,0 +1,86 @@
+"""The order of frames on one batch connection to a runtime process.
+
+Batches from several threads share the connection (the child answers them in the order
+they came, `runtimes.child_side.pipeline`): each sender takes a ticket, and waits for its turn to
+read its reply. A frame that must be alone (a stream's or a probe's conversation, or any
+frame of a batch that failed once) waits until nothing else is in flight and keeps the
+connection until its replies are read. One failure breaks the connection for every
+frame behind it (`Stale`): the replies no longer match the frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+
+class Stale(ConnectionError):
+    """A frame was not sent, or its reply not read, because one before it on the
+    connection failed: the child never ran it alone, so its failure is no evidence."""
+
+
+class Turn:
+    """A frame's place in its connection's order of replies."""
+
+    def __init__(self, turns: Turns, ticket: int) -> None:
+        self._turns, self._ticket = turns, ticket
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Wait until the replies before this frame's are read, then read it (the block)."""
+        turns = self._turns
+        with turns.changed:
+            turns.changed.wait_for(lambda: turns.read == self._ticket)
+        try:
+            if turns.broken:
+                raise Stale("an earlier frame on this connection failed")
+            yield
+        except BaseException:
+            # What comes next on the connection may be the reply this one did not read
+            # (late after a timeout): nobody reads it; the child is replaced.
+            turns.broken = True
+            raise
+        finally:
+            turns.done()
+
+
+class Turns:
+    """The frames in flight on one batch connection, answered in the order sent."""
+
+    def __init__(self) -> None:
+        self._sending = threading.Lock()
+        self.changed = threading.Condition()
+        self.sent = 0
+        self.read = 0
+        self.broken = False  # a frame failed: the replies no longer match the frames
+
+    @contextlib.contextmanager
+    def send(self, alone: bool) -> Iterator[Turn]:
+        """Send a frame (the block); `alone`: first wait until nothing is in flight, and
+        keep others from sending until the block ends (its replies are read in it)."""
+        with self._sending:
+            if alone:
+                with self.changed:
+                    self.changed.wait_for(lambda: self.read == self.sent)
+            if self.broken:
+                raise Stale("an earlier frame on this connection failed")
+            ticket = self.sent
+            self.sent += 1
+            try:
+                yield Turn(self, ticket)
+            except BaseException:
+                # Nothing or part was sent: the connection is broken and the child is
+                # replaced; let the frames behind this one read (and fail) in turn.
+                self.broken = True
+                with self.changed:
+                    self.changed.wait_for(lambda: self.read == ticket)
+                self.done()
+                raise
+            if alone:
+                self.done()
+
+    def done(self) -> None:
+        with self.changed:
+            self.read += 1
+            self.changed.notify_all()
