@@ -24,8 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +35,9 @@ from app.tuning.mix import make_texts
 from bench.baselines import ZERO_COST_SIM
 from bench.gateways import cpu_roles
 from bench.lib.output import emit
+from bench.lib.trees import ROOT, worktree
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _loads(text: str) -> list[tuple[int, int]]:
@@ -50,19 +48,6 @@ def _loads(text: str) -> list[tuple[int, int]]:
     if any(len(p) != 2 or min(p) < 1 for p in pairs):
         raise argparse.ArgumentTypeError(f"expected CLIENTSxTEXTS,... got {text!r}")
     return [(p[0], p[1]) for p in pairs]
-
-
-@contextlib.contextmanager
-def worktree(rev: str) -> Iterator[Path]:
-    """REV checked out in a temporary worktree, removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="shoal-before-"))
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path),
-                    rev], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
-                       check=False)
 
 
 def measure_tree(tree: Path, loads: list[tuple[int, int]], args: argparse.Namespace
