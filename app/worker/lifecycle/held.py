@@ -22,17 +22,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
 from app.worker.lifecycle.replies import Delivery
 from batching.feeder import Feeder
 from batching.scheduler import Scheduler
 from runtimes.worker_side.pool import lora_key
 from tasks.envelope import Annotations
-
-if TYPE_CHECKING:
-    from app.worker.lifecycle.splits import Split
 
 FETCHING, PARKED, SCHEDULED, RUNNING, WAITING, GENERATING = (
     "fetching", "parked", "scheduled", "running", "waiting", "generating")
@@ -53,6 +50,29 @@ class Held:
     # Its claim-checked inputs by key, once fetched (`body` keeps the claims: a request
     # given back must carry them, never the bytes); put in place by `_requests`.
     blobs: dict[str, bytes] | None = None
+
+
+@dataclass(slots=True)
+class Split:
+    """A request run as parts, one at a time; answered once, when all are done (how it is
+    cut and put back together: `app.worker.lifecycle.splits`). Here, beside `Held`, as each
+    part's `Held` points at it and it makes each part's `Held`."""
+
+    parts: list[tuple[Annotations, bytes]]  # each part's annotations and Celery body
+    results: list[dict[str, Any]] = field(default_factory=list)  # of the parts done
+    inference_ms: float = 0.0  # summed over the parts' batches
+    answered: bool = False
+
+    def part_held(self, whole: Held, index: int) -> Held:
+        annotations, body = self.parts[index]
+        return Held(whole.delivery, whole.task_id, annotations, body, whole.returns,
+                    whole.started, self, index, whole.blobs)
+
+    def describe(self, index: int) -> str:
+        first = sum(a.items for a, _ in self.parts[:index])
+        last = first + self.parts[index][0].items - 1
+        items = f"item {first}" if first == last else f"items {first}-{last}"
+        return f"{items} (part {index + 1} of {len(self.parts)})"
 
 
 class Holdings:

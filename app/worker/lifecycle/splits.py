@@ -4,43 +4,22 @@ A request too big for one batch of its model is split into budget-sized parts
 (`tasks.split`) that run one after another: the next part joins the backlog when the
 previous one ends, so requests that arrived meanwhile go first and nobody waits behind
 one long batch. The caller is answered once, with the parts' results joined in order (or
-the first part's error).
+the first part's error). The record of a split request (`Split`) lives beside `Held`
+(`app.worker.lifecycle.held`), which points at it; this module cuts and joins.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.held import Held, Split
 from batching.parts import items_per_part
 from batching.scheduler import Lane
 from runtimes.base import Outcome
 from tasks.envelope import Annotations, EstimatingEntry, decode_body, task_body
 from tasks.served import read_served, stamp_parts
 from tasks.split import SPLITTABLE, merge_results, split_kwargs
-
-
-@dataclass(slots=True)
-class Split:
-    """A request run as parts, one at a time; answered once, when all are done."""
-
-    parts: list[tuple[Annotations, bytes]]  # each part's annotations and Celery body
-    results: list[dict[str, Any]] = field(default_factory=list)  # of the parts done
-    inference_ms: float = 0.0  # summed over the parts' batches
-    answered: bool = False
-
-    def part_held(self, whole: Held, index: int) -> Held:
-        annotations, body = self.parts[index]
-        return Held(whole.delivery, whole.task_id, annotations, body, whole.returns,
-                    whole.started, self, index, whole.blobs)
-
-    def describe(self, index: int) -> str:
-        first = sum(a.items for a, _ in self.parts[:index])
-        last = first + self.parts[index][0].items - 1
-        items = f"item {first}" if first == last else f"items {first}-{last}"
-        return f"{items} (part {index + 1} of {len(self.parts)})"
 
 
 def split_request(held: Held, lane: Lane, entry: EstimatingEntry | None,
