@@ -26,54 +26,24 @@ The rules, each owned by a pure function of `batching/`:
 - a request whose deadline has passed is answered DEADLINE_EXCEEDED; so is a
   request whose batch is predicted to finish after its deadline: running it
   would spend the device on an answer nobody waits for;
-- the prefetch is per consumer (quorum queues refuse global QoS), so it
-  counts only the messages that consumer delivered, and changing it means a
-  new consumer (the dispatcher cancels and consumes again) whose credit is
-  the whole new prefetch, never less than one message;
-- while another consumer of the queue exists, what would not start within the
-  hold horizon (a time: `batching.hold`) goes back to the queue (`overflow`),
-  except what the current consumer delivered (returning that would reopen its
-  credit and draw another at once); a lone worker keeps everything (a return
-  would only come back to it);
-- with peers, what a worker may take in follows the same bound on every tick
-  (`may_hold` beside the running batch, for the recent mean request, tracked
-  over arrivals): while the running batch is predicted to end later than the
-  horizon, nothing (a new consumer with the least prefetch, so a busy worker
-  takes at most one request an idle peer could have started); from when it
-  ends within the horizon, the next batch (woken then). A lone worker sets
-  its prefetch after each batch, for a full running batch plus the horizon
-  (`prefetch_for`).
+- what each lane's consumer may take in (its prefetch) and what goes back to the
+  queue: `batching.credit`.
+
+Lanes, batches and the actions it returns are plain data (`batching.lanes`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from batching.former import (
-    BatchLimits,
-    is_full,
-    leader,
-    seconds_to_wait,
-    split_expired,
-    take_batch,
-)
-from batching.hold import (
-    HoldLimits,
-    MeanRequest,
-    credit_opens_in,
-    may_hold,
-    overflow,
-    prefetch_for,
-)
-from batching.latency_model import Admission, CostModel
+from batching.credit import ConsumerCredit
+from batching.former import is_full, leader, seconds_to_wait, split_expired, take_batch
+from batching.hold import HoldLimits
+from batching.lanes import MIN_WAIT_S, Actions, Batch, Lane, Late, PeerCount
+from batching.latency_model import Admission
 from batching.shapes import BatchShape, Pending
 
-# Re-consuming to change prefetch costs two round trips: only for real changes.
-PREFETCH_CHANGE_RATIO = 1.5
-# How much each arrival moves the lane's mean request: about the last 30 requests count.
-MIX_WEIGHT = 1 / 32
 # A batch overrunning its prediction is looked at again (for returns) after this much
 # of its prediction, then every prediction (at least every OVERRUN_MIN_S).
 OVERRUN_FIRST = 1.5
@@ -82,129 +52,12 @@ OVERRUN_REPEAT_MIN_S = 0.25
 # A batch that would join others in flight while under half full starts once they are
 # due to end within this share of its own predicted time.
 PIPELINE_LEAD = 0.5
-# While a request a caller waits for came this recently, a bulk job's parts do not queue a
-# second batch behind one in flight: the next caller would wait for both.
-CALLERS_RECENT_S = 1.0
-# A wait shorter than this is no wait: a timer cannot be that precise, and one set at the
-# rounding error of the clock would fire without time having passed.
-MIN_WAIT_S = 1e-4
-
-
-class RequestMix:
-    """An exponentially weighted mean of the requests that arrived (items, longest, cost)."""
-
-    __slots__ = ("mean",)
-
-    def __init__(self) -> None:
-        self.mean: MeanRequest | None = None
-
-    def add(self, p: Pending) -> None:
-        m = self.mean
-        if m is None:
-            self.mean = MeanRequest(p.items, p.longest, p.cost)
-            return
-        w = MIX_WEIGHT
-        self.mean = MeanRequest(m.items + w * (p.items - m.items),
-                                m.longest + w * (p.longest - m.longest),
-                                m.cost + w * (p.cost - m.cost))
-
-
-@dataclass(slots=True)
-class Lane:
-    """One served model: its backlog (arrival order), limits, cost model and prefetch.
-
-    A lane that is not `ready` (its model is not loaded) starts no batch and neither
-    bounds nor returns what it holds: its requests wait for the load within their
-    deadlines, and its consumer's prefetch is the placement's (`app.worker.lifecycle.placement`)."""
-
-    model: str
-    limits: BatchLimits
-    cost: CostModel
-    prefetch: int = 0  # as last applied by the dispatcher
-    ready: bool = True
-    # Set while every peer would first have to load the model: work is worth handing to
-    # one only past this many seconds (its load) of waiting here.
-    cold_peers_horizon_s: float | None = None
-    backlog: list[Pending] = field(default_factory=list)
-    mix: RequestMix = field(default_factory=RequestMix)
-    # Since when job parts held here have been passed over (None: none are, or one ran).
-    bulk_passed_since: float | None = None
-    waited_for_at: float | None = None  # when the last request a caller waits for came
-
-    def callers_active(self, now: float) -> bool:
-        """Whether a request a caller waits for came within CALLERS_RECENT_S: job parts
-        then run in short pieces, one batch at a time (see `_maybe_start`)."""
-        return self.waited_for_at is not None and now - self.waited_for_at < CALLERS_RECENT_S
-
-    def bulk_turn(self, now: float) -> bool:
-        """Whether held job parts have waited their turn (`BatchLimits.bulk_pass_s`)."""
-        since = self.bulk_passed_since
-        return since is not None and now - since >= self.limits.bulk_pass_s
-
-    def took(self, members: list[Pending], now: float) -> None:
-        """A batch was taken from the backlog: start or stop the parts' passed-over clock."""
-        if any(p.bulk for p in members) or not any(p.bulk for p in self.backlog):
-            self.bulk_passed_since = None
-        elif self.bulk_passed_since is None:
-            self.bulk_passed_since = now
-
-
-@dataclass(slots=True)
-class Batch:
-    """The batch the runtime is running."""
-
-    lane: Lane
-    members: list[Pending]
-    shape: BatchShape
-    predicted_s: float
-    started: float  # handed to the runtime; once the batches before it ended, from then
-    check_at: float  # when to look again at what is held if it has not ended
-    # What its members' deadlines were checked against when it formed (at most the
-    # prediction: see `CostModel.admission`); None: the prediction itself.
-    admitted_s: float | None = None
-
-    def left_s(self, now: float) -> float:
-        """Predicted seconds until it ends; past its prediction, assume it overruns by as
-        much again as it already has."""
-        elapsed = now - self.started
-        return max(self.predicted_s - elapsed, elapsed - self.predicted_s, 0.0)
-
-
-@dataclass(slots=True)
-class Late:
-    """A request that would finish after its deadline, with the predicted finish."""
-
-    pending: Pending
-    predicted_s: float  # until its batch would end: the batches ahead, then its own
-    deadline_in_s: float  # from when it would have started
-    backing: Admission  # its batch's own prediction and what backs it
-    alone_s: float  # the request alone, predicted as a refusal may rely on
-
-    @property
-    def too_short(self) -> bool:
-        """Alone it is predicted to take longer than its caller's whole deadline: sent
-        again as it was, it would be refused again."""
-        budget = self.pending.budget_s
-        return budget is not None and self.alone_s > budget
-
-
-@dataclass(slots=True)
-class Actions:
-    """What `tick` decided, for the dispatcher to apply in this order: answer the
-    expired and late requests, start the batch, change prefetch, give back."""
-
-    expired: list[tuple[str, Pending]] = field(default_factory=list)
-    late: list[tuple[str, Late]] = field(default_factory=list)
-    start: Batch | None = None
-    prefetch: dict[str, int] = field(default_factory=dict)  # applied before the returns
-    returned: list[tuple[str, list[Pending]]] = field(default_factory=list)
-    wake_in: float | None = None  # seconds until `tick` is due again, None: on events only
-
-
-PeerCount = Callable[[str, float], int]  # (model, now) -> consumers of its queue, us included
 
 
 class Scheduler:
+    """The worker's batching state and the rules that start batches (module docstring);
+    the intake side of a tick is its `ConsumerCredit`'s."""
+
     def __init__(self, lanes: dict[str, Lane], hold: HoldLimits, peers: PeerCount,
                  depth: int = 1, parallel: int = 1) -> None:
         self.lanes = lanes
@@ -218,10 +71,10 @@ class Scheduler:
         self.in_flight: list[Batch] = []  # in the order they started (and end)
         self.last_finished: float | None = None
         self._adapt: Lane | None = None  # the lane whose batch just ended
-        # Per lane, the requests (ids) its current consumer delivered that are still held
-        # or running: a per-consumer prefetch counts only these, and a re-consume starts
-        # a new consumer whose credit is the whole new prefetch.
-        self._drawn: dict[str, set[int]] = {model: set() for model in lanes}
+        self._credit = ConsumerCredit(lanes, hold, peers)
+        # What each lane's current consumer delivered (the credit's record): `append`, run
+        # per request, adds to it directly.
+        self._drawn = self._credit.drawn
 
     # --- commands ------------------------------------------------------------------------
 
@@ -269,7 +122,8 @@ class Scheduler:
         if seconds is not None:
             batch.lane.cost.observe(batch.shape, seconds)
         self._adapt = batch.lane
-        self._settled(batch.lane.model, batch.members)  # acked once answered, after `tick`
+        # Acked once answered, after `tick`.
+        self._credit.settled(batch.lane.model, batch.members)
         return batch
 
     def clear(self) -> None:
@@ -278,15 +132,14 @@ class Scheduler:
         for lane in self.lanes.values():
             lane.backlog.clear()
         self._adapt = None
-        for drawn in self._drawn.values():
-            drawn.clear()
+        self._credit.forget()
 
     def drop(self, model: str) -> list[Pending]:
         """Take every request held for `model` out (they are answered, e.g. its load
         failed)."""
         lane = self.lanes[model]
         dropped, lane.backlog[:] = list(lane.backlog), []
-        self._settled(model, dropped)
+        self._credit.settled(model, dropped)
         return dropped
 
     def in_use(self) -> set[str]:
@@ -297,24 +150,24 @@ class Scheduler:
 
     def prefetch_applied(self, model: str, prefetch: int) -> None:
         """The dispatcher (re)started the consumer of `model` with this prefetch."""
-        self.lanes[model].prefetch = prefetch
-        self._drawn[model].clear()
+        self._credit.applied(model, prefetch)
 
     def tick(self, now: float) -> Actions:
         actions = Actions()
         for lane in self.lanes.values():
             if lane.backlog:
                 expired = split_expired(lane.backlog, now)
-                self._settled(lane.model, expired)
-                actions.expired.extend((lane.model, p) for p in expired)
+                if expired:
+                    self._credit.settled(lane.model, expired)
+                    actions.expired.extend((lane.model, p) for p in expired)
         wait = None
         if len(self.in_flight) < self.depth:
             wait = self._maybe_start(now, actions)
         if self._adapt is not None:
-            if self.peers(self._adapt.model, now) < 2:  # with peers: _bound_holdings
-                self._adapt_prefetch(self._adapt, actions)
+            if self.peers(self._adapt.model, now) < 2:  # with peers: `bound` below
+                self._credit.after_batch(self._adapt, actions)
             self._adapt = None
-        credit_in = self._bound_holdings(now, actions)
+        credit_in = self._credit.bound(now, self.busy_for(now), actions)
         if credit_in is not None:
             wait = credit_in if wait is None else min(wait, credit_in)
         expires_in = self._first_deadline_waiting_for_a_load(now)
@@ -374,7 +227,7 @@ class Scheduler:
                 admitted = admission.seconds
                 late = [p for p in late if p.deadline < now + ahead + admitted]
             if late:
-                self._settled(lane.model, late)
+                self._credit.settled(lane.model, late)
                 actions.late.extend((lane.model, self._late(lane, p, ahead, admission, now))
                                     for p in late)
                 # The rest finish no later than predicted for the whole batch.
@@ -391,49 +244,6 @@ class Scheduler:
             return None
         return None
 
-    def _bound_holdings(self, now: float, actions: Actions) -> float | None:
-        """For every lane with peers, keep what it holds and may take in within the hold
-        horizon; the seconds until one may take more (None: no such wait).
-
-        What a lane could end up holding is what it holds plus its consumer's open credit
-        (its prefetch less what that consumer delivered and is still unsettled). Over
-        what `may_hold` allows, it re-consumes with the least prefetch that lowers that
-        (a new consumer's credit is the whole new prefetch, at least `min_prefetch`).
-        Far under it (by PREFETCH_CHANGE_RATIO), with the allowance less what it holds,
-        unless it already holds work beyond the horizon (the allowance counts requests
-        of the mean size; the batches actually planned say there is no room).
-
-        Then what would start after the horizon goes back (`overflow`), except what the
-        current consumer delivered: returning that would reopen its credit, so the
-        broker would hand over another request (or the same one) at once. A re-consume
-        just before makes everything held returnable."""
-        left = self.busy_for(now)
-        opens: float | None = None
-        for lane in self.lanes.values():
-            if not lane.ready or self.peers(lane.model, now) < 2:
-                # Not loaded: what it holds waits for the load. Alone: returning would
-                # only loop back here.
-                continue
-            hold = self._hold_for(lane)
-            beyond = (overflow(lane.backlog, lane.limits, hold, lane.cost, left, now)
-                      if lane.backlog else [])
-            allowed = may_hold(lane.mix.mean, lane.limits, hold, lane.cost, left)
-            if allowed is not None:
-                self._bound_intake(lane, allowed, len(beyond), actions)
-                # Credit opens later only while nothing may be taken in (allowed == 0).
-                later = (credit_opens_in(lane.mix.mean, lane.limits, hold, lane.cost,
-                                         left) if allowed == 0 else None)
-                if later is not None:
-                    later = max(later, MIN_WAIT_S)
-                    opens = later if opens is None else min(opens, later)
-            drawn = self._drawn[lane.model]
-            returned = [p for p in beyond if id(p) not in drawn]
-            if returned:
-                ids = {id(p) for p in returned}
-                lane.backlog[:] = [p for p in lane.backlog if id(p) not in ids]
-                actions.returned.append((lane.model, returned))
-        return opens
-
     @staticmethod
     def _late(lane: Lane, pending: Pending, ahead: float, admission: Admission,
               now: float) -> Late:
@@ -441,56 +251,6 @@ class Scheduler:
         alone = lane.cost.admission(BatchShape.of([pending])).seconds
         return Late(pending, ahead + admission.seconds, pending.deadline - now, admission,
                     alone)
-
-    def _hold_for(self, lane: Lane) -> HoldLimits:
-        """The hold limits of a lane: with only cold peers, a horizon of their load time."""
-        cold = lane.cold_peers_horizon_s
-        if cold is None or (self.hold.max_horizon_s is not None
-                            and cold <= self.hold.max_horizon_s):
-            return self.hold
-        return replace(self.hold, horizon_batches=math.inf, max_horizon_s=cold)
-
-    def _bound_intake(self, lane: Lane, allowed: int, beyond: int, actions: Actions) -> None:
-        """Re-consume if that lowers what the lane could end up holding past `allowed`
-        (after a re-consume, the `beyond` requests past the horizon can go back), or
-        raises it far towards `allowed` when nothing held is past the horizon."""
-        held = len(lane.backlog)
-        could = held + max(0, lane.prefetch - len(self._drawn[lane.model]))
-        floor, cap = self.hold.min_prefetch, self.hold.max_prefetch
-        kept = held - beyond
-        fresh = min(cap, max(floor, allowed - kept))
-        if could > allowed:
-            if kept + fresh < could:
-                self._reconsume(lane, fresh, actions)
-        elif (not beyond and allowed >= PREFETCH_CHANGE_RATIO * could
-              and kept + fresh >= PREFETCH_CHANGE_RATIO * could):
-            # Only a real rise: a consumer already at the cap would otherwise be started
-            # again on every tick, and each re-consume leaves a moment without a consumer,
-            # when the broker hands messages to the peers.
-            self._reconsume(lane, fresh, actions)
-
-    def _reconsume(self, lane: Lane, prefetch: int, actions: Actions) -> None:
-        """Have the dispatcher start a new consumer with this prefetch (even an equal one:
-        its credit starts afresh)."""
-        lane.prefetch = prefetch
-        actions.prefetch[lane.model] = prefetch
-        self._drawn[lane.model].clear()
-
-    def _settled(self, model: str, pendings: list[Pending]) -> None:
-        drawn = self._drawn[model]
-        for p in pendings:
-            drawn.discard(id(p))
-
-    def _adapt_prefetch(self, lane: Lane, actions: Actions) -> None:
-        target = prefetch_for(lane.mix.mean, lane.limits, self.hold, lane.cost,
-                              default=lane.prefetch or self.hold.max_prefetch)
-        ratio = max(target, 1) / max(lane.prefetch, 1)
-        if ratio >= PREFETCH_CHANGE_RATIO or ratio <= 1 / PREFETCH_CHANGE_RATIO:
-            self._set_prefetch(lane, target, actions)
-
-    def _set_prefetch(self, lane: Lane, prefetch: int, actions: Actions) -> None:
-        if prefetch != lane.prefetch:
-            self._reconsume(lane, prefetch, actions)
 
     def busy_for(self, now: float) -> float:
         """Predicted seconds until a batch started now would run: until the runtime has

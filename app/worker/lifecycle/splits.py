@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from app.worker.lifecycle.held import Held, Split
+from batching.lanes import Lane
 from batching.parts import items_per_part
-from batching.scheduler import Lane
 from runtimes.base import Outcome
 from tasks.envelope import Annotations, EstimatingEntry, decode_body, task_body
 from tasks.served import read_served, stamp_parts

@@ -40,7 +40,7 @@ from app.worker.metrics import (
 from app.worker.runtime import start_runtime
 from app.worker.steps.health import HealthServer
 from batching.hold import HoldLimits
-from batching.scheduler import Lane
+from batching.lanes import Lane
 from runtimes.worker_side.pool import Pool
 from tasks.catalog import load_catalog
 from tasks.queues import kombu_queues

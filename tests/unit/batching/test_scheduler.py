@@ -23,6 +23,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from batching.credit import PREFETCH_CHANGE_RATIO
 from batching.former import BatchLimits, batch_tokens, is_due, take_batch
 from batching.hold import (
     HoldLimits,
@@ -32,15 +33,9 @@ from batching.hold import (
     target_prefetch,
     typical_batch_s,
 )
+from batching.lanes import CALLERS_RECENT_S, Actions, Batch, Lane
 from batching.latency_model import BatchShape, CostModel
-from batching.scheduler import (
-    CALLERS_RECENT_S,
-    PREFETCH_CHANGE_RATIO,
-    Actions,
-    Batch,
-    Lane,
-    Scheduler,
-)
+from batching.scheduler import Scheduler
 from batching.shapes import Pending
 
 MODEL = "m"
