@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from app.tuning.stack import free_port
-    from runtimes.doubles.emulated import ENV, PROFILES, parse_profile
+    from runtimes.doubles.profiles import ENV, PROFILES, parse_profile
 
     if args.profile == "list":
         for p in PROFILES.values():

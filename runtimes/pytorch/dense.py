@@ -12,6 +12,7 @@ LoRAs in one forward pass, `runtimes.pytorch.lora`), and token-id items beside t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,6 @@ import numpy as np
 import torch
 from transformers import AutoModel
 
-from runtimes.doubles import emulated
 from runtimes.families.st_config import read_st_config
 from runtimes.families.token_ids import (
     Input,
@@ -31,7 +31,7 @@ from runtimes.families.token_ids import (
     with_token_ids,
 )
 from runtimes.families.vectors import dense_results, normalize_rows
-from runtimes.pytorch import buckets
+from runtimes.pytorch import buckets, device_double
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
@@ -140,7 +140,8 @@ class DenseEncoder:
         pooled = []
         # On an emulated device (benchmarks) the passes queue as a GPU's kernels do, and
         # the HostCopy waits for them.
-        with emulated.queued_passes():
+        double = device_double.current()
+        with nullcontext() if double is None else double.queued():
             for chunk, staged_inputs in chunks:
                 inputs = to_device(staged_inputs, self.device)
                 names = None if loras is None else [loras[i] for i in chunk]

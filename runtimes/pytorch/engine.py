@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from runtimes.child_side.adapter import Adapter
-from runtimes.doubles.emulated import emulation_stamp
 from runtimes.model_files.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.model_files.precision import resolve_precision
+from runtimes.pytorch import device_double
 from runtimes.pytorch.buckets import graph_bytes
 from runtimes.pytorch.device_time import device_clock
 from tasks.catalog import ModelEntry
@@ -25,6 +25,7 @@ class TorchEngine:
         if threads > 0:
             torch.set_num_threads(threads)
         self.clock = device_clock(device)
+        device_double.configured()  # benchmarks only: SHOAL_EMULATE_DEVICE installs one
 
     def adapter_class(self, entry: ModelEntry) -> type[Adapter]:
         """The class the entry's family names (imported only when needed)."""
@@ -56,4 +57,5 @@ class TorchEngine:
         return physical_memory_bytes()
 
     def stamp(self) -> dict[str, Any] | None:
-        return emulation_stamp()
+        double = device_double.current()
+        return None if double is None else double.stamp()

@@ -8,9 +8,8 @@ from typing import Any, NamedTuple
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from runtimes.doubles.emulated import configured_profile, emulate_forward
 from runtimes.families.text import max_length
-from runtimes.pytorch import buckets
+from runtimes.pytorch import buckets, device_double
 from runtimes.pytorch.device_time import watch_forward
 
 
@@ -36,6 +35,7 @@ def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | Non
     model's) and, on CUDA, graphs captured here, before the device clock watches the
     model (`runtimes.pytorch.buckets`, SHOAL_CUDA_GRAPHS).
     """
+    double = device_double.configured()  # benchmarks only: SHOAL_EMULATE_DEVICE, else None
     tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=True)
     options: dict[str, Any] = {"local_files_only": True, "dtype": dtype or torch.float32}
     try:
@@ -51,9 +51,11 @@ def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | Non
                         device=device, pad_id=pad_id(tokenizer),
                         limit=max_length(tokenizer, model.config, bucket_width),
                         max_tokens=budget,
-                        inputs=inputs, name=ref, emulated=configured_profile() is not None)
+                        inputs=inputs, name=ref,
+                        emulated=double is not None and double.emulates())
     watch_forward(model)
-    emulate_forward(model, model_class, ref)  # benchmarks only: SHOAL_EMULATE_DEVICE, else a no-op
+    if double is not None:
+        double.replace_forward(model, model_class, ref)
     return LoadedModel(tokenizer, model, pad_id(tokenizer))
 
 

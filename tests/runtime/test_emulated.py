@@ -15,14 +15,8 @@ from transformers import AutoTokenizer
 
 from runtimes.child_side.host import ModelHost
 from runtimes.doubles import emulated
-from runtimes.doubles.emulated import (
-    ENV,
-    PROFILES,
-    EmulatedForward,
-    emulation_stamp,
-    parse_profile,
-    totals,
-)
+from runtimes.doubles.emulated import ENV, EmulatedForward, emulation_stamp, totals
+from runtimes.doubles.profiles import PROFILES, parse_profile
 from tests.tiny_classifiers import build_tiny_cross_encoder, run, serve
 from tests.tiny_encoders import build_tiny_splade
 from tests.tiny_lm import build_tiny_llama

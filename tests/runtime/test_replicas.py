@@ -241,14 +241,14 @@ def test_a_failed_start_of_one_replica_stops_the_others(catalog_dir):
 
 def test_the_replicas_share_one_emulated_device_queue(tmp_path, monkeypatch):
     """Two processes' passes queue one behind the other, as on one GPU."""
-    from runtimes.doubles import emulated
+    from runtimes.doubles import device_queue
 
     path = tmp_path / "queue"
     monkeypatch.setenv(EMULATED_QUEUE_ENV, str(path))
-    first, second = emulated._make_stream(), emulated._make_stream()  # as in two processes
-    assert isinstance(first, emulated._SharedStream)
+    first, second = device_queue.make_stream(), device_queue.make_stream()  # two processes
+    assert isinstance(first, device_queue.SharedStream)
     assert first.queue(100.0, 1.0) == 101.0
     assert second.queue(100.5, 1.0) == 102.0  # behind the first pass
     assert first.queue(200.0, 0.5) == 200.5  # the device was free by then
     monkeypatch.delenv(EMULATED_QUEUE_ENV)
-    assert isinstance(emulated._make_stream(), emulated._Stream)
+    assert isinstance(device_queue.make_stream(), device_queue.Stream)
