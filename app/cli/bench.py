@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import math
 import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.tuning import markdown
 from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
-from app.tuning.load import BodyFn, LoadResult, Prepared, items_body, prepare, run_load
 from app.tuning.markdown import fmt
 from app.tuning.mix import MixSummary, describe, make_requests, summarize
+
+if TYPE_CHECKING:  # app.tuning.load brings numpy: imported when a bench runs, not to parse
+    from app.tuning.load import BodyFn, LoadResult, Prepared
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_QUERY = "which animal sits near the river"
@@ -66,9 +69,9 @@ def _options(value: str) -> dict[str, Any]:
     return options
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shoal bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="load a gateway, find the knee (app/cli/bench.py)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", default="http://127.0.0.1:8080",
                        help="a running gateway (default %(default)s)")
@@ -119,12 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inproc", action="store_true",
                    help="first measure the model in process on the same texts (dense only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
+    p.set_defaults(run=functools.partial(bench, p))
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone (exit 2 with the usage), and the defaults that
+    depend on --mode."""
     if args.env and not args.start_stack:
         parser.error("--env applies to --start-stack only")
     if args.duration <= 0 or args.warmup < 0 or args.timeout <= 0:
@@ -148,11 +151,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.start > args.max_load:
         parser.error("--start is above --max-load")
     args.sweep = args.loads is None
-    return args
 
 
 def body_for(op: str, query: str, options: dict[str, Any] | None) -> BodyFn:
     """A request body from a list of texts, for the operation."""
+    from app.tuning.load import items_body
+
     def body(texts: list[str]) -> dict[str, Any]:
         out = items_body(texts)
         if op == "score":
@@ -280,6 +284,8 @@ def sweep(args: argparse.Namespace, endpoint: str,
     """Every load level, explicit or searched; (results, why the sweep stopped)."""
     import uvloop
 
+    from app.tuning.load import run_load
+
     policy = SweepPolicy(start=args.start, growth=args.growth, max_load=args.max_load,
                          p99_factor=args.p99_factor, max_error_rate=args.max_error_rate,
                          integer=args.mode == "closed")
@@ -310,11 +316,8 @@ def sweep(args: argparse.Namespace, endpoint: str,
     return levels, stop
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:
-        argv = argv[1:]  # `shoal bench -- ARGS`: the separator reaches us as an argument
-    args = parse_args(argv)
+def bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check(parser, args)
     try:
         requests = make_requests(args.distinct, args.mix_items, args.mix_words, args.seed)
     except ValueError as exc:
@@ -333,18 +336,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --inproc: {exc}", file=sys.stderr)
             return 2
     if not args.start_stack:
-        return run(args, argv, args.url.rstrip("/"), path, body, requests, mix, inproc)
+        return measure(args, args.url.rstrip("/"), path, body, requests, mix, inproc)
     from app.tuning.bench_stack import bench_stack
 
     print("starting a private stack...", file=sys.stderr)
     probe = (path, json.dumps(body(requests[0][:1])).encode())
     with bench_stack(args.model, env, probe=probe) as stack:
-        return run(args, argv, stack.url, path, body, requests, mix, inproc)
+        return measure(args, stack.url, path, body, requests, mix, inproc)
 
 
-def run(args: argparse.Namespace, argv: list[str], url: str, path: str, body: BodyFn,
-        requests: list[list[str]], mix: MixSummary, inproc: dict[str, Any] | None) -> int:
+def measure(args: argparse.Namespace, url: str, path: str, body: BodyFn,
+            requests: list[list[str]], mix: MixSummary, inproc: dict[str, Any] | None) -> int:
     from app.tuning.inproc import machine_info
+    from app.tuning.load import prepare
     from app.tuning.stack import gateway_ready
 
     why = gateway_ready(url)
@@ -358,7 +362,7 @@ def run(args: argparse.Namespace, argv: list[str], url: str, path: str, body: Bo
     knee = find_knee([r.point() for r in levels], args.p99_factor, args.max_error_rate)
     meta: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["shoal", "bench", *argv]),
+        "command": shlex.join(["shoal", *args.argv]),
         "model": args.model,
         "endpoint": endpoint,
         "mode": args.mode,
@@ -372,8 +376,9 @@ def run(args: argparse.Namespace, argv: list[str], url: str, path: str, body: Bo
             **meta,
             "machine": machine_info(),
             "simulated": simulated,
-            "settings": {k: v for k, v in vars(args).items()
-                         if k not in ("json", "png", "env")} | {"env": dict(args.env)},
+            "settings": {k: v for k, v in vars(args).items()  # the command's own options
+                         if k not in ("json", "png", "env", "command", "run", "argv")}
+                        | {"env": dict(args.env)},
             "mix": asdict(mix),
             "inproc": inproc,
             "points": [asdict(r) | {"error_rate": r.error_rate} for r in levels],
@@ -391,7 +396,3 @@ def run(args: argparse.Namespace, argv: list[str], url: str, path: str, body: Bo
         print(f"error: every request to {endpoint} failed", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     os.execve(sys.executable, argv, env)  # Flower takes this process over
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     flower = sub.add_parser("flower", help="run Flower behind basic auth (SHOAL_FLOWER_*)")
     flower.add_argument("--address", default="127.0.0.1")
     flower.add_argument("--port", type=int, default=5555)

@@ -26,7 +26,7 @@ class JobFailed(RuntimeError):
     pass
 
 
-def add_parsers(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     embed = sub.add_parser("embed", help="embed a JSONL file (one text per line) into a .npy "
                            "file, as a bulk job on a gateway")
     _common(embed)

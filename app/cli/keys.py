@@ -109,7 +109,7 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="make API keys (gateway/auth/key_file.py)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     adding = keys_sub.add_parser("add", help="make a key: print it once, and its entry")

@@ -14,6 +14,7 @@ choice the files allow makes shoal compute what the model's own library computes
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -55,14 +56,15 @@ def onboard_catalog(args: argparse.Namespace) -> int:
                           duration=args.duration, write=not args.dry_run,
                           only=args.model or None, device=args.device, say=_say)
     page = write_report(reports, args.report, profile_key(args.device),
-                        "shoal onboard " + " ".join(args.argv))
+                        " ".join(["shoal", *args.argv]))
     print(f"report: {page}")
     return 1 if any(r.status in ("refused", "failed") for r in reports) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal onboard", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("onboard", help="a model's files to a verified, tuned catalog entry "
+                            "(app/cli/onboard.py)", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", nargs="?", help="a model folder, package:NAME[/SUBDIR], an "
                         "installed package's name, or a hub id (org/name, needs network)")
     parser.add_argument("--catalog", action="store_true",
@@ -90,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="--catalog: the report folder (README.md, plots, state.json)")
     parser.add_argument("--model", action="append", default=[],
                         help="--catalog: only these ids (repeatable)")
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[2:] if argv is None else argv
+    parser.set_defaults(run=functools.partial(run, parser))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not args.catalog and not args.source:
+        parser.error("give a SOURCE, or --catalog")
     from transformers.utils import logging as transformers_logging
 
     # Parity loads each model several times; a bar per load buries what onboarding says.
@@ -100,8 +106,4 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.settings import get_settings
 
         args.catalog_dir = get_settings().catalog_dir
-    if args.catalog:
-        return onboard_catalog(args)
-    if not args.source:
-        parser.error("give a SOURCE, or --catalog")
-    return onboard_one(args)
+    return onboard_catalog(args) if args.catalog else onboard_one(args)

@@ -46,9 +46,10 @@ def _grid(args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
     return grid
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("tune", help="tune a model's batching profile (app/cli/tune.py)",
+                            description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
     parser.add_argument("--device", required=True, help="the profile to write: cpu, l4, h100...")
     parser.add_argument("--catalog-dir", type=Path, help="default: SHOAL_CATALOG_DIR")
@@ -71,13 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-calibrate", action="store_true",
                         help="keep the profile's cost constants (e.g. for a sim runtime)")
     parser.add_argument("--dry-run", action="store_true", help="print, do not write")
-    args = parser.parse_args(argv)
-    args.env = dict(item.split("=", 1) for item in args.env)
+    parser.set_defaults(run=tune)
 
+
+def tune(args: argparse.Namespace) -> int:
     from app.tuning.mix import make_requests
     from tasks.catalog import BatchProfile, Catalog
     from tasks.settings import get_settings
 
+    args.env = dict(item.split("=", 1) for item in args.env)
     args.catalog_dir = args.catalog_dir or get_settings().catalog_dir
     catalog = Catalog.from_dir(args.catalog_dir)
     entry = catalog.get(args.model)

@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
 
 # What the search varies: the catalog profile field, the worker setting that overrides it,
@@ -88,6 +86,8 @@ def fit_cost(samples: list[tuple[int, int, float]], with_c: bool = False
              ) -> tuple[float, float, float]:
     """(a_ms, b_us, c_ns) of latency = a + b*T + c*T*L from (T, L, seconds) samples,
     non-negative least squares (a negative term is dropped and the rest refitted)."""
+    import numpy as np  # here: `shoal` parses its command line without numpy
+
     if not samples:
         raise ValueError("no samples to fit")
     tokens = np.array([s[0] for s in samples], dtype=float)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.cli.onboard import main as onboard_main
+from app.cli import main
 from app.onboard.files import OnboardError
 from app.onboard.onboard import onboard
 from app.onboard.pooling_probe import PAIRS
@@ -110,7 +110,7 @@ def test_an_entry_no_choice_makes_match_is_refused(tmp_path, capsys):
     # normalisation choice reproduces sentence-transformers' vectors.
     folder = build_st_dense(tmp_path / "projected", "mean", True, dense_dims=16)
     catalog = tmp_path / "catalog"
-    code = onboard_main([str(folder), "--no-tune", "--catalog-dir", str(catalog)])
+    code = main(["onboard", str(folder), "--no-tune", "--catalog-dir", str(catalog)])
     assert code == 3
     err = capsys.readouterr().err
     assert "refused, nothing written" in err and "sentence-transformers" in err
@@ -127,7 +127,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(builder, reason, tmp
                                                             capsys):
     folder = builder(tmp_path / "bad")
     catalog = tmp_path / "catalog"
-    assert onboard_main([str(folder), "--catalog-dir", str(catalog)]) == 2
+    assert main(["onboard", str(folder), "--catalog-dir", str(catalog)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and reason in lines[0], lines
     assert not catalog.exists()
@@ -136,20 +136,20 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(builder, reason, tmp
 def test_an_existing_entry_is_kept_unless_forced(tmp_path, capsys):
     folder = build_st_dense(tmp_path / "m", "mean", True)
     catalog = tmp_path / "catalog"
-    assert onboard_main([str(folder), "--no-tune", "--catalog-dir", str(catalog)]) == 0
+    assert main(["onboard", str(folder), "--no-tune", "--catalog-dir", str(catalog)]) == 0
     path = next(catalog.glob("*.yaml"))
     path.write_text(path.read_text() + "# mine\n")
-    assert onboard_main([str(folder), "--no-tune", "--catalog-dir", str(catalog)]) == 2
+    assert main(["onboard", str(folder), "--no-tune", "--catalog-dir", str(catalog)]) == 2
     assert "--force" in capsys.readouterr().err
     assert path.read_text().endswith("# mine\n")
-    assert onboard_main([str(folder), "--no-tune", "--force", "--catalog-dir",
+    assert main(["onboard", str(folder), "--no-tune", "--force", "--catalog-dir",
                          str(catalog)]) == 0
     assert not path.read_text().endswith("# mine\n")
 
 
 def test_a_dry_run_prints_the_entry(tmp_path, capsys):
     folder = build_st_dense(tmp_path / "m", "cls", True)
-    assert onboard_main([str(folder), "--no-tune", "--dry-run", "--catalog-dir",
+    assert main(["onboard", str(folder), "--no-tune", "--dry-run", "--catalog-dir",
                          str(tmp_path / "catalog")]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["pooling"] == "cls" and not (tmp_path / "catalog").exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import bench as cli
+from app.cli import main
 from app.tuning.load import prepare, run_load
 from app.tuning.mix import make_requests
 
@@ -148,7 +149,7 @@ def test_cli_writes_the_table_json_and_png(server: Server, tmp_path: Path,
             "--duration", "0.25", "--warmup", "0.05", "--mix-items", "pareto:1.2:1:8",
             "--mix-words", "uniform:2:6", "--distinct", "20", "--json", str(out_json),
             "--png", str(out_png), "--no-progress"]
-    assert cli.main(argv) == 0
+    assert main(["bench", *argv]) == 0
     out = capsys.readouterr().out
     assert "SIMULATED" in out
     assert "| load | req/s | items/s |" in out
@@ -173,7 +174,7 @@ def test_cli_sweep_stops_at_the_maximum(server: Server, tmp_path: Path,
     argv = ["--url", server.url, "--mode", "open", "--sweep", "--start", "50",
             "--max-load", "100", "--duration", "0.2", "--warmup", "0", "--distinct", "5",
             "--p99-factor", "1000", "--json", str(out_json), "--no-progress"]
-    assert cli.main(argv) == 0
+    assert main(["bench", *argv]) == 0
     raw = json.loads(out_json.read_text())
     assert [p["offered"] for p in raw["points"]] == [50, 100]
     assert "maximum load 100" in raw["sweep_stop"]
@@ -181,11 +182,11 @@ def test_cli_sweep_stops_at_the_maximum(server: Server, tmp_path: Path,
 
 
 def test_cli_refuses_bad_input(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["--url", server.url, "--mix-items", "pareto:1", "--no-progress"]) == 2
+    assert main(["bench", "--url", server.url, "--mix-items", "pareto:1", "--no-progress"]) == 2
     assert "bad distribution spec" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["--url", server.url, "--mode", "closed", "--loads", "1.5"])
+        main(["bench", "--url", server.url, "--mode", "closed", "--loads", "1.5"])
     with pytest.raises(SystemExit):
-        cli.main(["--env", "SHOAL_RUNTIME=sim"])
+        main(["bench", "--env", "SHOAL_RUNTIME=sim"])
     # Nothing listens on port 9 of localhost: not ready, exit 2.
-    assert cli.main(["--url", "http://127.0.0.1:9", "--loads", "1", "--no-progress"]) == 2
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--loads", "1", "--no-progress"]) == 2
