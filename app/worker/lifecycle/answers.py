@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 from app.worker import metrics
+from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.splits import merged_result
@@ -44,11 +44,17 @@ def refusal_message(late: Late) -> str:
 class Answers:
     """Settles held requests with their outcome or an error (loop thread)."""
 
-    def __init__(self, replier: Replier, consumer: Any, draining: Callable[[], bool]) -> None:
+    def __init__(self, replier: Replier, consumer: Any, drain: Drain) -> None:
         self.replier = replier
         self.c = consumer  # the Celery consumer: its hostname goes into each result
-        self.draining = draining
-        self.drain_answered = 0  # requests answered while draining
+        self.drain = drain  # while it is on, answers are counted
+
+    def answer_batch(self, model: str, held: list[Held], outcomes: list[Outcome]) -> None:
+        """A batch's requests, each with its outcome, published together."""
+        self.replier.begin_batch()
+        for h, outcome in zip(held, outcomes, strict=True):
+            self.answer(model, h, outcome)
+        self.replier.end_batch()
 
     def answer(self, model: str, held: Held, outcome: Outcome) -> None:
         split = held.split
@@ -103,6 +109,6 @@ class Answers:
         self.replier.failure(held.delivery, held.task_id, code, why, started=ran)
 
     def _count_drain_answer(self, model: str) -> None:
-        if self.draining():
-            self.drain_answered += 1
+        if self.drain.active:
+            self.drain.answered += 1
             metrics.DRAIN_ANSWERED.labels(model).inc()

@@ -1,36 +1,40 @@
-"""The worker's dispatcher: the kombu glue around the scheduler.
+"""The worker's loop: the one owner of what happens to a request on this worker, and when.
 
 Everything here runs on the Celery consumer's event loop thread (kombu channels are not
-thread-safe) except the batch itself, which runs on the runtime's own thread
-(`app.worker.lifecycle.batches`). A delivered request is held (`app.worker.lifecycle.intake`,
-`app.worker.lifecycle.held`), scheduled, run and answered (`app.worker.lifecycle.answers`), or
-given back to
-its queue for other workers (`app.worker.lifecycle.returns`). Every one of those decisions is
-`batching.scheduler.Scheduler`'s (or, for a continuously batching runtime,
-`batching.feeder`'s, applied by `app.worker.lifecycle.feed`); this class only feeds it events and
-applies its `Actions`: acks, rejects, consumer cancel/qos/consume
-(`app.worker.lifecycle.consumers`), peer counts, Flower events and metrics. Models and LoRA
-adapters load beside the batches (`app.worker.lifecycle.placement`); requests too big for a batch
-run in parts (`app.worker.lifecycle.splits`); a shutdown drains (`app.worker.lifecycle.drain`).
+thread-safe) except the batch itself, which runs on the runtime's own thread. Its step:
 
-The steps of a request's life are mixins of this class (`Intake`, `Feed`, `Batches`,
-`Drain`): they call each other back and forth (a batch's end appends the next part,
-ticks and answers; a tick refuses, starts and gives back; a drain hands back and waits
-for what runs) and share one state (generation, timers, futures, drain flags), which
-lives here; passing each of them the dispatcher would be the same coupling, spelled
-longer. What owns state of its own is an object it holds: the held requests
-(`Holdings`), the consumers (`Consumers`), the answers (`Answers`), the streams
-(`Streams`), the placement, the replier.
+- a message → `Intake` holds its requests → each is placed (`_place`): in its model's
+  scheduler lane, the continuous feeder, or parked for its LoRA adapter; loads start;
+- tick → the scheduler's `Actions` applied: refusals, `Batches.start`, prefetch, returns;
+  the continuous `Feed` fed;
+- a batch done → the next parts of split requests, the next batch (started before this
+  one's answers are published), its streams, its answers (`Answers`), the drain check.
+
+Every decision is `batching.scheduler.Scheduler`'s (or, for a continuously batching
+runtime, `batching.feeder`'s); this class feeds them events and hands what they decide to
+its collaborators, each a class of its own that takes what it needs at construction and
+never sees this one: `Intake` (a message becomes held requests, and what each becomes where
+it waits), `Batches` (the runtime's thread, the batches in flight, their outcomes), `Feed`
+(the continuous runtime), `Drain` (a shutdown's drain, its state in one object), `Answers`,
+`Returns` (given back to the queue), `Streams`, `Holdings` (every request held, by state),
+`Consumers` (prefetch, priority, peers), `Placement` (loads beside the batches), the
+`Replier` and the claims' fetcher. They report back through the callbacks they were given
+(`Intake` hands over each request, `Batches` and `Feed` what ended, `Placement` a load's
+end), so a request's life reads here from its delivery to its answer. What this class
+keeps is what the step needs between events: the connection's generation (bumped on its
+loss: an answer of an older one is dropped), the tick's timer, and `on_placement` (the
+pool-state step's; the shutdown step sets the drain's `on_drained`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
+
+from celery.worker import state as worker_state
 
 from app.worker import metrics
 from app.worker.lifecycle.answers import Answers, refusal_message
@@ -42,12 +46,13 @@ from app.worker.lifecycle.feed import Feed
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.intake import Intake
 from app.worker.lifecycle.placement import Placement
-from app.worker.lifecycle.replies import Delivery, Replier
-from app.worker.lifecycle.returns import give_back
+from app.worker.lifecycle.replies import Replier
+from app.worker.lifecycle.returns import Returns
+from app.worker.lifecycle.splits import next_parts
 from app.worker.lifecycle.streams import Streams
 from batching.feeder import Feeder
 from batching.hold import HoldLimits
-from batching.scheduler import Actions, Batch, Lane, Scheduler
+from batching.scheduler import Actions, Lane, Scheduler
 from runtimes.base import Runtime
 from runtimes.worker_side.pool import Pool
 from tasks.envelope import EstimatingEntry, now_ms
@@ -60,7 +65,9 @@ log = logging.getLogger(__name__)
 TIMER_SLACK_S = 0.001
 
 
-class Dispatcher(Intake, Feed, Batches, Drain):
+class Dispatcher:
+    """The worker's loop and what it keeps between events (see the module)."""
+
     def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
                  hold: HoldLimits, entries: dict[str, EstimatingEntry],
                  part_target_s: float | None = None, pool: Pool | None = None,
@@ -70,59 +77,94 @@ class Dispatcher(Intake, Feed, Batches, Drain):
                  blob_url: str = "", claim_upload_timeout_s: float = 10.0) -> None:
         self.c = consumer
         self.runtime = runtime
-        self.lora_mixed_batches = lora_mixed_batches
-        self.entries = entries  # to annotate a Celery client's message that came without
-        self.part_target_s = part_target_s  # the longest a part of a split request should run
         # A pipelined runtime takes the next batch while it computes one (its
         # `pipeline_depth`); each batch in flight waits for its answer on a thread here.
         depth = max(1, runtime.pipeline_depth)
         # Runtime replicas run that many of them side by side (`runtimes.worker_side.replicas`).
         parallel = max(1, runtime.parallel)
-        self.scheduler = Scheduler(lanes, hold, self._peers, depth=depth, parallel=parallel)
+        self.scheduler = Scheduler(lanes, hold, lambda model, now: self.consumers.peers(model, now),
+                                   depth=depth, parallel=parallel)
         self.continuous = {model for model in lanes if runtime.continuous(model)}
         self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)
         # Every request held here, in whichever state (scheduled, parked for a LoRA,
         # fetching its claims, waiting for or handed to a continuous runtime).
         self.holdings = Holdings(self.scheduler, self.feeder)
         self.replier = Replier(consumer)
-        self.executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shoal-runtime")
         self.claims = ClaimFetcher(blob_url, claim_upload_timeout_s,
                                    lambda fn: self.c.hub.call_soon(fn))
-        self.futures: dict[Future, Batch] = {}  # of the batches in flight
-        self.device_busy_s = 0.0  # the device's busy time in this worker's batches so far
         self.streams = Streams(runtime, self.replier, consumer, lambda: self.generation)
         self._timer: Any = None
         self._timer_at = 0.0
         self._tick_queued = False
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
-        self.on_placement: Callable[[], None] = lambda: None  # told when a model's state changes
-        # Draining for a shutdown: nothing new is held, what runs finishes.
-        self.draining = False
-        self._drain_begun = False  # its hand-back is done: `on_drained` may be called
-        self._drain_reported = False  # `on_drained` was called (or the drain was abandoned)
-        self._answering = False  # answering (a batch's results, refusals): not drained yet
-        self.on_drained: Callable[[], None] = lambda: None
-        self.answers = Answers(self.replier, consumer, lambda: self.draining)
-        self.drain_handed_back = 0  # requests handed back when the drain began, or after
-        self.delivery_limit = hold.delivery_limit
-        self.replier.on_confirmed = self.check_drained
+        self.on_placement: Callable[[], None] = lambda: None  # a model's state changed
         self.placement = Placement(
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
-            lambda fn, *args: self.c.hub.call_soon(fn, *args), self._in_use,
+            lambda fn, *args: self.c.hub.call_soon(fn, *args), self.holdings.in_use,
             self._on_state, self._on_load_failed, load_s or {}, self._on_lora)
         self.consumers = Consumers(self.scheduler, self.placement, prefetch)
+        self.returns = Returns(self.consumers, self.replier, consumer)
+        self.batches = Batches(runtime, self.scheduler, self.placement, self.streams,
+                               self.replier, consumer, depth, self._on_batch_done)
+        # Draining for a shutdown (`begin`, `check`, `on_drained`: `app.worker.steps.drain`).
+        self.drain = Drain(self.scheduler, self.holdings, self.consumers, self.returns,
+                           self.batches, self.replier, hold.delivery_limit)
+        self.replier.on_confirmed = self.drain.check
+        self.answers = Answers(self.replier, consumer, self.drain)
+        self.feed = Feed(runtime, self.feeder, self.continuous, self.placement, self.consumers,
+                         self.answers, self.returns, self.streams, self.replier, consumer,
+                         self._on_request_done)
+        self.intake = Intake(self.scheduler.lanes, entries, self.replier, self.answers,
+                             self.holdings, self.claims, self._place, self._queue_tick,
+                             lambda: self.generation, part_target_s, lora_mixed_batches)
         for model, lane in lanes.items():
             lane.ready = self.placement.state(model) == RESIDENT
 
-    @property
-    def drain_answered(self) -> int:
-        """Requests answered while draining."""
-        return self.answers.drain_answered
+    # --- the step: a message in -------------------------------------------------------------
 
-    def consume(self, model: str, consumer: Any, queue: str, count_peers: Callable[[], int],
-                warm_peers: Callable[[], int]) -> None:
-        """Start consuming a model's queue with the prefetch and priority of its state."""
-        self.consumers.consume(model, consumer, queue, count_peers, warm_peers)
+    def on_message(self, message: Any) -> None:
+        """A delivered message: its requests held and placed, a tick queued."""
+        if self.drain.active:
+            self.drain.refuse(message)  # delivered before the broker saw the cancel
+            return
+        try:
+            if self.intake.take(message):
+                self._queue_tick()
+        except Exception:
+            # Whatever a message holds, it must not take the consumer down.
+            log.exception("message dead-lettered: it could not be held")
+            message.reject(requeue=False)
+
+    def _place(self, model: str, held: Held, deliveries: int) -> None:
+        """A held request, its inputs at hand, joins its model's feeder or scheduler, or is
+        parked until its LoRA adapter is loaded; what it needs starts loading."""
+        # Used recently = asked for recently: a popular model stays the most recent even
+        # while its requests wait (or were handed to a peer), and so is evicted last.
+        self.placement.touch(model)
+        if model in self.continuous:
+            self.feeder.add(model, self.intake.waiting(held, deliveries))
+            if self.placement.state(model) != RESIDENT:
+                self._ensure(model)
+            return
+        held = self.intake.first_part(model, held)
+        lora = held.annotations.lora
+        if lora is not None and not self.placement.lora_resident(model, lora):
+            self.holdings.park(model, lora, held, deliveries)
+            why = self.placement.ensure(model, lora)
+            if why is not None:
+                self._on_lora(model, lora, why)
+            return
+        self.scheduler.append(model, self.intake.pending(held, deliveries))
+        if not self.scheduler.lanes[model].ready:
+            self._ensure(model)
+
+    def _ensure(self, model: str) -> None:
+        """Have `model` loaded; if it cannot be, what is held for it is answered."""
+        why = self.placement.ensure(model)
+        if why is not None:
+            self._on_load_failed(model, why)
+
+    # --- the step: tick -----------------------------------------------------------------
 
     def _queue_tick(self) -> None:
         # Let the loop finish reading the frames at hand first, so messages delivered
@@ -135,26 +177,27 @@ class Dispatcher(Intake, Feed, Batches, Drain):
             self._tick_queued = True
             self.c.hub.call_later(0, self.tick)
 
-    # --- applying the scheduler's decisions (loop thread) -------------------------------
-
     def tick(self) -> None:
+        """The scheduler's decisions (and the feed's, the parked requests' deadlines)
+        applied."""
         self._tick_queued = False
         actions = self.scheduler.tick(time.monotonic())
         for wake in (self._expire_parked() if self.holdings.parked else None,
-                     self._feed() if self.continuous else None):
+                     self.feed.feed(self.generation) if self.continuous else None):
             if wake is not None:
                 actions.wake_in = wake if actions.wake_in is None else min(actions.wake_in, wake)
-        if not self.draining:
+        if not self.drain.active:
             self._apply(actions)
             return
         # Its refusals (deadlines passed) are answers too: the drain ends after them all.
-        answering, self._answering = self._answering, True
+        answering = self.drain.answering
+        self.drain.answering = answering + 1
         try:
             self._apply(actions)
         finally:
-            self._answering = answering
+            self.drain.answering = answering
         if not answering:
-            self.check_drained()
+            self.drain.check()
 
     def _expire_parked(self) -> float | None:
         """Answer the parked requests whose deadline passed (they wait for a LoRA outside
@@ -163,34 +206,28 @@ class Dispatcher(Intake, Feed, Batches, Drain):
         expired, soonest = self.holdings.expire_parked(now)
         for model, held in expired:
             self.answers.refuse(model, held, "the request's deadline passed while its LoRA "
-                                      "adapter was loading")
+                                "adapter was loading")
         return None if soonest is None else max((soonest - now) / 1000, TIMER_SLACK_S)
 
     def _apply(self, actions: Actions) -> None:
         for model, pending in actions.expired:
             self.answers.refuse(model, pending.handle,
-                         "the request's deadline passed before a worker could run it")
+                                "the request's deadline passed before a worker could run it")
         for model, late in actions.late:
             self.answers.refuse(model, late.pending.handle, refusal_message(late),
                                 ErrorCode.DEADLINE_TOO_SHORT if late.too_short
                                 else ErrorCode.DEADLINE_EXCEEDED)
         if actions.start is not None:
-            self._start(actions.start)
+            self.batches.start(actions.start, self.generation)
         for model, prefetch in actions.prefetch.items():
             self.consumers.set_prefetch(model, prefetch)
         for model, returned in actions.returned:
-            self._give_back(model, [pending.handle for pending in returned])
+            self.returns.give_back(model, [pending.handle for pending in returned])
             metrics.RETURNS.labels(model).inc(len(returned))
             log.info("returned %d requests of %s to the queue", len(returned), model)
         for lane in self.scheduler.lanes.values():
             metrics.HELD.labels(lane.model).set(len(lane.backlog))
         self._wake_in(actions.wake_in)
-
-    def _give_back(self, model: str, returned: list[Held],
-                   renew: Callable[[Delivery], bool] | None = None) -> None:
-        """Return requests to their queue (see `app.worker.lifecycle.returns`)."""
-        give_back(model, returned, self.consumers.queue(model), self.replier,
-                  self.c.hostname, renew)
 
     def _wake_in(self, seconds: float | None) -> None:
         if seconds is None:
@@ -207,8 +244,47 @@ class Dispatcher(Intake, Feed, Batches, Drain):
         self._timer = None
         self.tick()
 
-    def _peers(self, model: str, now: float) -> int:
-        return self.consumers.peers(model, now)
+    # --- the step: a batch done ---------------------------------------------------------
+
+    def _on_batch_done(self, generation: int, future: Future) -> None:
+        """A batch ended: the next parts, the next batch, its answers, the drain check."""
+        # Until its answers are all published, the drain is not over, whatever is seen
+        # meanwhile (confirms of the first answers read while the rest go out, a tick).
+        self.drain.answering += 1
+        try:
+            done = self.batches.finish(future)
+            if done is None:
+                return
+            model, held, outcomes = done
+            # Each split request's next part joins the backlog, behind what arrived
+            # meanwhile. Parts are never returned, so their delivery count does not matter.
+            for part in next_parts(held, outcomes):
+                self.scheduler.append(model, self.intake.pending(part, 1))
+            self.placement.kick()  # a queued load may fit now that this batch is done
+            # Start the next batch before answering this one: the runtime computes
+            # while the loop publishes results, instead of idling until they are out.
+            self.tick()
+            self.streams.publish()  # a stream's last deltas go before its result
+            if generation == self.generation:
+                self.answers.answer_batch(model, held, outcomes)
+            # else: the connection was lost meanwhile; the messages are redelivered.
+        finally:
+            self.drain.answering -= 1
+        self.drain.check()
+
+    def _on_request_done(self, generation: int, model: str, held: Held,
+                         future: Future) -> None:
+        """A continuous runtime ended a request: its answer, the next handed over."""
+        self.streams.publish()  # its last deltas go before its result
+        outcome = self.feed.finish(model, held, future)
+        if generation == self.generation:
+            self.drain.answering += 1
+            try:
+                self.answers.answer(model, held, outcome)
+            finally:
+                self.drain.answering -= 1
+        self._queue_tick()  # a slot is free: hand over the next
+        self.drain.check()
 
     # --- placement (loop thread) -----------------------------------------------------------
 
@@ -241,17 +317,32 @@ class Dispatcher(Intake, Feed, Batches, Drain):
         """A LoRA adapter's load ended (why None: loaded): its parked requests go on."""
         for held, deliveries in self.holdings.unpark(model, lora):
             if why is None:
-                self._append(model, held, deliveries)
+                self.scheduler.append(model, self.intake.pending(held, deliveries))
             else:
                 self.answers.refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
         self.on_placement()
         self._queue_tick()
 
-    def _in_use(self) -> Counter[str]:
-        """What held requests need loaded (`Holdings.in_use`): none of it may be evicted."""
-        return self.holdings.in_use()
+    # --- what the worker's steps and its remote control call ------------------------
 
-    # --- lifecycle -----------------------------------------------------------------------
+    def cancel(self, task_ids: list[str]) -> list[str]:
+        """Revoke requests (loop thread): one that has not started is answered CANCELLED
+        when its batch comes; one that runs stops at its next token. The ids that were
+        running here."""
+        worker_state.revoked.update(task_ids)
+        here = self.holdings.running_ids()
+        hit = [t for t in task_ids if t in here]
+        if hit:
+            self.runtime.cancel(hit)
+        return hit
+
+    def abandon(self) -> int:
+        """A forced end: publish and ack nothing more (the broker redelivers it); the
+        number of requests that were running."""
+        unfinished = self.holdings.unfinished
+        self.drain.abandon()
+        self.drop_held()
+        return unfinished
 
     def drop_held(self) -> None:
         """Forget held messages after a connection loss (the broker redelivers them)."""
@@ -269,6 +360,6 @@ class Dispatcher(Intake, Feed, Batches, Drain):
         self.placement.close()
         # The runtime first: a batch still running (a forced or cold shutdown; a drained
         # worker runs none) fails at once instead of holding the exit up.
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.batches.shutdown(wait=False)
         self.runtime.close()
-        self.executor.shutdown(wait=True)
+        self.batches.shutdown(wait=True)

@@ -48,7 +48,7 @@ class Held:
     split: Split | None = None  # set on each part of a request run in parts
     part: int = 0  # which part
     # Its claim-checked inputs by key, once fetched (`body` keeps the claims: a request
-    # given back must carry them, never the bytes); put in place by `_requests`.
+    # given back must carry them, never the bytes); put in place by `decode_requests`.
     blobs: dict[str, bytes] | None = None
 
 

@@ -7,7 +7,7 @@ inputs are fetched (header `shoal_claims`, see `tasks.claims`: on `app.worker.li
 threads; the bytes stay on its `Held`, its body keeps the claims, so a request given back
 carries no bytes; its blobs are deleted once its message is acked), or it is parked until
 its LoRA adapter is loaded (`app.worker.lifecycle.held`). A message delivered while draining goes
-straight back.
+straight back (`app.worker.lifecycle.drain`).
 
 A request for a model that is not loaded waits in its lane (which starts no batch) while
 `app.worker.lifecycle.placement` loads the model beside the other models' batches; when the load
@@ -21,26 +21,37 @@ A message from a shoal gateway may carry several requests (coalesced, see
 `tasks.envelope.coalesce`), its members: each is held, scheduled, answered and shown in
 Flower on its own; the message is acked once all of them are settled
 (`app.worker.lifecycle.replies.Delivery`).
+
+`Intake` owns the reading (headers, coalesced members, annotations of a client that wrote
+none, Flower's task-received) and the claims' fetch, and decides what each request becomes
+where it waits: its first part if it is split (`first_part`), its scheduler entry
+(`pending`), its feeder entry (`waiting`). The loop (`app.worker.lifecycle.dispatcher`)
+places it, with the loads that needs: `Intake` hands it each request through the `place`
+callback it is given, and asks it for a tick (`queue_tick`) once a fetch ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from celery.worker import state as worker_state
 
 from app.worker import metrics
-from app.worker.lifecycle.claims import Fetched
-from app.worker.lifecycle.held import Held
-from app.worker.lifecycle.replies import Delivery
+from app.worker.lifecycle.answers import Answers
+from app.worker.lifecycle.claims import ClaimFetcher, Fetched
+from app.worker.lifecycle.held import Held, Holdings
+from app.worker.lifecycle.replies import Delivery, Replier
 from app.worker.lifecycle.splits import split_request
 from batching.feeder import Waiting
+from batching.scheduler import Lane
 from batching.shapes import Pending
 from tasks.envelope import (
     H_COALESCED,
     Annotations,
+    EstimatingEntry,
     annotate,
     decode_body,
     now_ms,
@@ -49,30 +60,37 @@ from tasks.envelope import (
 )
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
-from tasks.pool_state import RESIDENT
-
-if TYPE_CHECKING:
-    from app.worker.lifecycle.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
 
+# The loop's: a request, its inputs at hand, goes where it waits (model, it, deliveries).
+Place = Callable[[str, Held, int], None]
+
 
 class Intake:
-    """The dispatcher's intake (loop thread); a mixin of `Dispatcher`, whose state it uses."""
+    """Delivered messages become held requests (loop thread)."""
 
-    def on_message(self: Dispatcher, message: Any) -> None:
-        if self.draining:
-            # Delivered before the broker saw the consumer cancelled: straight back.
-            self._refuse_delivery(message)
-            return
-        try:
-            self._hold(message)
-        except Exception:
-            # Whatever a message holds, it must not take the consumer down.
-            log.exception("message dead-lettered: it could not be held")
-            message.reject(requeue=False)
+    def __init__(self, lanes: dict[str, Lane], entries: dict[str, EstimatingEntry],
+                 replier: Replier, answers: Answers, holdings: Holdings,
+                 claims: ClaimFetcher, place: Place, queue_tick: Callable[[], None],
+                 generation: Callable[[], int], part_target_s: float | None,
+                 lora_mixed_batches: bool) -> None:
+        self.lanes = lanes  # the served models' scheduler lanes
+        self.entries = entries  # to annotate a Celery client's message that came without
+        self.replier = replier
+        self.answers = answers
+        self.holdings = holdings
+        self.claims = claims
+        self.place = place
+        self.queue_tick = queue_tick
+        self.generation = generation  # the loop's: a fetch that ends in a later one is void
+        self.part_target_s = part_target_s  # the longest a part of a split request should run
+        self.lora_mixed_batches = lora_mixed_batches
 
-    def _hold(self: Dispatcher, message: Any) -> None:
+    def take(self, message: Any) -> bool:
+        """Hold the requests a message carries, each handed to `place` (or to the claims'
+        fetch first); False if none was (the message is settled already: dead-lettered
+        or refused)."""
         headers = message.headers or {}
         task_name = headers.get("task", ENCODE)
         deliveries = 1 + int(headers.get("x-delivery-count") or 0)
@@ -82,18 +100,17 @@ class Intake:
             except ValueError:
                 log.exception("coalesced message dead-lettered: it could not be read")
                 message.reject(requeue=False)
-                return
+                return False
             delivery = Delivery(message, len(members))
             for member in members:
                 self._take(delivery, member.task_id, task_name, member.annotations,
                            member.body, deliveries, member.returns)
-            self._queue_tick()
-            return
+            return True
         task_id = headers.get("id") or message.properties.get("correlation_id")
         if not task_id:
             log.error("message without a task id dead-lettered: %r", headers)
             message.reject(requeue=False)
-            return
+            return False
         delivery = Delivery(message)
         annotations = read_annotations(headers)
         if annotations is None:  # a client that wrote no shoal headers
@@ -101,14 +118,14 @@ class Intake:
                 kwargs = decode_body(message.body)
             except ValueError as exc:
                 self.replier.failure(delivery, task_id, ErrorCode.INVALID_REQUEST, str(exc))
-                return
+                return False
             entry = self.entries.get(kwargs.get("model"))  # type: ignore[arg-type]
             annotations = annotate(task_name, kwargs, entry)
         self._take(delivery, task_id, task_name, annotations, message.body, deliveries, 0,
                    headers)
-        self._queue_tick()
+        return True
 
-    def _take(self: Dispatcher, delivery: Delivery, task_id: str, task_name: str,
+    def _take(self, delivery: Delivery, task_id: str, task_name: str,
               annotations: Annotations, body: bytes, deliveries: int, returns: int,
               headers: dict[str, Any] | None = None) -> None:
         """Hold one request (the only one of its message, or a member of a coalesced
@@ -126,85 +143,55 @@ class Intake:
             # Once acked (answered, whichever way), nobody needs its blobs any more.
             delivery.on_acked = [lambda: self.claims.delete(body)]
         model = annotations.model
-        if model not in self.scheduler.lanes:  # a message routed to the wrong queue
+        if model not in self.lanes:  # a message routed to the wrong queue
             self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
                                  f"this worker does not serve {model!r}")
             return
         if annotations.claims:
             self._fetch_claims(model, held, deliveries + returns)
             return
-        self._place(model, held, deliveries + returns)
+        self.place(model, held, deliveries + returns)
 
-    def _fetch_claims(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+    def _fetch_claims(self, model: str, held: Held, deliveries: int) -> None:
         """Fetch a request's claimed inputs (on the fetcher's threads) before it is placed:
         it enters the scheduler only when its inputs are here."""
-        generation = self.generation
+        generation = self.generation()
         a = held.annotations
         self.holdings.fetch(model, held)
 
         def fetched(outcome: Fetched) -> None:  # on the loop
-            if generation != self.generation:
+            if generation != self.generation():
                 return  # the connection was lost: the message is redelivered
             if not self.holdings.fetched(held):
                 return  # handed back when the drain began
             if outcome.error_code is not None:
                 self.answers.refuse(model, held, outcome.error_message or "",
-                             ErrorCode(outcome.error_code))
+                                    ErrorCode(outcome.error_code))
                 return
             held.blobs = outcome.blobs
-            self._place(model, held, deliveries)
-            self._queue_tick()
+            self.place(model, held, deliveries)
+            self.queue_tick()
 
         self.claims.fetch(held.body, a.sent_ms, a.deadline_ms,
                           lambda: held.task_id in worker_state.revoked, fetched)
 
-    def _place(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
-        """A held request (its inputs at hand) joins its model's feeder or scheduler."""
-        if model in self.continuous:
-            self._admit_continuous(model, held, deliveries)
-            return
-        split = split_request(held, self.scheduler.lanes[held.annotations.model],
-                              self.entries.get(held.annotations.model), self.part_target_s)
-        if split is not None:
-            metrics.SPLIT.labels(model).inc()
-            held = split.part_held(held, 0)
-        self._admit(model, held, deliveries)
+    # --- where a request waits: decisions the loop applies ------------------------------
 
-    def _admit(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
-        """Into the scheduler, once what it needs is loaded (loads start here)."""
-        lora = held.annotations.lora
-        # Used recently = asked for recently: a popular model stays the most recent even
-        # while its requests wait (or were handed to a peer), and so is evicted last.
-        self.placement.touch(model)
-        if lora is not None and not self.placement.lora_resident(model, lora):
-            self.holdings.park(model, lora, held, deliveries)
-            why = self.placement.ensure(model, lora)
-            if why is not None:
-                self._on_lora(model, lora, why)
-            return
-        self._append(model, held, deliveries)
-        if not self.scheduler.lanes[model].ready:
-            why = self.placement.ensure(model)
-            if why is not None:
-                self._on_load_failed(model, why)
+    def first_part(self, model: str, held: Held) -> Held:
+        """The request itself, or, if it is too big for one batch, its first part."""
+        split = split_request(held, self.lanes[model], self.entries.get(model),
+                              self.part_target_s)
+        if split is None:
+            return held
+        metrics.SPLIT.labels(model).inc()
+        return split.part_held(held, 0)
 
-    def _admit_continuous(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
-        self.placement.touch(model)
-        deadline = held.annotations.deadline_ms
-        now = time.monotonic()
-        self.feeder.add(model, Waiting(
-            held, now, None if deadline is None else now + (deadline - now_ms()) / 1000,
-            deliveries, key=held.task_id))
-        if self.placement.state(model) != RESIDENT:
-            why = self.placement.ensure(model)
-            if why is not None:
-                self._on_load_failed(model, why)
-
-    def _append(self: Dispatcher, model: str, held: Held, deliveries: int) -> None:
+    def pending(self, held: Held, deliveries: int) -> Pending:
+        """A request's entry in its model's scheduler lane."""
         now = time.monotonic()
         annotations = held.annotations
         deadline = annotations.deadline_ms
-        self.scheduler.append(model, Pending(
+        return Pending(
             handle=held,
             # Parts batch only with parts: a short request batched with a part would be
             # padded to the part's length and wait as long as it. LoRAs mix (see above).
@@ -221,4 +208,12 @@ class Intake:
             returnable=held.split is None,
             bulk=annotations.bulk,
             key=held.task_id,
-        ))
+        )
+
+    @staticmethod
+    def waiting(held: Held, deliveries: int) -> Waiting:
+        """A request's entry in a continuously batching runtime's feeder."""
+        deadline = held.annotations.deadline_ms
+        now = time.monotonic()
+        return Waiting(held, now, None if deadline is None else now + (deadline - now_ms()) / 1000,
+                       deliveries, key=held.task_id)

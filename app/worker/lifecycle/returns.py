@@ -5,14 +5,17 @@ a drain hands back everything that has not started. A message from a shoal gatew
 carry several requests (coalesced, see `tasks.envelope.coalesce`): the message goes back
 whole (reject + requeue) when nothing else of it has been settled, else its returned
 members are republished as a message of their own before the original is acked: a
-message cannot be requeued in part.
+message cannot be requeued in part. `Returns` is what the loop, the continuous feed and
+the drain give back through: it knows each model's queue and this worker's name.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+from app.worker.lifecycle.consumers import Consumers
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.replies import Delivery, Replier
 from tasks.envelope import H_DEADLINE, Part, coalesce
@@ -65,3 +68,18 @@ def give_back(model: str, returned: list[Held], queue: str | None, replier: Repl
         expiration = None if deadline_ms is None else deadline_ms / 1000 - time.time()
         replier.forward([h.delivery for h in helds], queue, message.body,
                         message.headers, expiration)
+
+
+class Returns:
+    """Gives requests back to their model's queue (loop thread)."""
+
+    def __init__(self, consumers: Consumers, replier: Replier, consumer: Any) -> None:
+        self.consumers = consumers  # each model's queue, None once the connection is lost
+        self.replier = replier
+        self.c = consumer  # the Celery consumer: its hostname marks what is republished
+
+    def give_back(self, model: str, returned: list[Held],
+                  renew: Callable[[Delivery], bool] | None = None) -> None:
+        """See `give_back`."""
+        give_back(model, returned, self.consumers.queue(model), self.replier,
+                  self.c.hostname, renew)

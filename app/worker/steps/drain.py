@@ -1,7 +1,8 @@
 """The graceful-drain step: SIGTERM (or SIGINT) drains the worker before Celery's warm
-shutdown (`app.worker.shutdown` takes the signals, `app.worker.lifecycle.drain` is the
-dispatcher's side): it stops consuming, hands back what has not started, and finishes,
-publishes and acks what runs, within SHOAL_SHUTDOWN_GRACE_S."""
+shutdown (`app.worker.shutdown` takes the signals; the dispatcher's `drain`,
+`app.worker.lifecycle.drain.Drain`, is the loop's side): it stops consuming, hands back
+what has not started, and finishes, publishes and acks what runs, within
+SHOAL_SHUTDOWN_GRACE_S."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ class GracefulDrain(bootsteps.StartStopStep):
         publisher.stop_publishing()
         # Gateways stop counting this worker as serving its models now.
         publisher.farewell()
-        dispatcher.on_drained = self._drained
-        handed = dispatcher.begin_drain()
+        dispatcher.drain.on_drained = self._drained
+        handed = dispatcher.drain.begin()
         # Nothing more from the dead-letter queues, nor Celery's own task queue (its remote
         # control and events go on until Celery's shutdown).
         for consumer in [*queues.consumers, c.task_consumer]:
@@ -74,10 +75,10 @@ class GracefulDrain(bootsteps.StartStopStep):
                     "had not started (%s); finishing %d running (batches of %s), %d results "
                     "to confirm; grace %gs", sum(handed.values()),
                     ", ".join(f"{m}: {n}" for m, n in handed.items()) or "none",
-                    dispatcher.unfinished,
+                    dispatcher.holdings.unfinished,
                     ", ".join(str(len(b.members)) for b in in_flight) or "none",
                     dispatcher.replier.unconfirmed, self.grace_s)
-        dispatcher.check_drained()
+        dispatcher.drain.check()
 
     def _drained(self) -> None:
         dispatcher = self.c.shoal_queues.dispatcher
@@ -85,8 +86,8 @@ class GracefulDrain(bootsteps.StartStopStep):
         DRAINING.set(0)
         log.warning("drained in %.2fs: %d requests answered after the signal (results "
                     "confirmed, messages acked), %d handed back; exiting",
-                    time.monotonic() - self.drain_started, dispatcher.drain_answered,
-                    dispatcher.drain_handed_back)
+                    time.monotonic() - self.drain_started, dispatcher.drain.answered,
+                    dispatcher.drain.handed_back)
         # Flower's last task events of the drain: Celery flushes its buffer on the loop's
         # next turn, which the shutdown does not take.
         events = getattr(self.c, "event_dispatcher", None)
@@ -105,7 +106,7 @@ class GracefulDrain(bootsteps.StartStopStep):
         log.error("shutdown forced (%s) %.2fs after the signal: %d requests left unfinished "
                   "and unacked (the broker redelivers them), %d answered, %d handed back",
                   why, self.graceful.elapsed(), unfinished,
-                  dispatcher.drain_answered if dispatcher else 0,
-                  dispatcher.drain_handed_back if dispatcher else 0)
+                  dispatcher.drain.answered if dispatcher else 0,
+                  dispatcher.drain.handed_back if dispatcher else 0)
         if self.c is not None:
             self.c.controller.exitcode = 1  # as a crash would say

@@ -141,9 +141,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
             channel = c.connection.channel()
             consumer = Consumer(channel, queues=[queue], on_message=self.dispatcher.on_message,
                                 accept=["msgpack", "json"])
-            self.dispatcher.consume(entry.id, consumer, queue.name,
-                                    _consumer_counter(channel, queue.name),
-                                    self.warm_peers(entry.id))
+            self.dispatcher.consumers.consume(entry.id, consumer, queue.name,
+                                              _consumer_counter(channel, queue.name),
+                                              self.warm_peers(entry.id))
             dead_channel = c.connection.channel()
             answerer = DeadLetterAnswerer(self.dispatcher.replier, entry.id)
             dead_consumer = Consumer(dead_channel, queues=[dead], on_message=answerer.on_message,

@@ -35,7 +35,7 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         if not queues.started:
             return
         dispatcher = queues.dispatcher
-        self.pool_states.busy_seconds = lambda: dispatcher.device_busy_s
+        self.pool_states.busy_seconds = lambda: dispatcher.batches.device_busy_s
         self.pool_states.open(c, dispatcher.placement.snapshot)
         dispatcher.on_placement = self.pool_states.soon
         self.timer = c.hub.call_repeatedly(self.interval_s, self.pool_states.publish)

@@ -160,7 +160,8 @@ class Fixture:
         self.dispatcher.replier.open(self.worker.connection)
         self.channel = self.worker.connection.channel_opened
         self.consumer = KombuConsumer()
-        self.dispatcher.consume(MODEL, self.consumer, "q.m", lambda: peers, lambda: peers - 1)
+        self.dispatcher.consumers.consume(MODEL, self.consumer, "q.m", lambda: peers,
+                                          lambda: peers - 1)
 
     def deliver(self, message: Message) -> None:
         self.dispatcher.on_message(message)
@@ -314,20 +315,20 @@ def test_a_drain_stops_taking_hands_back_what_waits_and_finishes_what_runs(make)
     assert f.runtime.started.wait(5)
     f.deliver(waiting)
     drained: list[bool] = []
-    f.dispatcher.on_drained = lambda: drained.append(True)
-    assert f.dispatcher.begin_drain() == {MODEL: 1}
-    f.dispatcher.check_drained()
+    f.dispatcher.drain.on_drained = lambda: drained.append(True)
+    assert f.dispatcher.drain.begin() == {MODEL: 1}
+    f.dispatcher.drain.check()
     assert not f.consumer.consuming  # stopped taking
     assert waiting.requeues == 1 and not drained
     late = single("c")
     f.dispatcher.on_message(late)  # delivered before the broker saw the cancel
-    assert late.requeues == 1 and f.dispatcher.drain_handed_back == 2
+    assert late.requeues == 1 and f.dispatcher.drain.handed_back == 2
     f.finish_batch()
     assert f.replies()["a"]["status"] == "SUCCESS"
     assert not drained  # its reply is not confirmed yet, its message not acked
     f.channel.confirm()
     assert drained == [True] and running.acks == 1
-    assert f.dispatcher.drain_answered == 1 and f.runtime.batches == [["a"]]
+    assert f.dispatcher.drain.answered == 1 and f.runtime.batches == [["a"]]
 
 
 def test_a_request_for_an_adapter_not_loaded_is_parked_then_handed_back_by_a_drain(make):
@@ -339,5 +340,5 @@ def test_a_request_for_an_adapter_not_loaded_is_parked_then_handed_back_by_a_dra
     f.deliver(message)
     assert f.dispatcher.holdings.counts() == {(MODEL, PARKED): 1}
     assert f.dispatcher.holdings.in_use() == {MODEL: 1, lora_key(MODEL, "style"): 1}
-    f.dispatcher.begin_drain()
+    f.dispatcher.drain.begin()
     assert message.requeues == 1 and not f.dispatcher.holdings.counts()
