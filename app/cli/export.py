@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from app.cli.models import catalog_dir
-from tasks.catalog import load_catalog
-from tasks.engines import engine
+from tasks.catalog import ONNX_ADAPTERS, load_catalog
 
 
 def export(args: argparse.Namespace) -> int:
@@ -23,10 +22,9 @@ def export(args: argparse.Namespace) -> int:
     if entry is None:
         print(f"{args.model!r} is not in the catalog (shoal models list)", file=sys.stderr)
         return 1
-    onnx = engine("onnx").families
-    if entry.adapter not in onnx:
+    if entry.adapter not in ONNX_ADAPTERS:
         print(f"{entry.id} is a {entry.adapter} model; the ONNX runtime serves "
-              f"{sorted(onnx)}", file=sys.stderr)
+              f"{sorted(ONNX_ADAPTERS)}", file=sys.stderr)
         return 1
     ref = resolve_source(entry.source)
     folder = ref
