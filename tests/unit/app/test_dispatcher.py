@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import msgpack
@@ -15,6 +16,7 @@ import pytest
 
 from app.worker.lifecycle.dispatcher import Dispatcher
 from app.worker.lifecycle.held import PARKED, RUNNING, SCHEDULED
+from batching.feeder import Load
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
 from batching.lanes import Lane
@@ -88,6 +90,30 @@ class Runtime:
         pass
 
 
+class ContinuousRuntime(Runtime):
+    """A runtime that batches continuously (as SGLang): one request at a time, each handed
+    over with `submit` and ended when the test sets its future."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted: dict[str, Future] = {}
+
+    def continuous(self, model: str) -> bool:
+        return True
+
+    def load_of(self, model: str) -> Load:
+        return Load(running=0, waiting=0, max_running=1)
+
+    def submit(self, model: str, request: Request, on_deltas: Any) -> Future:
+        future: Future = Future()
+        self.submitted[request.id] = future
+        return future
+
+    def end(self, task_id: str) -> None:
+        self.submitted[task_id].set_result(
+            Outcome(task_id, result={"count": 1, "choices": []}))
+
+
 class Channel:
     """The replier's confirm-mode channel: publishes are recorded, confirmed on `confirm`."""
 
@@ -149,8 +175,9 @@ class Worker:
 
 
 class Fixture:
-    def __init__(self, peers: int, max_items: int, cost: CostModel) -> None:
-        self.runtime = Runtime()
+    def __init__(self, peers: int, max_items: int, cost: CostModel,
+                 runtime: Runtime | None = None) -> None:
+        self.runtime = runtime or Runtime()
         self.worker = Worker()
         self.hub = self.worker.hub
         lanes = {MODEL: Lane(MODEL, BatchLimits(max_tokens=10_000, max_items=max_items), cost)}
@@ -189,9 +216,9 @@ class Fixture:
 def make() -> Iterator[Any]:
     made: list[Fixture] = []
 
-    def build(peers: int = 1, max_items: int = 8,
-              cost: CostModel | None = None) -> Fixture:
-        fixture = Fixture(peers, max_items, cost or CostModel(0.001, 0.0, 0.0))
+    def build(peers: int = 1, max_items: int = 8, cost: CostModel | None = None,
+              runtime: Runtime | None = None) -> Fixture:
+        fixture = Fixture(peers, max_items, cost or CostModel(0.001, 0.0, 0.0), runtime)
         made.append(fixture)
         return fixture
 
@@ -342,3 +369,28 @@ def test_a_request_for_an_adapter_not_loaded_is_parked_then_handed_back_by_a_dra
     assert f.dispatcher.holdings.in_use() == {MODEL: 1, lora_key(MODEL, "style"): 1}
     f.dispatcher.drain.begin()
     assert message.requeues == 1 and not f.dispatcher.holdings.counts()
+
+
+def test_a_continuous_runtime_is_fed_as_it_has_room_and_a_drain_waits_for_what_it_runs(make):
+    runtime = ContinuousRuntime()
+    f = make(runtime=runtime)
+    first, second, third = single("a"), single("b"), single("c")
+    f.deliver(first)
+    f.deliver(second)
+    # Room for one: "a" is handed over, "b" waits in the feeder.
+    assert list(runtime.submitted) == ["a"] and not runtime.batches
+    assert f.dispatcher.holdings.counts() == {(MODEL, "generating"): 1, (MODEL, "waiting"): 1}
+    runtime.end("a")
+    f.hub.run_timers()  # its answer, then a tick hands over the next
+    assert f.replies()["a"]["status"] == "SUCCESS" and list(runtime.submitted) == ["a", "b"]
+    f.deliver(third)
+    drained: list[bool] = []
+    f.dispatcher.drain.on_drained = lambda: drained.append(True)
+    assert f.dispatcher.drain.begin() == {MODEL: 1}  # "c" waited: handed back
+    f.dispatcher.drain.check()
+    assert third.requeues == 1 and not drained
+    runtime.end("b")
+    f.hub.run_timers()
+    assert f.replies()["b"]["status"] == "SUCCESS" and not drained  # not confirmed yet
+    f.channel.confirm()
+    assert drained == [True] and second.acks == 1 and f.dispatcher.drain.answered == 1
