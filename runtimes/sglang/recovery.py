@@ -141,7 +141,7 @@ class Recovery:
 
     async def _probe(self, model: ServedModel) -> str | None:
         """None when the model answers a known-good request, else what went wrong."""
-        from runtimes.pytorch.adapter import probe_kwargs
+        from runtimes.child_side.adapter import probe_kwargs
         from tasks.adapters import ADAPTERS as CONTRACTS
 
         contract = CONTRACTS[model.entry.adapter]
