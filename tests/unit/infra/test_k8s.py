@@ -565,7 +565,7 @@ def needs(settings: Settings) -> dict[str, dict[str, set[str]]]:
     pool, jobs = pool_exchange(prefix), replies_queue(prefix)
     mailbox = celery_app.control.mailbox
     control, control_reply = mailbox.exchange.name, mailbox.reply_exchange.name
-    cli = (REPO_ROOT / "app" / "cli" / "main.py").read_text()
+    cli = (REPO_ROOT / "app" / "cli" / "serve.py").read_text()
     hostname = re.search(r'"--hostname", default="([^"]+)"', cli)
     assert hostname, "the worker's default --hostname"
     from celery.utils.nodenames import host_format
