@@ -6,7 +6,7 @@
         --png docs/bench/pull-vs-push.png
 
 Every worker runs the `sim` runtime (no math: it sleeps a + b*T + c*T*L per
-batch, see runtimes/sim), so eight "devices" fit on this 2-core machine; the
+batch, see runtimes/doubles/sim), so eight "devices" fit on this 2-core machine; the
 constants below make one device about as fast as MiniLM on this CPU, and
 every line of output says SIMULATED. The load does not go through HTTP: an
 asyncio client publishes shoal task messages (the gateway's own `Broker`)
@@ -473,7 +473,7 @@ def plot_pull_vs_push(path: Path, data: dict[str, Any]) -> Path:
 
 
 def report(data: dict[str, Any]) -> str:
-    lines = ["SIMULATED workers (runtimes/sim, " + ", ".join(
+    lines = ["SIMULATED workers (runtimes/doubles/sim, " + ", ".join(
         f"{k.removeprefix('SHOAL_SIM_COST_').lower()}={v}" for k, v in data["simulated"].items()
         if k.startswith("SHOAL_SIM_COST")) + ")", ""]
     if data["experiment"] == "scaling":

@@ -1,7 +1,7 @@
 """The envelope of a successful result: what it carries beside its operation's fields.
 
 Written in two places, read in one:
-- the runtime that computed it (`runtimes/child_side/host.py`, `runtimes/sim`) adds
+- the runtime that computed it (`runtimes/child_side/host.py`, `runtimes/doubles/sim`) adds
   `model`, `batch` (the batch it ran in) and, for the sim, `simulated`
   (`stamp_batch`);
 - the worker that answered it (`app/worker/lifecycle/dispatcher.py`) adds `timing` and `worker`

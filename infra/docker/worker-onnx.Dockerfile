@@ -86,7 +86,7 @@ COPY gateway /src/gateway
 # graphs for these weights (cached: it returns them; missing, it would import torch).
 RUN pip install -q --no-deps /src \
     && python -c "import importlib.util as u, sys; there = [m for m in ('torch', 'transformers', 'sentence_transformers', 'peft', 'safetensors', 'PIL', 'onnx') if u.find_spec(m)]; sys.exit('installed: ' + ', '.join(there)) if there else None" \
-    && python -c "import sys, app.celery, app.cli, app.worker.runtime, runtimes.server, runtimes.host, runtimes.onnx.engine, runtimes.onnx.session, runtimes.onnx.dense, runtimes.onnx.sparse, runtimes.onnx.classify, runtimes.onnx.tokens; bad = sorted({'torch', 'transformers'} & set(sys.modules)); sys.exit('imported ' + ', '.join(bad)) if bad else None" \
+    && python -c "import sys, app.celery, app.cli, app.worker.runtime, runtimes.child_side.server, runtimes.child_side.host, runtimes.onnx.engine, runtimes.onnx.session, runtimes.onnx.dense, runtimes.onnx.sparse, runtimes.onnx.classify, runtimes.onnx.tokens; bad = sorted({'torch', 'transformers'} & set(sys.modules)); sys.exit('imported ' + ', '.join(bad)) if bad else None" \
     && shoal export sentence-transformers/all-MiniLM-L6-v2 --precision fp32 \
     && shoal export sentence-transformers/all-MiniLM-L6-v2 --precision int8
 
