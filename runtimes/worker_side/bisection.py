@@ -29,7 +29,8 @@ STREAM_INTERRUPTED, and only the rest of the batch is bisected.
 
 Nothing here knows processes or sockets: `bisect` is given the failed batch, how it
 failed, and `attempt` (run some requests again: their outcomes, or how that failed) and
-`probe`; `runtimes.worker_side.process` gives it its child's round trips.
+`probe`; `runtimes.worker_side.process` gives it its child's round trips
+(`runtimes.worker_side.batch_channel`'s attempts).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def cancel_in_the_child(runtime: ProcessRuntime, ids: list[str]) -> None:
     """Cancel `ids`, then wait until the child has taken the cancel: its control
     connection reads frames in order, so the answer to a ping sent after it says so."""
     runtime.cancel(ids)
-    assert isinstance(runtime._control(Ping(), "pinging"), Pong)
+    assert isinstance(runtime._controls.call(Ping(), "pinging"), Pong)
 
 
 @pytest.mark.parametrize("cancelled", ["all", "one"])
