@@ -1,0 +1,192 @@
+"""A job's parts on the broker: published with bounded parts in flight, waited for, revoked.
+
+The driver (`gateway.jobs.driver`) holds the job's lease; this publishes the parts not
+yet published, from the recorded resume point (parts published, input offset), as
+ordinary task messages marked bulk, each with its part's id (`part_id`: a part published
+again after a takeover keeps it, so its result counts once), never more than
+SHOAL_JOB_PARTS_IN_FLIGHT unanswered. A full queue (or no broker, or no worker for the
+model) makes a part wait and try again, as a client would on 429. Each part is counted
+as it goes out, before Redis records it (`Orphans.published`), and Redis then records
+the resume point.
+
+Parts are answered through `gateway.jobs.part_replies`, whichever gateway consumes them:
+a wait here wakes when one is recorded here (`notify`) and re-reads the counts in Redis
+every POLL_S otherwise. A job that stops meanwhile (cancelled, failed, gone) ends the
+wait with its parts published and not answered revoked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from gateway.calls.blob_offload import check_out, upload_first
+from gateway.edge.api_errors import ApiError
+from gateway.jobs.bulk_files import PartReader
+from gateway.jobs.orphans import Orphans
+from gateway.jobs.part_replies import part_id, replies_queue
+from gateway.jobs.store import Job, JobStore
+from tasks.catalog import ModelEntry
+from tasks.envelope import task_part
+from tasks.errors import ErrorCode
+from tasks.settings import Settings
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often a waiting driver re-reads counts another gateway may have moved
+RETRY_CODES = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.BROKER_UNAVAILABLE,
+                         ErrorCode.MODEL_UNAVAILABLE})  # a part waits and tries again
+
+
+class PartPublisher:
+    """Publishes the parts of the jobs driven here and waits for their answers."""
+
+    def __init__(self, settings: Settings, store: JobStore, broker: Any,
+                 blobs: Callable[[], Any], orphans: Orphans) -> None:
+        self.settings = settings
+        self.store = store
+        self.broker = broker
+        self.blobs = blobs
+        self.orphans = orphans
+        self.reply_to = replies_queue(settings.queue_prefix)
+        self._wake: dict[str, asyncio.Event] = {}
+
+    def watch(self, job_id: str) -> None:
+        """A driver here drives `job_id` from now on: its waits wake on `notify`."""
+        self._wake[job_id] = asyncio.Event()
+
+    def unwatch(self, job_id: str) -> None:
+        self._wake.pop(job_id, None)
+
+    def notify(self, job_id: str) -> None:
+        """A part of `job_id` was recorded here: wake its waits if it is driven here."""
+        event = self._wake.get(job_id)
+        if event is not None:
+            event.set()
+
+    async def publish_all(self, job: Job, entry: ModelEntry) -> bool:
+        """Publish the parts not yet published; False if the job stopped meanwhile."""
+        if job.published >= job.parts_total:
+            return True
+        if not job.bulk:
+            request = msgpack.unpackb(await asyncio.to_thread(self.blobs().get, job.input),
+                                      raw=False)
+            if not await self._publish(job, entry, 0, request):
+                return False
+            self.orphans.published(job.id, 1)
+            if not await self.store.published(job.id, 1, 0, 0, job.items_total):
+                await self.revoke(job.id, 1)
+                return False
+            return True
+        blobs = self.blobs()
+        reader = await asyncio.to_thread(
+            lambda: PartReader(blobs.open_read(job.input), job.offset, job.part_items))
+        try:
+            index, first = job.published, job.next_item
+            while index < job.parts_total:
+                if not await self._room(job, index):
+                    return False
+                items = await asyncio.to_thread(reader.next_part)
+                if not items:
+                    raise RuntimeError(f"the input {job.input} ended before part {index}: "
+                                       "it changed after it was checked")
+                kwargs: dict[str, Any] = {"model": entry.id, "items": items,
+                                          "options": job.options}
+                if job.query is not None:
+                    kwargs["query"] = job.query
+                if not await self._publish(job, entry, index, kwargs):
+                    return False
+                index += 1
+                self.orphans.published(job.id, index)
+                if not await self.store.published(job.id, index, reader.offset, first,
+                                                  len(items)):
+                    await self.revoke(job.id, index)  # stopped, or gone from Redis
+                    return False
+                first += len(items)
+            return True
+        finally:
+            await asyncio.to_thread(reader.close)
+
+    async def wait_done(self, job: Job) -> bool:
+        """Wait until every part is answered; False if the job stopped first (its parts
+        not answered are then revoked)."""
+        while True:
+            state, done = await self._counts(job.id)
+            if state not in ("queued", "running"):
+                await self.revoke(job.id, job.parts_total)
+                return False
+            if done >= job.parts_total:
+                return True
+            await self._sleep(job.id)
+
+    async def revoke(self, job_id: str, published: int) -> None:
+        """Revoke the parts published and not answered: a worker answers them CANCELLED
+        without running them; one already running finishes and its result is dropped."""
+        recorded = await self.store.recorded(job_id)
+        ids = [part_id(job_id, i) for i in range(published) if i not in recorded]
+        if ids:
+            await self.broker.cancel(ids)
+
+    async def _publish(self, job: Job, entry: ModelEntry, index: int,
+                       kwargs: dict[str, Any]) -> bool:
+        timeout_ms = int(self.settings.job_part_timeout_s * 1000)
+        # Large images go through the blob store here too; each publish of a part (a
+        # takeover may publish it again) has its own claims, deleted by its worker's ack.
+        kwargs, uploads = await check_out(kwargs, self.settings.claim_check_bytes)
+        if uploads:
+            await upload_first(self.settings.blob_url, uploads)
+        # Marked bulk: a worker runs it after the requests callers wait for (issue 29).
+        part = dataclasses.replace(task_part(entry, kwargs, timeout_ms, claims=len(uploads),
+                                             bulk=True),
+                                   task_id=part_id(job.id, index))
+        while True:
+            try:
+                await self.broker.publish_part(entry.id, part, timeout_ms / 1000,
+                                               self.reply_to)
+                return True
+            except ApiError as exc:
+                if exc.code not in RETRY_CODES:
+                    raise
+                # A full queue (or no broker): wait, as a client would on 429.
+                log.info("job %s part %d waits: %s", job.id, index, exc.message)
+                await asyncio.sleep(max(exc.retry_after or 1, POLL_S))
+            if not await self._still_active(job):
+                return False
+
+    async def _room(self, job: Job, published: int) -> bool:
+        """Wait until fewer than SHOAL_JOB_PARTS_IN_FLIGHT parts are out; False if the job
+        stopped (its outstanding parts are then revoked)."""
+        while True:
+            state, done = await self._counts(job.id)
+            if state not in ("queued", "running"):
+                await self.revoke(job.id, published)
+                return False
+            if published - done < self.settings.job_parts_in_flight:
+                return True
+            await self._sleep(job.id)
+
+    async def _counts(self, job_id: str) -> tuple[str, int]:
+        state, done = await self.store.redis.hmget(self.store.key(job_id), "state",
+                                                   "parts_done")
+        return (state or b"").decode(), int(done or 0)
+
+    async def _still_active(self, job: Job) -> bool:
+        state, _ = await self._counts(job.id)
+        return state in ("queued", "running")
+
+    async def _sleep(self, job_id: str) -> None:
+        event = self._wake.get(job_id)
+        if event is None:
+            await asyncio.sleep(POLL_S)
+            return
+        try:
+            async with asyncio.timeout(POLL_S):
+                await event.wait()
+        except TimeoutError:
+            pass
+        event.clear()
