@@ -28,14 +28,9 @@ from pydantic import (
 
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.errors import ErrorCode, ShoalError
+from tasks.options import GenerateOptions, parse_options
 from tasks.precision import Precision, cpu_precisions_of, precisions_of
-from tasks.schema import (
-    GenerateOptions,
-    ParsedRequest,
-    parse_encode,
-    parse_options,
-    parse_request,
-)
+from tasks.schema import ParsedRequest, parse_encode, parse_request
 from tasks.settings import PACKAGED_CATALOG_DIR
 from tasks.token_estimate import (
     DEFAULT_IMAGE_TOKENS,

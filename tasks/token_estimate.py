@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.schema import DEFAULT_HYPOTHESIS
+from tasks.options import DEFAULT_HYPOTHESIS
 
 CHARS_PER_TOKEN = 4
 SPECIAL_TOKENS = 2

@@ -22,7 +22,8 @@ from runtimes.child_side.adapter import Adapter
 from runtimes.families.text import check_lengths, max_length
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode, ShoalError
-from tasks.schema import DEFAULT_HYPOTHESIS, ClassifyOptions, ParsedRequest, invalid
+from tasks.options import DEFAULT_HYPOTHESIS, ClassifyOptions
+from tasks.schema import ParsedRequest, invalid
 
 
 @dataclass(frozen=True, slots=True)

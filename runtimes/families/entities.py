@@ -26,7 +26,8 @@ import numpy as np
 from runtimes.child_side.adapter import Adapter
 from runtimes.families.text import check_lengths, max_length
 from tasks.catalog import ModelEntry
-from tasks.schema import ExtractOptions, ParsedRequest
+from tasks.options import ExtractOptions
+from tasks.schema import ParsedRequest
 
 OUTSIDE = "O"  # the tag of tokens outside any entity, dropped from results
 WORD_STRATEGIES = ("first", "average", "max")

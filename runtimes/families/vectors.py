@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.schema import EncodeOptions, ParsedRequest
+from tasks.options import EncodeOptions
+from tasks.schema import ParsedRequest
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:

@@ -51,7 +51,8 @@ from runtimes.pytorch.loading import load_model, pad_id
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import length_chunks, max_length, pad
 from tasks.catalog import ModelEntry
-from tasks.schema import GenerateOptions, Item, ParsedRequest
+from tasks.options import GenerateOptions
+from tasks.schema import Item, ParsedRequest
 
 STOP = "stop"
 LENGTH = "length"

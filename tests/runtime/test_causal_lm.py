@@ -20,7 +20,7 @@ from runtimes.base import Outcome, Request
 from runtimes.child_side.host import ModelHost
 from runtimes.pytorch.causal_lm import CausalLMAdapter, Row
 from tasks.catalog import ModelEntry
-from tasks.schema import GenerateOptions
+from tasks.options import GenerateOptions
 from tests.tiny_lm import CONTEXT, build_tiny_gpt2, build_tiny_llama
 
 LLAMA = "test/tiny-llama"

@@ -27,7 +27,7 @@ from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.causal_lm import Row
 from tasks.adapters import ADAPTERS
 from tasks.catalog import LORA_ADAPTERS, ModelEntry
-from tasks.schema import GenerateOptions
+from tasks.options import GenerateOptions
 from tests.tiny_lm import build_tiny_gpt2, build_tiny_llama
 from tests.tiny_lora import (
     BERT_TARGETS,

@@ -178,7 +178,7 @@ def _reference_classify(entry: ModelEntry, folder: Path) -> tuple[Outputs, str]:
 
 
 def _reference_zero_shot(entry: ModelEntry, folder: Path) -> tuple[Outputs, str]:
-    from tasks.schema import DEFAULT_HYPOTHESIS
+    from tasks.options import DEFAULT_HYPOTHESIS
 
     classifier = _pipeline("zero-shot-classification", entry, folder)
     labels = list(probes.ZERO_SHOT_LABELS)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from runtimes.families.vectors import dense_result, quantize
+from tasks.options import EncodeOptions
 from tasks.results import embedding_rows, multivector_rows, ranked, row_width
-from tasks.schema import EncodeOptions
 
 ROWS = np.array([[0.5, -0.25, 0.0, 1.0, -2.0, 0.125, 3.0, -0.5, 0.75],
                  [-1.0, 1.0, 0.5, -0.5, 0.25, 0.0, -3.0, 2.0, 1.5]], dtype=np.float32)

@@ -8,15 +8,14 @@ import pytest
 
 from tasks.adapters import ADAPTERS, OPERATIONS
 from tasks.errors import ErrorCode, ShoalError
-from tasks.schema import (
+from tasks.options import (
     ClassifyOptions,
     EncodeOptions,
     GenerateOptions,
     option_names,
-    parse_encode,
     parse_options,
-    parse_request,
 )
+from tasks.schema import parse_encode, parse_request
 
 TEXT_AND_IMAGE = ADAPTERS["clip"].inputs
 PNG = b"\x89PNG\r\n\x1a\nnot really"
