@@ -5,9 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from batching.feeder import Load
+
+if TYPE_CHECKING:
+    from tasks.catalog import ModelEntry
+    from tasks.settings import Settings
 
 
 @dataclass(slots=True)
@@ -156,6 +160,18 @@ class Runtime(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class StartRuntime(Protocol):
+    """How the worker starts an engine that is no runtime process of shoal's: its own
+    servers (SGLang) or a double (the simulated device). The registry (`tasks.engines`)
+    names it as an entry's `start`."""
+
+    def __call__(self, entries: list[ModelEntry], pinned: list[str], settings: Settings
+                 ) -> Runtime:
+        """The engine's runtime for `entries` (the models of the worker it serves), the
+        `pinned` ones loaded before it returns."""
+        ...
 
 
 class ContinuousRuntime(Runtime, Protocol):

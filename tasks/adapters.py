@@ -1,8 +1,9 @@
 """What each adapter (model family) promises: its operation, inputs and outputs.
 
 The catalog validates entries against these contracts and the gateway checks
-requests with them, both without importing torch; the implementation named
-here is imported only inside the runtime process.
+requests with them, both without importing torch. Which class computes a family is its
+engine's (`runtimes.pytorch.families`, `runtimes.onnx.engine.ADAPTERS`; `tasks.engines`
+says which engine serves which families).
 """
 
 from __future__ import annotations
@@ -34,50 +35,38 @@ class AdapterContract:
     outputs: tuple[str, ...]
     # Whether the catalog entry must give `dims` (the width of its vectors).
     has_dims: bool
-    implementation: str  # "module:Class", imported by the runtime only
     summary: str
 
 
-def _contract(name: str, operation: str, implementation: str, summary: str, *,
+def _contract(name: str, operation: str, summary: str, *,
               inputs: tuple[str, ...] = (TEXT,), outputs: tuple[str, ...] = (),
               has_dims: bool = False) -> AdapterContract:
-    return AdapterContract(name, operation, frozenset(inputs), outputs, has_dims,
-                           implementation, summary)
+    return AdapterContract(name, operation, frozenset(inputs), outputs, has_dims, summary)
 
 
 ADAPTERS: dict[str, AdapterContract] = {
     c.name: c
     for c in (
-        _contract("dense", ENCODE, "runtimes.pytorch.dense:DenseAdapter",
-                  "dense text embeddings (mean / CLS / last-token pooling)",
+        _contract("dense", ENCODE, "dense text embeddings (mean / CLS / last-token pooling)",
                   outputs=(DENSE,), has_dims=True),
-        _contract("sparse", ENCODE, "runtimes.pytorch.sparse:SparseAdapter",
-                  "SPLADE-style sparse embeddings over the vocabulary",
+        _contract("sparse", ENCODE, "SPLADE-style sparse embeddings over the vocabulary",
                   outputs=(SPARSE,)),
-        _contract("multivector", ENCODE, "runtimes.pytorch.multivector:MultiVectorAdapter",
-                  "ColBERT-style per-token embeddings", outputs=(MULTIVECTOR,), has_dims=True),
-        _contract("clip", ENCODE, "runtimes.pytorch.clip:ClipAdapter",
-                  "image and text embeddings in one space (CLIP, SigLIP)",
+        _contract("multivector", ENCODE, "ColBERT-style per-token embeddings",
+                  outputs=(MULTIVECTOR,), has_dims=True),
+        _contract("clip", ENCODE, "image and text embeddings in one space (CLIP, SigLIP)",
                   inputs=(TEXT, IMAGE), outputs=(DENSE,), has_dims=True),
-        _contract("cross-encoder", SCORE, "runtimes.pytorch.cross_encoder:CrossEncoderAdapter",
-                  "query-document relevance scores (rerankers)"),
+        _contract("cross-encoder", SCORE, "query-document relevance scores (rerankers)"),
         _contract("token-classification", EXTRACT,
-                  "runtimes.pytorch.token_classification:TokenClassificationAdapter",
                   "named entities with character offsets (NER, PII)"),
         _contract("sequence-classification", CLASSIFY,
-                  "runtimes.pytorch.sequence_classification:SequenceClassificationAdapter",
                   "labels from the model's own head (sentiment, topics, ...)"),
-        _contract("zero-shot", CLASSIFY,
-                  "runtimes.pytorch.sequence_classification:ZeroShotAdapter",
-                  "caller-given labels scored by an NLI model"),
-        _contract("causal-lm", GENERATE, "runtimes.pytorch.causal_lm:CausalLMAdapter",
-                  "text generation (completions and chat)"),
-        # Test only: crashes, raises or stalls on marker texts (runtimes.doubles.faulty).
-        _contract("dense-faulty", ENCODE, "runtimes.doubles.faulty:FaultyDenseAdapter",
-                  "test-only dense adapter that fails on purpose",
+        _contract("zero-shot", CLASSIFY, "caller-given labels scored by an NLI model"),
+        _contract("causal-lm", GENERATE, "text generation (completions and chat)"),
+        # Test only: crash, raise or stall on marker texts (PyTorch's map names the
+        # classes, in runtimes.doubles.faulty).
+        _contract("dense-faulty", ENCODE, "test-only dense adapter that fails on purpose",
                   outputs=(DENSE,), has_dims=True),
         _contract("cross-encoder-faulty", SCORE,
-                  "runtimes.doubles.faulty:FaultyCrossEncoderAdapter",
                   "test-only cross-encoder that fails on purpose"),
     )
 }

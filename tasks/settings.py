@@ -9,9 +9,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tasks import engines
 from tasks.precision import Precision
 from tasks.topology import QueueType
 
@@ -169,13 +170,13 @@ class Settings(BaseSettings):
         "catalog profile's precision, else bf16 on a CUDA device that has it, fp16 on other "
         "CUDA devices, fp32 on CPU); a format only one runtime has (bf16: PyTorch, int8: ONNX) "
         "applies to that runtime's models")
-    runtime: Literal["pytorch", "sglang", "onnx", "sim"] = Field(
-        "pytorch", description="sglang: generate (causal-lm) and dense encode models run on "
-        "SGLang servers (`make sglang`; a catalog entry's `runtime: sglang` does the same for "
-        "one model). onnx: the text encoders ONNX Runtime serves run on it (`shoal export` "
-        "makes their graphs), the rest on PyTorch. sim: no model runs; batches sleep as long "
-        "as SHOAL_DEVICE would take (runtimes/sim) and results are fake, marked 'simulated'"
-    )
+    runtime: Annotated[str, AfterValidator(engines.known)] = Field(
+        engines.DEFAULT, description="the worker's engine (`tasks.engines`): the models it "
+        "takes move onto it, the rest stay where their entries say. sglang: causal LMs and "
+        "last-token dense models on SGLang servers (`make sglang`). onnx: the text encoders "
+        "ONNX Runtime serves (`shoal export` makes their graphs). sim: no model runs; "
+        "batches sleep as long as SHOAL_DEVICE would take (runtimes/doubles/sim) and "
+        "results are fake, marked 'simulated'")
     feed_return_after_ms: float = Field(
         200.0, ge=0, allow_inf_nan=False, description="continuous runtimes (SGLang): a "
         "request that waited this long for room while another worker consumes its queue is "

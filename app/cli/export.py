@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from app.cli.models import catalog_dir
-from tasks.catalog import ONNX_ADAPTERS, load_catalog
+from tasks.catalog import load_catalog
+from tasks.engines import engine
 
 
 def export(args: argparse.Namespace) -> int:
@@ -22,9 +23,10 @@ def export(args: argparse.Namespace) -> int:
     if entry is None:
         print(f"{args.model!r} is not in the catalog (shoal models list)", file=sys.stderr)
         return 1
-    if entry.adapter not in ONNX_ADAPTERS:
+    onnx = engine("onnx").families
+    if entry.adapter not in onnx:
         print(f"{entry.id} is a {entry.adapter} model; the ONNX runtime serves "
-              f"{sorted(ONNX_ADAPTERS)}", file=sys.stderr)
+              f"{sorted(onnx)}", file=sys.stderr)
         return 1
     ref = resolve_source(entry.source)
     folder = ref

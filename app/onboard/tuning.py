@@ -38,13 +38,13 @@ START = {"max_tokens": 4096.0, "max_items": 64.0, "max_delay_ms": 0.0,
 def device_candidates(adapter: str, only: list[str] | None = None) -> list[tuple[str, str]]:
     """(runtime, precision) pairs this machine can serve the adapter with; `only`:
     those named as 'runtime:precision' among them."""
-    from tasks.catalog import ONNX_ADAPTERS
+    from tasks.engines import engine
 
     cuda = _cuda()
     found = [("pytorch", "fp32"), ("pytorch", "bf16")]
     if cuda:
         found.append(("pytorch", "fp16"))
-    if adapter in ONNX_ADAPTERS:
+    if adapter in engine("onnx").families:
         found += [("onnx", "fp32"), ("onnx", "fp16" if cuda else "int8")]
     if only:
         found = [c for c in found if f"{c[0]}:{c[1]}" in only]

@@ -1,15 +1,18 @@
-"""The model runtime a worker starts: simulated, PyTorch, ONNX Runtime, SGLang, or several
-behind a router (by model). Its own process(es), started with the pinned models loaded."""
+"""The model runtime a worker starts: its engines' (`tasks.engines`), one per engine that
+serves one of its models, behind a router (by model) when there are several; or a double
+(simulated) that serves them all. Their own process(es), started with the pinned models
+loaded."""
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
-from runtimes.base import Runtime
+from runtimes.base import Runtime, StartRuntime
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.replicas import ReplicaSet, default_replicas
-from tasks.catalog import ONNX_ADAPTERS, ModelEntry
-from tasks.precision import precisions_of
+from tasks import engines
+from tasks.catalog import ModelEntry
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -18,48 +21,36 @@ log = logging.getLogger(__name__)
 def start_runtime(entries: list[ModelEntry], pinned: set[str], settings: Settings,
                   chunk_tokens: int) -> Runtime:
     """The runtime of SHOAL_RUNTIME, the pinned models loaded (`chunk_tokens`: the most
-    tokens a batch of any served model holds)."""
-    if settings.runtime == "sim":
-        # Imported here: a real worker never loads it, a simulated one never loads torch.
-        from runtimes.doubles.sim import SimRuntime
-
-        log.warning("SIMULATED runtime: no model runs; %s batches sleep as a %s would "
-                    "(speed x%g) and results are fake", [e.id for e in entries],
-                    settings.device, settings.sim_speed)
-        return SimRuntime(entries, settings.device, settings.sim_speed,
-                          settings.sim_constants, loaded=sorted(pinned))
-    return _real_runtime(entries, pinned, settings, chunk_tokens)
-
-
-def _real_runtime(entries: list[ModelEntry], pinned: set[str], settings: Settings,
-                  chunk_tokens: int) -> Runtime:
-    """The PyTorch and ONNX runtime processes, SGLang servers, or several behind a router
-    (by model). The two runtime processes share the worker's memory budget through the
-    placement, which counts each model's bytes wherever it lives."""
+    tokens a batch of any served model holds). The runtime processes of several engines
+    share the worker's memory budget through the placement, which counts each model's
+    bytes wherever it lives."""
+    worker_engine = engines.engine(settings.runtime)
+    if worker_engine.kind == "double":
+        # Imported by name: a real worker never loads it, a simulated one never loads torch.
+        return _starter(worker_engine)(entries, sorted(pinned), settings)
     on = runtime_of_models(entries, settings.runtime)
     runtimes: dict[str, Runtime] = {}
-    for engine in ("pytorch", "onnx"):
-        if engine not in on.values():
+    for name, registered in engines.ENGINES.items():
+        if name not in on.values():
             continue
-        # A worker-wide format applies to the runtime that has it (int8: ONNX only).
-        precision = settings.precision if settings.precision in precisions_of(engine) \
-            else None
-        runtimes[engine] = _process_runtimes(
-            settings, engine, precision, chunk_tokens,
-            [e.id for e in entries if e.id in pinned and on[e.id] == engine])
-    if "sglang" in on.values():
-        from runtimes.sglang import SGLangRuntime
-
-        runtimes["sglang"] = SGLangRuntime(
-            catalog_dir=settings.catalog_dir,
-            models=[e.id for e in entries if e.id in pinned and on[e.id] == "sglang"],
-            device=settings.device, threads=settings.torch_threads,
-            start_timeout=settings.runtime_start_timeout_s)
+        served = [e for e in entries if on[e.id] == name]
+        models = [e.id for e in served if e.id in pinned]
+        if registered.kind == "process":
+            # A worker-wide format applies to the engine that has it (int8: ONNX only).
+            precision = settings.precision if settings.precision in registered.precisions \
+                else None
+            runtimes[name] = _process_runtimes(settings, name, precision, chunk_tokens, models)
+        else:
+            runtimes[name] = _starter(registered)(served, models, settings)
     if len(runtimes) == 1:
         return next(iter(runtimes.values()))
     from runtimes.worker_side.router import RuntimeRouter
 
     return RuntimeRouter(runtimes, on)
+
+
+def _starter(registered: engines.EngineEntry) -> StartRuntime:
+    return cast(StartRuntime, engines.resolve(registered.start))
 
 
 def _process_runtimes(settings: Settings, engine: str, precision: str | None,
@@ -88,24 +79,15 @@ def _process_runtimes(settings: Settings, engine: str, precision: str | None,
 
 
 def runtime_of_models(entries: list[ModelEntry], worker_runtime: str) -> dict[str, str]:
-    """Which runtime serves each model: the entry's `runtime` when it is not the default;
-    with SHOAL_RUNTIME=sglang also every causal LM and last-token-pooled (decoder)
-    embedder, the models SGLang is built for (an encoder such as MiniLM stays on PyTorch
-    unless its entry says otherwise); with SHOAL_RUNTIME=onnx every entry of a family ONNX
-    Runtime serves that has no LoRA adapters; else PyTorch."""
-    def on_sglang(e: ModelEntry) -> bool:
-        return e.adapter == "causal-lm" or (e.adapter == "dense" and e.pooling == "lasttoken")
-
-    def on_onnx(e: ModelEntry) -> bool:
-        return e.adapter in ONNX_ADAPTERS and not e.loras
+    """Which engine serves each model: the entry's `runtime` when it is not the default;
+    else the worker's (SHOAL_RUNTIME) if that engine takes the entry (`EngineEntry.takes`:
+    SGLang every causal LM and last-token-pooled (decoder) embedder, ONNX Runtime every
+    entry of its families without LoRA adapters); else the default (PyTorch)."""
+    worker = engines.engine(worker_runtime)
 
     def runtime(e: ModelEntry) -> str:
-        if e.runtime != "pytorch":
+        if e.runtime != engines.DEFAULT:
             return e.runtime
-        if worker_runtime == "sglang" and on_sglang(e):
-            return "sglang"
-        if worker_runtime == "onnx" and on_onnx(e):
-            return "onnx"
-        return "pytorch"
+        return worker.name if worker.takes_over(e) else engines.DEFAULT
 
     return {e.id: runtime(e) for e in entries}

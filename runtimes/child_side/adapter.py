@@ -10,29 +10,61 @@ process runtime bisects it to find the request to blame.
 
 LoRA adapters: an adapter with `supports_lora` serves requests whose
 options.lora names one of its catalog entry's `loras`, once the caller has
-loaded it (`load_lora`); requests for different LoRAs share one batch.
+loaded it (`load_lora`); requests for different LoRAs share one batch. Its engine
+provides what holds them (`Loras`; PyTorch's is `runtimes.pytorch.lora.LoraSet`).
+
+Streaming: an adapter with `streams` runs a batch whole, `run(planned, stream)`, telling
+the host each step's deltas through the `Stream` it is given.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from io import BytesIO
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from tasks.adapters import GENERATE, SCORE, TEXT
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode, ShoalError
 from tasks.schema import ParsedRequest
 
-if TYPE_CHECKING:
-    from runtimes.pytorch.lora import LoraSet
+
+class Loras(Protocol):
+    """The LoRA adapters loaded on one model, by the catalog's names."""
+
+    @property
+    def names(self) -> set[str]: ...
+
+    def load(self, name: str, ref: str) -> int:
+        """Load the peft LoRA in the local directory `ref` as `name`: the bytes it takes."""
+        ...
+
+    def unload(self, name: str) -> None: ...
+
+
+# (request's place in the batch, item index, text, completion tokens so far)
+RowDelta = tuple[int, int, str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Where a streamed batch's deltas go: `requests` are the places (in the batch) of the
+    requests that stream; `send` takes one step's deltas and returns the places of the
+    requests whose callers left."""
+
+    requests: frozenset[int]
+    send: Callable[[list[RowDelta]], set[int]]
 
 
 class Adapter(ABC):
     # Whether this family serves LoRA adapters (`tasks.catalog.LORA_ADAPTERS` says the same
-    # for the catalog); one that does sets `loras` to the LoraSet of its model.
+    # for the catalog); one that does sets `loras` to its engine's `Loras` of its model.
     supports_lora: ClassVar[bool] = False
-    loras: LoraSet | None = None
+    loras: Loras | None = None
+    # Whether it streams deltas (see the module doc).
+    streams: ClassVar[bool] = False
 
     def __init__(self, entry: ModelEntry, ref: str, *, device: str = "cpu",
                  chunk_tokens: int = 16_384, precision: str = "fp32") -> None:
@@ -122,7 +154,7 @@ class Adapter(ABC):
     def loaded_loras(self) -> set[str]:
         return set() if self.loras is None else self.loras.names
 
-    def _lora_set(self) -> LoraSet:
+    def _lora_set(self) -> Loras:
         if not self.supports_lora or self.loras is None:
             raise NotImplementedError(f"adapter {self.contract.name!r} serves no LoRA adapters")
         return self.loras

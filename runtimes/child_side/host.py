@@ -1,8 +1,9 @@
 """The model host: loads the served models and runs batches of requests.
 
-One host per device and engine: PyTorch (`runtimes.pytorch.engine`) or ONNX Runtime
-(`runtimes.onnx.engine`); the engine says which adapter class serves an entry and how
-the device's memory and busy time are read, so this module imports neither. It runs
+One host per device and engine: an engine of the registry that computes in shoal's
+runtime process (`tasks.engines`, kind "process": PyTorch, ONNX Runtime); the engine says
+which adapter class serves an entry and how the device's memory and busy time are read,
+so this module imports none. It runs
 either inside the worker on a dedicated thread or, behind a socket, in its own process
 (`runtimes.child_side.server`); it keeps no reference to the broker, so both compute the same
 thing.
@@ -19,30 +20,34 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
-from runtimes.child_side.adapter import Adapter
+from runtimes.child_side.adapter import Adapter, Stream
 from runtimes.model_files.sources import resolve_source
 from runtimes.worker_side.pool import keys_of, lora_key
+from tasks import engines
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tasks.served import stamp_batch
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("pytorch", "onnx")
 # Cancelled ids kept at most: one cancelled after its batch ended is never forgotten else.
 MAX_CANCELLED = 65_536
 
 
 class Engine(Protocol):
-    """What the host needs of the library that computes (see the module doc)."""
+    """What the host needs of the library that computes (see the module doc): the class a
+    registry entry's `start` names, built as `Class(device, threads)`."""
 
     name: str
     clock: Any  # take_span() after a batch's forward: a span whose seconds() it was busy
+    # Family -> its adapter class, "module:Class" (imported when an entry of it loads; a
+    # spare imports the catalog's ahead): the registry entry's `families` are its keys.
+    adapters: Mapping[str, str]
 
     def adapter_class(self, entry: ModelEntry) -> type[Adapter]: ...
     def precision(self, entry: ModelEntry, override: str | None) -> str: ...
@@ -52,18 +57,19 @@ class Engine(Protocol):
     def total_bytes(self) -> int: ...
     def stamp(self) -> dict[str, Any] | None: ...
 
+    def warm(self) -> None:
+        """A spare's warm-up once imported: the library's first-call costs that touch no
+        device (nothing, for an engine that has none)."""
+        ...
+
 
 def make_engine(name: str, device: str, threads: int = 0) -> Engine:
-    """The engine of that name (its library imported now, the other never)."""
-    if name == "onnx":
-        from runtimes.onnx.engine import OnnxEngine
-
-        return OnnxEngine(device, threads)
-    if name != "pytorch":
-        raise ValueError(f"engine {name!r} is none of {list(ENGINES)}")
-    from runtimes.pytorch.engine import TorchEngine
-
-    return TorchEngine(device, threads)
+    """The engine of that name (its library imported now, the others never)."""
+    registered = engines.engine(name)
+    if registered.kind != "process":
+        raise ValueError(f"engine {name!r} does not compute in shoal's runtime process; "
+                         f"those that do: {engines.names('process')}")
+    return engines.resolve(registered.start)(device, threads)
 
 
 @dataclass(slots=True)
@@ -77,7 +83,7 @@ class BatchWork:
     runnable: list[tuple[Request, Any]] = field(default_factory=list)
     started: float = 0.0  # perf_counter, when its checks were done
     planned: Any = None
-    stream: Any = None  # a streamed batch's Stream
+    stream: Stream | None = None
     output: Any = None
     device: Any = None  # its forward passes' device time (the engine clock's span)
 
@@ -90,7 +96,7 @@ class ModelHost:
     """
 
     def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384,
-                 precision: str | None = None, engine: str = "pytorch") -> None:
+                 precision: str | None = None, engine: str = engines.DEFAULT) -> None:
         self.device = device
         self.chunk_tokens = chunk_tokens
         # For every model; None: each entry's (runtimes.model_files.precision).
@@ -215,7 +221,7 @@ class ModelHost:
             return work
         work.started = time.perf_counter()
         prepared = [p for _, p in work.runnable]
-        if getattr(adapter, "streams", False) and on_deltas is not None:
+        if adapter.streams and on_deltas is not None:
             # A stream talks to its caller step by step: it runs whole, in `forward`.
             work.stream = self._stream([r for r, _ in work.runnable], on_deltas)
             work.planned = prepared
@@ -274,11 +280,9 @@ class ModelHost:
             for request in requests:
                 self._cancelled.pop(request.id, None)
 
-    def _stream(self, requests: list[Request], on_deltas: OnDeltas) -> Any:
+    def _stream(self, requests: list[Request], on_deltas: OnDeltas) -> Stream:
         """The adapter's `Stream` for a batch: deltas of its streamed requests go to
         `on_deltas`, and each step learns which requests were cancelled meanwhile."""
-        from runtimes.pytorch.causal_lm import Stream
-
         ids = [r.id for r in requests]
 
         def send(deltas: list[tuple[int, int, str, int]]) -> set[int]:

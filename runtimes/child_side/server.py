@@ -2,27 +2,28 @@
 
     python -m runtimes.child_side.server --socket PATH --catalog-dir DIR [--model ID ...]
         [--device cpu] [--threads N] [--chunk-tokens N] [--precision fp32|fp16|bf16|int8]
-        [--parent-pid PID] [--spare] [--engine pytorch|onnx]
+        [--parent-pid PID] [--spare] [--engine NAME]
 
 Started by `runtimes.worker_side.process.ProcessRuntime`, never forked from the worker
 (CUDA cannot be initialised again in a forked child). The socket appears only
 once every `--model` is loaded, so its existence means "ready". It accepts two
 connections from its worker, batches first, then control, and exits when the
 batch connection closes or the parent dies. Loads and unloads come on the
-control connection and run on a thread of their own, beside the batches of the
-models already loaded; so do cancels (requests whose callers left), read at once even
-while a load runs: a batch whose requests are all cancelled before it reaches the
-device skips it (`runtimes.child_side.host.ModelHost.forward`). The frames on both connections,
+control connection (`runtimes.child_side.control`) and run on a thread of their own, beside
+the batches of the models already loaded; so do cancels (requests whose callers left), read
+at once even while a load runs: a batch whose requests are all cancelled before it reaches
+the device skips it (`runtimes.child_side.host.ModelHost.forward`). `--engine` is one of the
+registry's that compute in this process (`tasks.engines`). The frames on both connections,
 and what answers each, are `runtimes.wire.frames` (length-prefixed by `runtimes.wire.protocol`);
 once both connections are accepted it sends `Ready` on the batch connection.
 
 `--spare` (no `--model`): a process kept ready to replace a runtime that dies. It
-makes every import a model load needs (torch, transformers, the catalog's adapter
-modules) before its socket appears, on a thread of lowered CPU priority so that it
-yields to the runtime that serves meanwhile; then it waits for its worker, touching
-no device (on CUDA a context is made only by the first load, once promoted), and
-its ready frame has no `device_bytes`. Promoted, it is told what to load on the
-control connection.
+makes every import a model load needs (its engine's library and `imports`, the catalog's
+adapter modules) before its socket appears, on a thread of lowered CPU priority so that it
+yields to the runtime that serves meanwhile, then runs its engine's `warm`; then it waits
+for its worker, touching no device (on CUDA a context is made only by the first load, once
+promoted), and its ready frame has no `device_bytes`. Promoted, it is told what to load on
+the control connection.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import faulthandler
 import importlib
 import logging
 import os
-import queue
 import socket
 import sys
 import threading
@@ -42,28 +42,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtimes.base import Delta, Request
-from runtimes.child_side.host import ENGINES
+from runtimes.child_side.control import serve_control
 from runtimes.child_side.pipeline import (
     EXIT_FATAL,
     Pipeline,
     failed_reply,
     outcomes_reply,
-    release_cached_memory,
     reply_bytes,
 )
 from runtimes.wire.frames import (
     BATCH_REQUEST_DECODER,
     CANCEL_DECODER,
-    CONTROL_REQUEST_DECODER,
     BatchRequest,
     Cancel,
-    ControlReply,
-    ControlRequest,
     Deltas,
-    Failed,
     Frame,
-    Load,
-    Loaded,
     Ping,
     Pong,
     Probe,
@@ -71,8 +64,6 @@ from runtimes.wire.frames import (
     Rejected,
     Run,
     StreamDelta,
-    Unload,
-    Unloaded,
 )
 from runtimes.wire.protocol import (
     PROBE_ID,
@@ -82,16 +73,20 @@ from runtimes.wire.protocol import (
     encode_frame,
     recv_frame,
 )
+from tasks import engines
 from tasks.catalog import Catalog, load_catalog
-
-# What loading a model of each engine imports (a spare or an idle runtime makes it ahead).
-ENGINE_IMPORTS = {"pytorch": ["runtimes.child_side.host", "runtimes.pytorch.loading"],
-                  "onnx": ["runtimes.child_side.host", "runtimes.onnx.session"]}
 
 if TYPE_CHECKING:
     from runtimes.child_side.host import ModelHost
 
 log = logging.getLogger("runtimes.child_side.server")
+
+
+def engine_imports(engine: str) -> list[str]:
+    """What loading a model of `engine` imports (a spare or an idle runtime makes it ahead):
+    the host, and the heavy modules its registry entry names."""
+    return ["runtimes.child_side.host", *engines.engine(engine).imports]
+
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtimes.child_side.server")
@@ -107,9 +102,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16", "int8"], default=None,
                         help="every model's forward in this format (default: each entry's "
                              "profile, else the device's: runtimes.model_files.precision)")
-    parser.add_argument("--engine", choices=list(ENGINES), default="pytorch",
-                        help="what computes: PyTorch (runtimes.pytorch) or ONNX Runtime "
-                             "(runtimes.onnx, which never imports torch)")
+    parser.add_argument("--engine", choices=engines.names("process"), default=engines.DEFAULT,
+                        help="what computes: an engine of tasks.engines that runs in this "
+                             "process (PyTorch, ONNX Runtime: never imports torch)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent")
     parser.add_argument("--spare", action="store_true",
@@ -209,76 +204,6 @@ def batch_of(frame: BatchRequest) -> tuple[str, list[Request]] | None:
     return frame.model, requests_of(frame)
 
 
-def control(host: ModelHost, catalog: Catalog, frame: Load | Unload | Ping,
-            imported: threading.Event | None = None) -> ControlReply:
-    """The reply to one control frame (a load, an unload, a ping; a cancel has none). A
-    load first waits for `imported` (the background imports): transformers' lazy module
-    is not safe to import from two threads at once (a racing load failed with "cannot
-    import name 'AutoModel'")."""
-    if isinstance(frame, Ping):
-        return Pong(os.getpid())
-    model, lora = frame.model, frame.lora
-    if not isinstance(frame, Load):
-        if lora is None:
-            host.unload(model)
-        else:
-            host.unload_lora(model, lora)
-        return Unloaded(model)
-    entry = catalog.get(model)
-    if entry is None:
-        return Failed(f"{model} is not in the runtime's catalog")
-    started = time.perf_counter()
-    if imported is not None:
-        imported.wait()
-    try:
-        measured = host.load_one(entry) if lora is None else host.load_lora(model, lora)
-    except Exception as exc:  # bad weights, missing files, out of memory: not our death
-        log.exception("loading %s failed", model)
-        release_cached_memory(host.device)
-        return Failed(f"{type(exc).__name__}: {exc}")
-    return Loaded(model, measured, time.perf_counter() - started)
-
-
-def serve_control(conn: socket.socket, host: ModelHost, catalog: Catalog,
-                  imported: threading.Event | None = None) -> None:
-    """Answer control frames until the worker hangs up (on a thread of its own). A
-    `Cancel` is taken at once, unanswered, even while a load runs: the loads, unloads and
-    pings are answered in order on another thread."""
-    requests: queue.Queue[Load | Unload | Ping | Rejected | None] = queue.Queue()
-    threading.Thread(target=_answer_control, args=(conn, requests, host, catalog, imported),
-                     name="runtime-control-answers", daemon=True).start()
-    try:
-        while True:
-            try:
-                frame: ControlRequest | Rejected = recv_frame(conn, CONTROL_REQUEST_DECODER)
-            except (ConnectionClosed, OSError):
-                return
-            except MalformedFrame as exc:
-                frame = Rejected(f"unknown control frame: {exc}")
-            except ProtocolError as exc:
-                log.error("control connection: %s", exc)
-                return
-            if isinstance(frame, Cancel):
-                host.cancel(frame.ids)
-            else:
-                requests.put(frame)
-    finally:
-        requests.put(None)
-
-
-def _answer_control(conn: socket.socket,
-                    requests: queue.Queue[Load | Unload | Ping | Rejected | None],
-                    host: ModelHost, catalog: Catalog, imported: threading.Event | None
-                    ) -> None:
-    while (frame := requests.get()) is not None:
-        reply = frame if isinstance(frame, Rejected) else control(host, catalog, frame,
-                                                                  imported)
-        try:
-            conn.sendall(encode_frame(reply))
-        except OSError:
-            return
-
-
 def read_request(conn: socket.socket) -> BatchRequest | Rejected:
     """The next frame on the batch connection, or for one it does not take (a whole frame,
     read: the connection stays in step) the answer to it."""
@@ -341,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens,
                      precision=args.precision, engine=args.engine)
-    if args.spare and args.engine == "pytorch":
-        _warm_cpu_ops()
+    if args.spare:
+        host.engine.warm()
     host.load(entries)
     for key in args.loras:
         model, _, lora = key.rpartition(":")
@@ -364,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         # the ~6 s measured by bench.coldstart, against 0.2 s for the load itself).
         # Made now, beside serving, they are done before most first requests come.
         threading.Thread(target=_import_then_set,
-                         args=(ENGINE_IMPORTS[args.engine][-1], imported),
+                         args=(engines.engine(args.engine).imports, imported),
                          name="warm-imports", daemon=True).start()
     return serve(conn, host)
 
@@ -373,13 +298,11 @@ SPARE_IMPORT_NICENESS = 10  # added to the importing thread's: the serving runti
 
 
 def _import_ahead(catalog: Catalog, engine: str) -> None:
-    """A spare's imports: what loading any model of the catalog on its engine imports, made
+    """A spare's imports: what loading any model of the catalog on its engine imports (the
+    engine's library, its `imports`, the adapter modules of the entries that name it), made
     on a thread of lower CPU priority (Linux sets it per thread, so the threads that later
     compute, made by the main thread, keep the normal priority)."""
-    modules = list(ENGINE_IMPORTS[engine])
-    if engine == "pytorch":
-        modules += sorted({entry.contract.implementation.partition(":")[0]
-                           for entry in catalog if entry.runtime == "pytorch"})
+    registered = engines.engine(engine)
 
     def run() -> None:
         try:
@@ -387,39 +310,35 @@ def _import_ahead(catalog: Catalog, engine: str) -> None:
         except OSError:
             log.warning("could not lower the priority of the spare's imports")
         started = time.perf_counter()
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except Exception:  # the load that needs it will say what is wrong
-                log.exception("importing %s ahead failed", module)
-        log.info("spare: imported %d modules in %.1fs", len(modules),
-                 time.perf_counter() - started)
+        modules = engine_imports(engine)
+        _import_each(modules)
+        try:  # the engine's library, and its family map
+            adapters = engines.resolve(registered.start).adapters
+        except Exception:  # the load that needs it will say what is wrong
+            log.exception("importing engine %s ahead failed", engine)
+            adapters = {}
+        families = sorted({adapters[entry.adapter].partition(":")[0] for entry in catalog
+                           if entry.runtime == engine and entry.adapter in adapters})
+        _import_each(families)
+        log.info("spare: imported %d modules and engine %s in %.1fs",
+                 len(modules) + len(families), engine, time.perf_counter() - started)
 
     thread = threading.Thread(target=run, name="spare-imports", daemon=True)
     thread.start()
     thread.join()
 
 
-def _warm_cpu_ops() -> None:
-    """A spare runs a few tiny CPU ops of the kinds encoders run: the first of each sets up
-    torch's thread pool and kernels (part of the ~0.2 s a fresh process's first batch
-    takes more than its second). On this, the main, thread: the pool's threads inherit
-    its normal priority. No device op: no CUDA context."""
-    import torch
-
-    with torch.inference_mode():
-        x = torch.randn(2, 8, 32)
-        y = torch.nn.functional.gelu(torch.nn.functional.linear(x, torch.randn(32, 32)))
-        y = torch.nn.functional.layer_norm(y, (32,))
-        torch.nn.functional.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None])
-        torch.softmax(y @ y.transpose(1, 2), dim=-1).sum()
+def _import_each(modules: list[str] | tuple[str, ...]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # the load that needs it will say what is wrong
+            log.exception("importing %s ahead failed", module)
 
 
-def _import_then_set(module: str, done: threading.Event) -> None:
+def _import_then_set(modules: tuple[str, ...], done: threading.Event) -> None:
     try:
-        importlib.import_module(module)
-    except Exception:  # the load that needs it will say what is wrong
-        log.exception("importing %s in the background failed", module)
+        _import_each(modules)
     finally:
         done.set()
 

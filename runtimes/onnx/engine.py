@@ -3,7 +3,6 @@ format, the memory a model takes and the device's clock. No torch here, nor belo
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 from typing import Any
 
@@ -13,9 +12,10 @@ from runtimes.model_files.precision import device_kind
 from runtimes.onnx.adapter import OnnxAdapter
 from runtimes.onnx.session import SessionClock
 from tasks.catalog import ModelEntry
-from tasks.precision import ONNX_CPU_PRECISIONS, ONNX_PRECISIONS
+from tasks.engines import engine, resolve
 
-# Catalog adapter -> "module:class" (imported when an entry of it loads).
+# Catalog adapter -> "module:class" (imported when an entry of it loads); the registry's
+# `families` of onnx (tasks.engines) are its keys.
 ADAPTERS = {
     "dense": "runtimes.onnx.dense:OnnxDenseAdapter",
     "sparse": "runtimes.onnx.sparse:OnnxSparseAdapter",
@@ -28,6 +28,7 @@ ADAPTERS = {
 
 class OnnxEngine:
     name = "onnx"
+    adapters = ADAPTERS
 
     def __init__(self, device: str, threads: int = 0) -> None:
         self.device = device
@@ -36,19 +37,19 @@ class OnnxEngine:
 
     def adapter_class(self, entry: ModelEntry) -> type[Adapter]:
         """The entry's ONNX adapter, bound to this engine's threads and clock."""
-        path = ADAPTERS.get(entry.adapter)
+        path = self.adapters.get(entry.adapter)
         if path is None:
-            raise ValueError(f"{entry.id}: the ONNX runtime serves {sorted(ADAPTERS)}, not "
-                             f"{entry.adapter!r}; say runtime: pytorch")
-        module, _, name = path.partition(":")
-        base: type[OnnxAdapter] = getattr(importlib.import_module(module), name)
-        return type(name, (base,), {"threads": self.threads, "clock": self.clock})
+            raise ValueError(f"{entry.id}: the ONNX runtime serves {sorted(self.adapters)}, "
+                             f"not {entry.adapter!r}; say runtime: pytorch")
+        base: type[OnnxAdapter] = resolve(path)
+        return type(base.__name__, (base,), {"threads": self.threads, "clock": self.clock})
 
     def precision(self, entry: ModelEntry, override: str | None) -> str:
         """The override, else the profile's when ONNX Runtime computes in it, else fp16 on
         CUDA and fp32 on CPU (int8 is asked for: it changes results a little)."""
         cpu = device_kind(self.device) != "cuda"
-        allowed = ONNX_CPU_PRECISIONS if cpu else ONNX_PRECISIONS
+        registered = engine(self.name)
+        allowed = registered.cpu_precisions if cpu else registered.precisions
         if override:
             if override not in allowed:
                 raise ValueError(f"precision {override!r}: the ONNX runtime computes in "
@@ -76,6 +77,9 @@ class OnnxEngine:
 
     def stamp(self) -> dict[str, Any] | None:
         return None
+
+    def warm(self) -> None:
+        pass  # nothing to set up before a session exists: each has its own thread pool
 
 
 def _gpu_memory_bytes(device: str) -> int:

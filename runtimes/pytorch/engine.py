@@ -3,7 +3,6 @@ the device's memory and clock, and freeing memory after an unload."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -14,11 +13,14 @@ from runtimes.model_files.precision import resolve_precision
 from runtimes.pytorch import device_double
 from runtimes.pytorch.buckets import graph_bytes
 from runtimes.pytorch.device_time import device_clock
+from runtimes.pytorch.families import ADAPTERS
 from tasks.catalog import ModelEntry
+from tasks.engines import resolve
 
 
 class TorchEngine:
     name = "pytorch"
+    adapters = ADAPTERS
 
     def __init__(self, device: str, threads: int = 0) -> None:
         self.device = device
@@ -28,9 +30,8 @@ class TorchEngine:
         device_double.configured()  # benchmarks only: SHOAL_EMULATE_DEVICE installs one
 
     def adapter_class(self, entry: ModelEntry) -> type[Adapter]:
-        """The class the entry's family names (imported only when needed)."""
-        module, _, name = entry.contract.implementation.partition(":")
-        return getattr(importlib.import_module(module), name)
+        """The class of the entry's family (imported only when needed)."""
+        return resolve(self.adapters[entry.adapter])
 
     def precision(self, entry: ModelEntry, override: str | None) -> str:
         return resolve_precision(entry, self.device, override)
@@ -59,3 +60,15 @@ class TorchEngine:
     def stamp(self) -> dict[str, Any] | None:
         double = device_double.current()
         return None if double is None else double.stamp()
+
+    def warm(self) -> None:
+        """A spare runs a few tiny CPU ops of the kinds encoders run: the first of each sets
+        up torch's thread pool and kernels (part of the ~0.2 s a fresh process's first batch
+        takes more than its second). On the main thread: the pool's threads inherit its
+        normal priority. No device op: no CUDA context."""
+        with torch.inference_mode():
+            x = torch.randn(2, 8, 32)
+            y = torch.nn.functional.gelu(torch.nn.functional.linear(x, torch.randn(32, 32)))
+            y = torch.nn.functional.layer_norm(y, (32,))
+            torch.nn.functional.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None])
+            torch.softmax(y @ y.transpose(1, 2), dim=-1).sum()

@@ -1,10 +1,10 @@
-"""One worker, two runtimes: each model is served by the runtime its catalog entry names.
+"""One worker, several engines: each model is served by the runtime of its engine.
 
-`RuntimeRouter` is the `runtimes.base.Runtime` the worker sees when it serves models
-of both kinds (PyTorch in a child process, SGLang servers): every call about a model
-goes to that model's runtime, and what the worker reads about the device (resident
-models, counters) is the sum of both. Both share one memory budget: the placement
-counts each model's bytes wherever it lives.
+`RuntimeRouter` is the `runtimes.base.Runtime` the worker sees when its models run on
+several engines (`tasks.engines`: PyTorch and ONNX Runtime in child processes, SGLang
+servers): every call about a model goes to that model's runtime, and what the worker
+reads about the device (resident models, counters) is the sum of all. They share one
+memory budget: the placement counts each model's bytes wherever it lives.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ from typing import Any
 
 from batching.feeder import Load
 from runtimes.base import OnDeltas, Outcome, Request
+from tasks.engines import DEFAULT
 
 
 class RuntimeRouter:
     def __init__(self, runtimes: Mapping[str, Any], model_runtime: Mapping[str, str]) -> None:
-        """`runtimes` by name ("pytorch", "sglang"); `model_runtime`: each model's name."""
+        """`runtimes` by engine name; `model_runtime`: each model's engine (a model it does
+        not name goes to the default engine's)."""
         self.runtimes = dict(runtimes)
         self.model_runtime = dict(model_runtime)
 
     def _of(self, model_id: str) -> Any:
-        return self.runtimes[self.model_runtime.get(model_id, "pytorch")]
+        return self.runtimes[self.model_runtime.get(model_id, DEFAULT)]
 
     @property
     def restarts(self) -> int:

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from runtimes.base import Outcome, Request
+from runtimes.child_side.control import serve_control
 from runtimes.child_side.host import ModelHost
-from runtimes.child_side.server import serve_control
 from runtimes.wire.frames import CONTROL_REPLY_DECODER, Cancel, Ping, Pong
 from runtimes.wire.protocol import recv_frame, send_frame
 from runtimes.worker_side.process import ProcessRuntime

@@ -449,10 +449,11 @@ for package in (app.worker, runtimes.onnx):
         importlib.import_module(module.name)
 from app.worker.runtime import runtime_of_models
 from runtimes.child_side.host import make_engine
-from runtimes.child_side.server import ENGINE_IMPORTS
-from tasks.catalog import ONNX_ADAPTERS, load_catalog
+from runtimes.child_side.server import engine_imports
+from tasks.catalog import load_catalog
+from tasks.engines import engine as registered
 from tasks.settings import PACKAGED_CATALOG_DIR
-for module in ENGINE_IMPORTS["onnx"]:
+for module in engine_imports("onnx"):
     importlib.import_module(module)
 entries = load_catalog(PACKAGED_CATALOG_DIR).select(["*"])
 on = runtime_of_models(entries, "onnx")
@@ -463,7 +464,7 @@ for entry in entries:
     if on[entry.id] == "onnx":
         engine.adapter_class(entry)
         families.add(entry.adapter)
-assert families == set(ONNX_ADAPTERS), families
+assert families == set(registered("onnx").families), families
 assert not tried, tried
 print("ok")
 """

@@ -370,7 +370,7 @@ def test_images_are_the_ones_infra_docker_builds_and_match_the_device(overlay: s
 def test_pools_on_the_torch_free_image_serve_only_the_graphs_it_holds(overlay: str) -> None:
     from app.worker.runtime import runtime_of_models
     from runtimes.child_side.host import make_engine
-    from tasks.precision import precisions_of
+    from tasks.engines import engine as registered
     from tests.unit.infra.test_containers import docker_env, onnx_image_graphs
 
     image_env = docker_env("worker-onnx")
@@ -390,7 +390,8 @@ def test_pools_on_the_torch_free_image_serve_only_the_graphs_it_holds(overlay: s
         # ...each with its graph in the image, in the format it will run in (the worker's
         # SHOAL_PRECISION, else the entry's profile, else fp32): without torch a missing
         # graph cannot be exported.
-        override = settings.precision if settings.precision in precisions_of("onnx") else None
+        onnx_formats = registered("onnx").precisions
+        override = settings.precision if settings.precision in onnx_formats else None
         engine = make_engine("onnx", settings.device)
         wanted = {(e.id, engine.precision(e, override)) for e in entries}
         missing = wanted - onnx_image_graphs()

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from app.worker.runtime import runtime_of_models
 from runtimes.onnx.engine import OnnxEngine
-from tasks.catalog import ONNX_ADAPTERS, ModelEntry
+from tasks.catalog import ModelEntry
+from tasks.engines import engine
 
 
 def _entry(adapter: str = "dense", **fields: Any) -> ModelEntry:
@@ -20,7 +21,7 @@ def _entry(adapter: str = "dense", **fields: Any) -> ModelEntry:
     return ModelEntry.model_validate(body)
 
 
-@pytest.mark.parametrize("adapter", sorted(ONNX_ADAPTERS))
+@pytest.mark.parametrize("adapter", sorted(engine("onnx").families))
 def test_the_text_encoders_may_say_runtime_onnx(adapter):
     assert _entry(adapter, runtime="onnx").runtime == "onnx"
 

@@ -60,7 +60,7 @@ def test_tasks_and_defaults_come_from_the_adapter(tmp_path):
     entry = load_entry(_write(tmp_path, "id: x/y\nsource: {hub: x/y}\nadapter: zero-shot\n"
                                         "defaults: {hypothesis_template: 'About {}.'}\n"))
     assert entry.tasks == ["classify"] and entry.operation == "classify"
-    assert entry.contract.implementation.startswith("runtimes.pytorch.")
+    assert entry.runtime == "pytorch"  # the default engine
 
 
 def test_every_shipped_entry_is_valid_and_ids_are_unique():

@@ -1,0 +1,67 @@
+"""The engine registry (`tasks.engines`) agrees with the engines' own folders."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from runtimes.pytorch.families import ADAPTERS as PYTORCH_ADAPTERS
+from tasks import engines
+from tasks.adapters import ADAPTERS
+from tasks.catalog import LORA_ADAPTERS
+
+
+def _exists(path: str) -> bool:
+    return importlib.util.find_spec(path.partition(":")[0]) is not None
+
+
+@pytest.mark.parametrize("name", list(engines.ENGINES))
+def test_every_entry_names_modules_that_exist_and_formats_it_serves_on_cpu(name):
+    entry = engines.engine(name)
+    assert entry.name == name and _exists(entry.start), entry.start
+    assert all(_exists(module) for module in entry.imports), entry.imports
+    assert entry.families and entry.families <= set(ADAPTERS)
+    assert set(entry.cpu_precisions) <= set(entry.precisions)
+
+
+def test_pytorch_serves_every_family_of_the_contract_from_its_own_map():
+    assert set(PYTORCH_ADAPTERS) == set(ADAPTERS) == engines.engine("pytorch").families
+    assert all(_exists(path) for path in PYTORCH_ADAPTERS.values())
+    assert engines.engine(engines.DEFAULT).loras and engines.DEFAULT == "pytorch"
+
+
+def test_onnx_serves_the_families_of_its_map():
+    from runtimes.onnx.engine import ADAPTERS as ONNX_ADAPTERS
+    from runtimes.onnx.engine import OnnxEngine
+
+    assert set(ONNX_ADAPTERS) == engines.engine("onnx").families
+    assert OnnxEngine.adapters is ONNX_ADAPTERS and not engines.engine("onnx").loras
+
+
+def test_the_servers_and_the_double_start_a_runtime_by_name():
+    from runtimes.doubles.sim.start import start_runtime as sim_start
+    from runtimes.sglang import start_runtime as sglang_start
+
+    assert engines.resolve(engines.engine("sglang").start) is sglang_start
+    assert engines.resolve(engines.engine("sim").start) is sim_start
+    assert engines.names("process") == ["pytorch", "onnx"]
+    assert engines.names(*engines.PER_MODEL) == ["pytorch", "onnx", "sglang"]
+
+
+class _Entry:
+    def __init__(self, adapter: str, pooling: str | None = None, loras: bool = False) -> None:
+        self.adapter, self.pooling = adapter, pooling
+        self.loras = {"a": object()} if loras else {}
+
+
+def test_what_each_worker_wide_engine_takes():
+    onnx, sglang = engines.engine("onnx"), engines.engine("sglang")
+    assert onnx.takes_over(_Entry("dense")) and not onnx.takes_over(_Entry("clip"))
+    assert not onnx.takes_over(_Entry("dense", loras=True))
+    assert sglang.takes_over(_Entry("causal-lm"))
+    assert sglang.takes_over(_Entry("dense", "lasttoken"))
+    assert not sglang.takes_over(_Entry("dense", "mean"))
+    # SGLang serves no LoRA adapters: a causal LM with some stays where they are served.
+    assert not sglang.takes_over(_Entry("causal-lm", loras=True))
+    assert {"dense", "causal-lm"} == LORA_ADAPTERS
