@@ -26,10 +26,11 @@ from pydantic import (
     model_validator,
 )
 
+from tasks import engines
 from tasks.adapters import ADAPTERS, OPERATIONS, AdapterContract
 from tasks.errors import ErrorCode, ShoalError
 from tasks.options import GenerateOptions, parse_options
-from tasks.precision import Precision, cpu_precisions_of, precisions_of
+from tasks.precision import Precision
 from tasks.schema import ParsedRequest, parse_encode, parse_request
 from tasks.settings import PACKAGED_CATALOG_DIR
 from tasks.token_estimate import (
@@ -53,12 +54,6 @@ LORA_ADAPTERS = frozenset({"dense", "causal-lm"})
 # a dense embedder's input ids and a causal LM's prompt. The other families refuse them
 # where a request is parsed, the gateway included.
 TOKEN_ADAPTERS = frozenset({"dense", "causal-lm"})
-# The adapters an SGLang server can serve (`runtime: sglang`; `runtimes.sglang`).
-SGLANG_ADAPTERS = frozenset({"causal-lm", "dense"})
-# The adapters ONNX Runtime serves (`runtime: onnx`, or every one of them on a worker with
-# SHOAL_RUNTIME=onnx; `runtimes.onnx`): the text encoders whose graph is one forward pass.
-ONNX_ADAPTERS = frozenset({"dense", "sparse", "cross-encoder", "token-classification",
-                           "sequence-classification", "zero-shot"})
 # A LoRA adapter's name: no ':' (OpenAI-style callers name one "model:lora", split on the
 # last ':'), no spaces; it travels in a message header and in URLs as it is.
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -151,10 +146,11 @@ class ModelEntry(BaseModel):
     loras: dict[str, Source] = Field(
         default_factory=dict, description="LoRA adapters (peft format) by name; a request "
         "picks one with options.lora")
-    runtime: Literal["pytorch", "sglang", "onnx"] = Field(
-        "pytorch", description="what serves the model: shoal's PyTorch runtime, an SGLang "
-        "server (causal-lm and dense only), or ONNX Runtime (the text encoders, from a graph "
-        "`shoal export` makes; docs/runtimes.md)")
+    runtime: str = Field(
+        engines.DEFAULT, description="the engine that serves the model, one of the registry's "
+        "(`tasks.engines`: pytorch, shoal's PyTorch runtime; sglang, an SGLang server; onnx, "
+        "ONNX Runtime on a graph `shoal export` makes; docs/runtimes.md), each for the "
+        "families its entry lists")
     queue_type: QueueType | None = Field(
         None, description="the type of the model's queue: quorum (replicated, poison "
         "messages dead-lettered after SHOAL_QUEUE_DELIVERY_LIMIT deliveries) or classic (one "
@@ -168,6 +164,11 @@ class ModelEntry(BaseModel):
         if value not in ADAPTERS:
             raise ValueError(f"unknown adapter {value!r}; allowed: {sorted(ADAPTERS)}")
         return value
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, value: str) -> str:
+        return engines.known(value, *engines.PER_MODEL)
 
     @field_validator("loras")
     @classmethod
@@ -196,33 +197,33 @@ class ModelEntry(BaseModel):
         if "lora" in self.defaults:
             raise ValueError("defaults: lora cannot be a default; a request names its LoRA "
                              "adapter in options.lora")
-        if self.runtime == "sglang" and self.adapter not in SGLANG_ADAPTERS:
-            raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on sglang; the "
-                             f"adapters that can: {sorted(SGLANG_ADAPTERS)} (or say runtime: "
-                             "pytorch)")
-        if self.runtime == "onnx" and self.adapter not in ONNX_ADAPTERS:
-            raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on onnx; the "
-                             f"adapters that can: {sorted(ONNX_ADAPTERS)} (or say runtime: "
-                             "pytorch)")
-        if self.runtime == "onnx" and self.loras:
-            raise ValueError("loras: the ONNX runtime serves no LoRA adapters (a graph is "
-                             "exported without them); say runtime: pytorch to serve them per "
-                             "request")
+        self._check_engine()
         self._check_precisions()
         if self.loras and self.adapter not in LORA_ADAPTERS:
             raise ValueError(f"loras: adapter {self.adapter!r} does not serve LoRA adapters; "
                              f"those that do: {sorted(LORA_ADAPTERS)}")
         return self
 
+    def _check_engine(self) -> None:
+        runs_on = engines.engine(self.runtime)
+        if self.adapter not in runs_on.families:
+            raise ValueError(f"runtime: adapter {self.adapter!r} cannot run on {self.runtime}; "
+                             f"the adapters that can: {sorted(runs_on.families)} (or say "
+                             f"runtime: {engines.DEFAULT})")
+        if self.loras and not runs_on.loras:
+            # ONNX: a graph is exported without them; shoal's SGLang runtime loads none.
+            raise ValueError(f"loras: the {self.runtime} runtime serves no LoRA adapters; say "
+                             f"runtime: {engines.DEFAULT} to serve them per request")
+
     def _check_precisions(self) -> None:
-        known = precisions_of(self.runtime)
+        known = engines.engine(self.runtime).precisions
         for device, profile in self.profiles.items():
             if profile.precision is None:
                 continue
             if profile.precision not in known:
                 raise ValueError(f"profiles.{device}.precision: {profile.precision} is not a "
                                  f"format of runtime {self.runtime}; its formats: {list(known)}")
-            on_cpu = cpu_precisions_of(self.runtime)
+            on_cpu = engines.engine(self.runtime).cpu_precisions
             if device == "cpu" and profile.precision not in on_cpu:
                 raise ValueError(f"profiles.cpu.precision: {profile.precision} is not served "
                                  "on a CPU (its fp16 CPU kernels are slow or missing); use one "

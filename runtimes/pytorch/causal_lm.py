@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from runtimes.base import CANCELLED
+from runtimes.child_side.adapter import RowDelta, Stream
 from runtimes.families.deltas import sendable
 from runtimes.families.prompts import bos_id, check_prompt, prompt_ids
 from runtimes.pytorch.adapter import Adapter
@@ -84,20 +84,6 @@ class Generated:
     sent: str = ""  # the text streamed so far
     first_at: float | None = None  # perf_counter of its first token
     last_at: float | None = None
-
-
-# (request's place in the batch, item index, text, completion tokens so far)
-RowDelta = tuple[int, int, str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """Where a batch's deltas go: `requests` are the places (in the batch) of the requests
-    that stream; `send` takes one step's deltas and returns the places of the requests
-    whose callers left."""
-
-    requests: frozenset[int]
-    send: Callable[[list[RowDelta]], set[int]]
 
 
 def row_generator(seed: int | None, index: int) -> torch.Generator:

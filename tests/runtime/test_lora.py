@@ -25,6 +25,7 @@ from runtimes.base import Outcome, Request
 from runtimes.child_side.host import ModelHost
 from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.causal_lm import Row
+from runtimes.pytorch.families import ADAPTERS as PYTORCH_ADAPTERS
 from tasks.adapters import ADAPTERS
 from tasks.catalog import LORA_ADAPTERS, ModelEntry
 from tasks.options import GenerateOptions
@@ -144,10 +145,10 @@ def greedy(model: Any, ids: list[int], max_tokens: int) -> list[int]:
 def test_the_catalog_and_the_runtime_agree_on_which_adapters_take_loras():
     assert LORA_ADAPTERS.issubset(ADAPTERS)
     assert not Adapter.supports_lora
-    for name, contract in ADAPTERS.items():
+    for name in ADAPTERS:
         if name.endswith("-faulty"):  # test doubles inherit from the real adapters
             continue
-        module, _, cls = contract.implementation.partition(":")
+        module, _, cls = PYTORCH_ADAPTERS[name].partition(":")
         assert getattr(importlib.import_module(module), cls).supports_lora == \
             (name in LORA_ADAPTERS), name
 
