@@ -20,7 +20,7 @@ from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.splits import merged_result
-from batching.scheduler import Late
+from batching.lanes import Late
 from runtimes.base import CANCELLED, Outcome
 from tasks.errors import ErrorCode
 from tasks.served import stamp_delivery

@@ -31,7 +31,8 @@ from app.worker.lifecycle.placement import Placement
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.streams import Streams
 from batching.former import batch_tokens
-from batching.scheduler import Batch, Scheduler
+from batching.lanes import Batch
+from batching.scheduler import Scheduler
 from runtimes.base import Outcome, Request, Runtime
 from runtimes.worker_side.pool import lora_key
 from tasks.claims import substitute

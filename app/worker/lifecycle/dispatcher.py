@@ -52,7 +52,8 @@ from app.worker.lifecycle.splits import next_parts
 from app.worker.lifecycle.streams import Streams
 from batching.feeder import Feeder
 from batching.hold import HoldLimits
-from batching.scheduler import Actions, Lane, Scheduler
+from batching.lanes import Actions, Lane
+from batching.scheduler import Scheduler
 from runtimes.base import Runtime
 from runtimes.worker_side.pool import Pool
 from tasks.envelope import EstimatingEntry, now_ms

@@ -46,7 +46,7 @@ from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.replies import Delivery, Replier
 from app.worker.lifecycle.splits import split_request
 from batching.feeder import Waiting
-from batching.scheduler import Lane
+from batching.lanes import Lane
 from batching.shapes import Pending
 from tasks.envelope import (
     H_COALESCED,
