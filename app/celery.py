@@ -1,8 +1,9 @@
 """The Celery app of a worker: `celery -A app worker` finds it here.
 
 The app itself is tasks.celery_app's (clients share it); this module adds what only a
-worker needs, its consumer bootsteps (`app.worker.steps`), when a worker of that app
-starts.
+worker needs: its consumer class (`app.worker.reconnect.ReconnectingConsumer`, which
+reconnects within a bounded back-off), and its consumer bootsteps (`app.worker.steps`)
+when a worker of that app starts.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from typing import Any
 
 from celery.signals import worker_init
 
+from app.worker.reconnect import ReconnectingConsumer
 from tasks.celery_app import app
 
 __all__ = ["app"]
+
+app.conf.worker_consumer = ReconnectingConsumer
 
 
 @worker_init.connect

@@ -1,7 +1,8 @@
 """The Celery app every process shares: clients send with it, workers consume with it.
 
-A worker gets its model-queue consumer from app/celery.py (`celery -A app worker`
-finds it there); importing this module loads no worker code.
+A worker gets its consumer class (`worker_consumer`) and its model-queue consumer from
+app/celery.py (`celery -A app worker` finds it there); importing this module loads no
+worker code.
 
 msgpack and JSON only (never pickle), the rpc result backend (results go to
 the caller's `reply_to`), publisher confirms for clients (a worker confirms
@@ -44,14 +45,13 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     # Failover: a worker never gives up on its broker (kombu's default is 100 attempts,
     # then the worker exits); it tries each URL in turn, at most
-    # SHOAL_BROKER_RECONNECT_MAX_S apart (app.worker.reconnect, its consumer class).
+    # SHOAL_BROKER_RECONNECT_MAX_S apart (the worker's consumer class, set by app/celery.py).
     broker_failover_strategy="round-robin",
     broker_connection_max_retries=None,
     broker_connection_timeout=settings.broker_connect_timeout_s,
     # A Celery client's publish retries on the next URL: enough retries to go round.
     task_publish_retry_policy={"max_retries": 3 + len(split_urls(settings.broker_url)),
                                "interval_start": 0, "interval_step": 0.2, "interval_max": 1},
-    worker_consumer="app.worker.reconnect:ReconnectingConsumer",
     # On a cluster (several URLs), Celery's default queue must be replicated too: a durable
     # classic queue is unavailable while its node is down, and a worker that cannot
     # declare it stops. One URL keeps it classic, as before (a queue cannot change type:

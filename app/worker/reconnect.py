@@ -7,7 +7,7 @@ once, kombu's failover cycle; no sleep between the URLs of a round) is followed 
 most SHOAL_BROKER_RECONNECT_MAX_S of sleep. The connection's state goes to
 `tasks.broker_metrics.worker_link()`.
 
-`app.celery` names this class in `worker_consumer`; only a worker loads it.
+`app.celery` sets this class as `worker_consumer`; only a worker uses it.
 """
 
 from __future__ import annotations

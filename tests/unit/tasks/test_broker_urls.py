@@ -87,11 +87,11 @@ def test_the_worker_consumer_drops_celerys_native_delayed_delivery():
 
 
 def test_the_celery_app_fails_over_and_never_gives_up():
-    from tasks.celery_app import app
+    from app.celery import app
 
     assert app.conf.broker_connection_max_retries is None
     assert app.conf.broker_failover_strategy == "round-robin"
-    assert app.conf.worker_consumer == "app.worker.reconnect:ReconnectingConsumer"
+    assert app.conf.worker_consumer is ReconnectingConsumer
 
 
 def _sample(name: str) -> float:
