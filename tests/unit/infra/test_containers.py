@@ -445,7 +445,7 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 import app.celery, app.cli, app.worker, runtimes.onnx, runtimes.child_side.server
 for package in (app.worker, runtimes.onnx):
-    for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(module.name)
 from app.worker.runtime import runtime_of_models
 from runtimes.child_side.host import make_engine
