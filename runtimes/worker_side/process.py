@@ -68,7 +68,7 @@ from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.supervisor import RestartPending, Supervisor
 from tasks.catalog import load_catalog
 
-_SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class ProcessRuntime:
