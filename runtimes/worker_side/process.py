@@ -66,6 +66,7 @@ from runtimes.worker_side.control_channel import ControlChannel
 from runtimes.worker_side.pool import keys_of, lora_key
 from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.supervisor import RestartPending, Supervisor
+from tasks import engines
 from tasks.catalog import load_catalog
 
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -101,7 +102,7 @@ class ProcessRuntime:
         spare: bool = False,
         precision: str | None = None,
         pipeline_depth: int = 2,
-        engine: str = "pytorch",
+        engine: str = engines.DEFAULT,
         answer_while_restarting: bool = False,
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
