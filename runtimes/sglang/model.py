@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +19,10 @@ from batching.feeder import Load
 from runtimes.families.prompts import bos_id
 from runtimes.families.token_ids import Vocabulary, vocabulary
 from runtimes.model_files.sources import resolve_source
-from runtimes.sglang.server import ServerConfig, SGLangServer
+from runtimes.sglang.server import PortTaken, ServerConfig, SGLangServer
 from tasks.catalog import ModelEntry, load_catalog
+
+log = logging.getLogger(__name__)
 
 ADAPTERS = ("causal-lm", "dense")
 _NO_LIMIT = 10**9
@@ -140,16 +144,31 @@ def served_model(catalog_dir: Path | str, model_id: str,
     return ServedModel(entry, path, tokenizer, server, context)
 
 
+# Starts on a fresh port after the one chosen was taken before the server bound it.
+PORT_ATTEMPTS = 3
+
+
 def start_server(model: ServedModel, env: Mapping[str, str], timeout: float,
                  closed: Callable[[], bool]) -> SGLangServer:
-    """A new server for the model, healthy (stopped again if it does not become so)."""
-    server = SGLangServer(model.config, env)
-    try:
-        server.wait_healthy(timeout, closed=closed)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    """A new server for the model, healthy (stopped again if it does not become so); on
+    another port if the one chosen was taken meanwhile, within the same `timeout`."""
+    deadline = time.monotonic() + timeout
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server = SGLangServer(model.config, env)
+        try:
+            server.wait_healthy(max(1.0, deadline - time.monotonic()), closed=closed)
+        except PortTaken:
+            server.stop()
+            if attempt == PORT_ATTEMPTS:
+                raise
+            log.warning("port %d was taken before the SGLang server for %s bound it; "
+                        "starting it on another", server.port, model.entry.id)
+            continue
+        except BaseException:
+            server.stop()
+            raise
+        return server
+    raise AssertionError("unreachable")
 
 
 def read_bounds(model: ServedModel) -> None:

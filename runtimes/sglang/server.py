@@ -35,6 +35,16 @@ class ServerStartError(RuntimeError):
     """The SGLang server did not become healthy (its output tail is in the message)."""
 
 
+class PortTaken(ServerStartError):
+    """The port `free_port` chose was taken before the server bound it (another process
+    got there in between): the server logs the bind error and stays up without serving,
+    so it is stopped at once and a new one started on another port."""
+
+
+# What SGLang's HTTP server (uvicorn) says when its port is taken.
+PORT_TAKEN = "address already in use"
+
+
 def sglang_python(env: Mapping[str, str] | None = None) -> Path:
     """The SGLang venv's python: SHOAL_SGLANG_PYTHON, else <repo>/.venv-sglang/bin/python."""
     value = (env or {}).get("SHOAL_SGLANG_PYTHON") or os.environ.get("SHOAL_SGLANG_PYTHON")
@@ -153,6 +163,12 @@ class SGLangServer:
                     raise ServerStartError(
                         f"the SGLang server for {self.config.served_name} (pid {self.pid}) "
                         f"exited during start-up ({self.describe_exit()}); its last output:\n"
+                        f"{self.output_tail()}")
+                if PORT_TAKEN in self.output_tail():
+                    self.stop()
+                    raise PortTaken(
+                        f"the SGLang server for {self.config.served_name} (pid {self.pid}) "
+                        f"found its port {self.port} taken; its last output:\n"
                         f"{self.output_tail()}")
                 if time.monotonic() > deadline:
                     self.stop()

@@ -281,3 +281,33 @@ def test_no_orphan_server_outlives_a_killed_worker(catalog_dir) -> None:
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+
+def test_a_port_taken_before_the_server_binds_it_is_left_for_another(runtime, monkeypatch
+                                                                     ) -> None:
+    # The race behind a restart that hung for minutes: `free_port` finds a port free,
+    # another process binds it, and SGLang logs "address already in use" and stays up
+    # without serving. Here the port is really taken, by a listening socket of this test.
+    import socket
+
+    import httpx
+
+    from runtimes.sglang import server as server_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    real = server_module.free_port
+    ports = iter([taken_port])
+    monkeypatch.setattr(server_module, "free_port", lambda: next(ports, None) or real())
+    try:
+        server = runtime._start_server(runtime._models[EMBED])
+    finally:
+        taken.close()
+    try:
+        assert server.port != taken_port
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
