@@ -42,9 +42,11 @@ import datetime as dt
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,11 +55,12 @@ import uvloop
 
 from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
-from app.tuning.cpu import process_kind
+from app.tuning.cpu import process_kind, process_label
 from app.tuning.inproc import machine_info
 from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import dash as _f
 from app.tuning.mix import make_texts
+from bench.lib import profiles
 from bench.lib.args import int_list
 from bench.lib.output import emit
 
@@ -177,17 +180,49 @@ def summarise(level: LoadResult, texts: int, before: WorkerCounters, after: Work
 
 
 async def measure(endpoint: str, texts: list[str], clients: int, per_request: int,
-                  args: argparse.Namespace, pids: list[int], metrics_url: str) -> Round:
+                  args: argparse.Namespace, pids: list[int], metrics_url: str,
+                  at_window: Callable[[], None] | None = None) -> Round:
+    """One round; `at_window` is called when its measured window begins."""
     requests = [[texts[(i * per_request + j) % len(texts)] for j in range(per_request)]
                 for i in range(len(texts))]
     prepared = prepare(endpoint, requests)
     now = time.perf_counter()  # run_load's window: [now + warmup, now + warmup + duration)
     counters = asyncio.create_task(counters_over(metrics_url, MINILM, now + args.warmup,
                                                  now + args.warmup + args.duration))
+    if at_window is not None:
+        asyncio.get_running_loop().call_later(args.warmup, at_window)
     level = await run_load(endpoint, prepared, "closed", clients, warmup=args.warmup,
                            duration=args.duration, timeout=args.timeout, cpu_pids=pids)
     before, after = await counters
     return summarise(level, per_request, before, after, os.cpu_count() or 1)
+
+
+def _named(pids: list[int]) -> dict[str, int]:
+    """The profiled processes by kind (gateway, worker, runtime), numbered if several."""
+    named: dict[str, int] = {}
+    for pid in pids:
+        kind = KINDS.get(process_kind(process_label(pid)))
+        if kind is None or kind == "rabbitmq":
+            continue
+        name = kind if kind not in named else f"{kind}-{pid}"
+        named[name] = pid
+    return named
+
+
+def profiled(out: Path, pids: list[int], args: argparse.Namespace, spy: Any) -> None:
+    """One more round with py-spy recording the stack over its window; its reports."""
+    recorders: list[subprocess.Popen] = []
+
+    def start() -> None:
+        recorders.extend(profiles.record(_named(pids), args.duration, out))
+
+    measured = spy(start)
+    for recorder in recorders:
+        recorder.wait(timeout=60)
+    cores = {name: entry["cores"] for name, entry in profiles.report(out, args.duration).items()}
+    print(f"  profiled at {measured.texts_per_s:,.0f} texts/s: {out}/*.top.txt "
+          f"({', '.join(f'{k} {v:.2f}' for k, v in cores.items())} cores holding the GIL)",
+          file=sys.stderr)
 
 
 def median_round(rounds: list[Round]) -> Round:
@@ -263,6 +298,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="more environment for the stack (repeatable)")
     p.add_argument("--json", type=Path, help="also write every round's numbers here")
+    p.add_argument("--py-spy", type=Path, metavar="DIR",
+                   help="after each load's rounds, one more round with `py-spy record` on "
+                        "the gateway, the worker and the runtime: DIR/<load>/<kind>.txt and "
+                        "its .top.txt (each thread's top functions)")
     args = p.parse_args(argv)
     if args.profile == "list":
         return args
@@ -320,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                 measured.append(r)
                 rounds.append(asdict(r))
             loads.append(median_round(measured))
+            if args.py_spy:
+                profiled(args.py_spy / f"{clients}x{per_request}", stack.pids, args,
+                         lambda start, c=clients, k=per_request: uvloop.run(measure(
+                             endpoint, texts, c, k, args, stack.pids, metrics_url, start)))
     data = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "bench.device_feed", *sys.argv[1:]]),

@@ -254,32 +254,6 @@ def test_native_reference_gets_its_own_columns_and_rows() -> None:
     assert "native" not in b.table(b.summarise(runs[:2]))
 
 
-def test_top_functions_from_collapsed_stacks() -> None:
-    collapsed = "\n".join([
-        "process 1:thread (1);main (a.py:1);loop (a.py:2);work (a.py:3) 6",
-        "main (a.py:1);loop (a.py:2) 3",
-        "main (a.py:1);loop (a.py:2);work (a.py:3);work (a.py:3) 1",
-        "garbage",
-    ])
-    top = {name: (inc, own) for name, inc, own in b.top_functions(collapsed)}
-    assert top["main (a.py:1)"] == (100.0, 0.0)
-    assert top["work (a.py:3)"] == (70.0, 70.0)  # counted once per stack
-    assert top["loop (a.py:2)"] == (100.0, 30.0)
-    assert "process 1:thread (1)" not in top
-    assert b.top_functions("") == []
-
-
-def test_by_thread_and_samples() -> None:
-    collapsed = "\n".join([
-        "thread (0x1): MainThread;main (a.py:1);poll (a.py:2) 3",
-        'thread (0x2): "loop";run (b.py:1) 5',
-        "thread (0x1): MainThread;main (a.py:1) 1",
-    ])
-    threads = b.by_thread(collapsed)
-    assert set(threads) == {"MainThread", "loop"}
-    assert b.samples(threads["MainThread"]) == 4 and b.samples(collapsed) == 9
-
-
 # --------------------------------------------------------------------------- requests, CLI
 
 
