@@ -2,7 +2,52 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from typing import Any
+
+import prometheus_client
+
+
+class _CachedLabels:
+    """`labels(...)` as a dict lookup once a label set was seen: prometheus_client's takes
+    a lock and formats every value on each call, and the worker's loop calls it several
+    times per request (a batch of 64 single-text requests: hundreds of times). Children
+    are never removed here but by `remove`/`clear`, which drop the cache with them."""
+
+    _children: dict[tuple[Any, ...], Any]
+
+    def labels(self, *values: Any, **named: Any) -> Any:
+        if named:
+            return super().labels(*values, **named)  # type: ignore[misc]
+        try:
+            return self._children[values]
+        except KeyError:
+            child = super().labels(*values)  # type: ignore[misc]
+            self._children[values] = child
+            return child
+        except AttributeError:  # the first call on this metric
+            self._children = {}
+            return self.labels(*values)
+
+    def remove(self, *values: Any) -> None:
+        self._children = {}
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self._children = {}
+        super().clear()  # type: ignore[misc]
+
+
+class Counter(_CachedLabels, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_CachedLabels, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, prometheus_client.Histogram):
+    pass
+
 
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
