@@ -94,14 +94,16 @@ def batch_device_ms(results: Iterable[Mapping[str, Any] | None]) -> float | None
 
 
 def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
-                   received_s: float | None = None, started_s: float | None = None) -> None:
+                   received_s: float | None = None, started_s: float | None = None,
+                   answered_s: float | None = None) -> None:
     """Mark a result with how long its request queued, which worker answered it, and when
-    (epoch seconds) the worker took its message and started its batch."""
+    (epoch seconds) the worker took its message, started its batch and answered it
+    (`answered_s`, default now: a batch's answers may share one reading of the clock)."""
     batch = result.get(BATCH) or {}
     timing = Timing(queue_ms=queue_ms, inference_ms=round(batch.get("inference_ms", 0.0), 3))
     if received_s and started_s:
         timing.update(received_us=round(received_s * 1e6), started_us=round(started_s * 1e6),
-                      answered_us=round(time.time() * 1e6))
+                      answered_us=round((answered_s or time.time()) * 1e6))
     result[TIMING] = timing
     result[WORKER] = worker
 

@@ -50,10 +50,22 @@ class Answers:
         self.drain = drain  # while it is on, answers are counted
 
     def answer_batch(self, model: str, held: list[Held], outcomes: list[Outcome]) -> None:
-        """A batch's requests, each with its outcome, published together."""
+        """A batch's requests, each with its outcome, published together. What the
+        successes share is paid once for the batch, not per request: the clock, the
+        count of results, the drain's count (the replier reads Flower's flag and the
+        results' date once too)."""
         self.replier.begin_batch()
+        now = time.time()
+        ok = 0
         for h, outcome in zip(held, outcomes, strict=True):
-            self.answer(model, h, outcome)
+            if h.split is None and outcome.ok:
+                self._succeed(model, h, outcome, now)
+                ok += 1
+            else:
+                self.answer(model, h, outcome)
+        if ok:
+            metrics.RESULTS.labels(model, "ok").inc(ok)
+            self._count_drain_answer(model, ok)
         self.replier.end_batch()
 
     def answer(self, model: str, held: Held, outcome: Outcome) -> None:
@@ -79,19 +91,25 @@ class Answers:
                                  outcome.error_message,
                                  math.ceil(retry_after) if retry_after is not None else None)
             return
+        metrics.RESULTS.labels(model, "ok").inc()
+        self._succeed(model, held, outcome, time.time())
+
+    def _succeed(self, model: str, held: Held, outcome: Outcome, now: float) -> None:
+        """Publish a result (`now`: epoch seconds it is answered); counted by the caller."""
         result = outcome.result
         assert result is not None
         sent = held.annotations.sent_ms
-        stamp_delivery(result, round(max(0.0, held.started * 1000 - sent), 2) if sent else None,
-                       self.c.hostname, held.delivery.received, held.started)
-        metrics.RESULTS.labels(model, "ok").inc()
-        if any(c.get("finish_reason") == CANCELLED for c in result.get("choices") or ()):
+        started = held.started
+        stamp_delivery(result, round(max(0.0, started * 1000 - sent), 2) if sent else None,
+                       self.c.hostname, held.delivery.received, started, now)
+        choices = result.get("choices")
+        if choices and any(c.get("finish_reason") == CANCELLED for c in choices):
             metrics.CANCELLED.labels(model).inc()
         for latency in result.get("latency") or ():
             if "ttft_ms" in latency:
                 metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(latency["ttft_ms"] / 1000)
                 metrics.INTER_TOKEN.labels(model).observe(latency["itl_ms"] / 1000)
-        self.replier.success(held.delivery, held.task_id, result, time.time() - held.started)
+        self.replier.success(held.delivery, held.task_id, result, now - started)
 
     def refuse(self, model: str, held: Held, why: str,
                 code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
@@ -108,7 +126,7 @@ class Answers:
         ran = held.split is not None and bool(held.split.results)
         self.replier.failure(held.delivery, held.task_id, code, why, started=ran)
 
-    def _count_drain_answer(self, model: str) -> None:
+    def _count_drain_answer(self, model: str, answered: int = 1) -> None:
         if self.drain.active:
-            self.drain.answered += 1
-            metrics.DRAIN_ANSWERED.labels(model).inc()
+            self.drain.answered += answered
+            metrics.DRAIN_ANSWERED.labels(model).inc(answered)

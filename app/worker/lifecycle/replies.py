@@ -95,15 +95,22 @@ class Delivery:
             self.message.reject(requeue=True)
 
 
-def rpc_result(task_id: str, status: str, result: Any) -> dict[str, Any]:
-    """The body Celery's rpc backend publishes (and its clients decode)."""
+def date_done() -> str:
+    """Now, as Celery's results say when they were done."""
+    return datetime.now(UTC).isoformat()
+
+
+def rpc_result(task_id: str, status: str, result: Any, done: str | None = None
+               ) -> dict[str, Any]:
+    """The body Celery's rpc backend publishes (and its clients decode); `done`: its
+    `date_done` (`date_done()`), if the caller has it already."""
     return {
         "task_id": task_id,
         "status": status,
         "result": result,
         "traceback": None,
         "children": [],
-        "date_done": datetime.now(UTC).isoformat(),
+        "date_done": done or datetime.now(UTC).isoformat(),
     }
 
 
@@ -116,6 +123,10 @@ class Replier:
         self._unconfirmed: dict[int, list[Delivery]] = {}
         self._bundles: dict[str, list[tuple[dict[str, Any], Delivery]]] = {}
         self._batching = False
+        # Read once per batch at `begin_batch` (both hold for all its answers: the loop
+        # that could change the events' flag is busy answering them), not per request.
+        self._events = False
+        self._done: str | None = None
         self._utcoffset_value = 0
         self._utcoffset_until = float("-inf")
         # Told after the broker confirmed (or refused) publishes: a draining worker waits
@@ -143,9 +154,12 @@ class Replier:
     def begin_batch(self) -> None:
         """Collect gateway replies until `end_batch`, one message per reply queue."""
         self._batching = True
+        self._events = self.task_events
+        self._done = date_done()
 
     def end_batch(self) -> None:
         self._batching = False
+        self._done = None
         bundles, self._bundles = self._bundles, {}
         for reply_to, entries in bundles.items():
             body = msgpack.packb({"results": [payload for payload, _ in entries]},
@@ -155,8 +169,8 @@ class Replier:
 
     def success(self, delivery: Delivery, task_id: str, result: dict[str, Any],
                 runtime_s: float) -> None:
-        self._answer(delivery, task_id, rpc_result(task_id, SUCCESS, result))
-        if self.task_events:
+        self._answer(delivery, task_id, rpc_result(task_id, SUCCESS, result, self._done))
+        if self._events if self._batching else self.task_events:
             self._event("task-succeeded", task_id, result=f"<{result.get('count')} vectors>",
                         runtime=runtime_s)
 
@@ -167,8 +181,9 @@ class Replier:
         let clients retry a DEADLINE_EXCEEDED), None when not known."""
         code = code or ErrorCode.INTERNAL
         error = ShoalError(code, text or "", retry_after, started=started)
-        self._answer(delivery, task_id, rpc_result(task_id, FAILURE, error.as_celery_failure()))
-        if self.task_events:
+        self._answer(delivery, task_id,
+                     rpc_result(task_id, FAILURE, error.as_celery_failure(), self._done))
+        if self._events if self._batching else self.task_events:
             self._event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
                         traceback="")
 
