@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 import aio_pika
 
 from gateway.broker.broker_errors import late, unavailable
+from gateway.broker.deadlines import Deadlines
 from gateway.broker.failover import FailoverConnection, connect_failover
 from gateway.broker.outbox import Outbox, _Outgoing
 from gateway.broker.pool_view import PoolView
@@ -74,6 +75,7 @@ class Broker:
         self.served = ServedModels(settings, self.queues, self.pool_queue)
         self.outbox = Outbox(settings, self.queues, self.origin, self.reply_to)
         self.replies = AwaitedReplies()
+        self.deadlines = Deadlines()  # of the requests awaited (`submit`)
         self.streams = ReplyStreams(self.replies, self.pool, self._connected, self._send,
                                     lambda: self._connection)
         self._connection: FailoverConnection | None = None
@@ -211,14 +213,19 @@ class Broker:
         task_id = part.task_id
         self.replies.pending[task_id] = future
         self.replies.unanswered[task_id] = (model, loop.time())
+        deadline = self.deadlines.add(timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._send(model, part, timeout_s)
-                self.replies.confirmed(model, part, loop.time() + timeout_s)
-                return await future
-        except TimeoutError:
-            raise late(timeout_s) from None
+            await self._send(model, part, timeout_s)
+            self.replies.confirmed(model, part, loop.time() + timeout_s)
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled for its deadline, and by nothing else (a client that left, a
+            # shutdown): as `asyncio.timeout` tells the two apart.
+            if deadline.expired and deadline.task.uncancel() == 0:
+                raise late(timeout_s) from None
+            raise
         finally:
+            deadline.finished = True
             self.replies.forget(task_id)
 
     def stream(self, model: str, part: Part, timeout_s: float) -> AsyncIterator[dict]:
