@@ -14,13 +14,13 @@ message is unchanged; Celery clients keep sending images inline.
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import msgpack
 
+from tasks import ids
 from tasks.names import OPERATION_OF_TASK, TASK_OF_OPERATION
 from tasks.token_estimate import Estimate
 
@@ -210,7 +210,7 @@ def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int,
                            deadline_ms=int(sent) + timeout_ms, sent_ms=sent)
     if claims or bulk:
         annotations = replace(annotations, claims=claims, bulk=bulk)
-    return Part(str(uuid.uuid4()), annotations, task_body(kwargs))
+    return Part(ids.task_id(), annotations, task_body(kwargs))
 
 
 def single_message(part: Part, origin: str, reply_batch: bool = True) -> TaskMessage:
@@ -271,7 +271,7 @@ def coalesce(model: str, op: str, parts: list[Part], origin: str,
     sent_ms, lora, returns, body]`, each `body` the request's own Celery body.
     Every request keeps its own id, deadline, result and Flower task.
     """
-    message_id = str(uuid.uuid4())
+    message_id = ids.task_id()
     task_name = TASK_OF_OPERATION[op]
     deadlines = [p.annotations.deadline_ms for p in parts]
     headers: dict[str, Any] = {

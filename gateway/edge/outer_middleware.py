@@ -13,7 +13,6 @@ import asyncio
 import logging
 import re
 import time
-import uuid
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -21,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from gateway.edge.error_shapes import error_response
 from gateway.edge.gateway_metrics import CLIENT_DISCONNECTS, LATENCY, REQUESTS, UNEXPECTED_ERRORS
 from tasks.errors import ErrorCode, ShoalError
+from tasks.ids import hex_id
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
             if _REQUEST_ID.fullmatch(value):
                 return value.decode("ascii")
             break
-    return uuid.uuid4().hex
+    return hex_id()
 
 
 def _redis_unreachable(exc: BaseException) -> bool:
