@@ -45,6 +45,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.edge.gateway_metrics import EDGE_REFUSALS
+from gateway.edge.one_write import HeldHeaders
 from gateway.edge.outer_middleware import EDGE_ANSWERED
 from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
 
@@ -271,6 +272,15 @@ class EdgeProtocol(HttpToolsProtocol):
         self._tail = b""
         self._cancel_header_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self.transport:
+            cycle.transport = HeldHeaders(self.transport, cycle)  # gateway.edge.one_write
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and isinstance(cycle.transport, HeldHeaders):
+            cycle.transport.flush()
+        super().on_response_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
