@@ -81,11 +81,13 @@ class PoolView:
         # Workers that went stale (a killed one): a stream they served has ended. Bounded by
         # the fleet's history of worker names, which `shoal worker` keeps per host.
         self._forgotten: set[str] = set()
+        self._served_until: dict[str, float] = {}  # `serves`' last answers, by model
 
     def update(self, body: bytes, now: float) -> WorkerState:
         """Keep a worker's message (ValueError, and nothing kept, if it is malformed)."""
         state = parse_state(body, self.default_interval_s, now)
         self._workers[state.worker] = state
+        self._served_until.clear()  # a worker may have stopped serving a model
         return state
 
     def fresh(self, now: float) -> list[WorkerState]:
@@ -114,9 +116,14 @@ class PoolView:
 
     def serves(self, model: str, now: float) -> bool:
         """Whether a fresh worker says it serves (consumes the queue of) `model`. Asked on
-        every request: no sorting, no pruning."""
-        return any(model in s.models and now - s.heard_at <= s.stale_after_s
-                   for s in self._workers.values())
+        every request: a dictionary lookup while the last answer holds (until the freshest
+        such worker would go stale, or a state arrives); no sorting, no pruning."""
+        if now <= self._served_until.get(model, float("-inf")):
+            return True
+        until = max((s.heard_at + s.stale_after_s for s in self._workers.values()
+                     if model in s.models), default=float("-inf"))
+        self._served_until[model] = until
+        return now <= until
 
 
 def worker_rows(placements: list[Placement], lora: str | None = None) -> list[dict[str, Any]]:

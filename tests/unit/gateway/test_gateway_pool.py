@@ -41,6 +41,18 @@ def test_forgets_a_worker_after_stale_after_intervals_of_its_own_interval():
     assert not pool.serves("m/a", now=100.0)
 
 
+def test_serves_answers_again_when_a_state_arrives_or_the_worker_goes_stale():
+    pool = PoolView(default_interval_s=1.0)
+    pool.update(_state("w1", interval_s=1.0), now=0.0)
+    assert pool.serves("m/a", now=0.5)  # the answer is kept...
+    assert pool.serves("m/a", now=STALE_AFTER_INTERVALS * 1.0)
+    assert not pool.serves("m/a", now=STALE_AFTER_INTERVALS * 1.0 + 0.01)  # ...until stale
+    pool.update(_state("w1", interval_s=1.0), now=10.0)
+    assert pool.serves("m/a", now=10.5)
+    pool.update(encode_state({"worker": "w1", "models": []}), now=11.0)  # farewell
+    assert not pool.serves("m/a", now=11.0)
+
+
 @pytest.mark.parametrize("body", [
     b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"worker": "w"}),
     msgpack.packb({"worker": 5, "models": []}),
