@@ -31,22 +31,36 @@ MIN_WAIT_S = 1e-4
 
 
 class RequestMix:
-    """An exponentially weighted mean of the requests that arrived (items, longest, cost)."""
+    """An exponentially weighted mean of the requests that arrived (items, longest, cost).
 
-    __slots__ = ("mean",)
+    Kept as three floats, updated per arrival; the `MeanRequest` the credit reads is
+    built when read (a few times a tick), not per arrival."""
+
+    __slots__ = ("_cost", "_items", "_longest", "_mean", "_seen")
 
     def __init__(self) -> None:
-        self.mean: MeanRequest | None = None
+        self._seen = False
+        self._items: float = 0.0
+        self._longest: float = 0.0
+        self._cost: float = 0.0
+        self._mean: MeanRequest | None = None  # of the arrivals so far, once read
+
+    @property
+    def mean(self) -> MeanRequest | None:
+        if self._mean is None and self._seen:
+            self._mean = MeanRequest(self._items, self._longest, self._cost)
+        return self._mean
 
     def add(self, p: Pending) -> None:
-        m = self.mean
-        if m is None:
-            self.mean = MeanRequest(p.items, p.longest, p.cost)
+        self._mean = None
+        if not self._seen:
+            self._seen = True
+            self._items, self._longest, self._cost = p.items, p.longest, p.cost
             return
         w = MIX_WEIGHT
-        self.mean = MeanRequest(m.items + w * (p.items - m.items),
-                                m.longest + w * (p.longest - m.longest),
-                                m.cost + w * (p.cost - m.cost))
+        self._items += w * (p.items - self._items)
+        self._longest += w * (p.longest - self._longest)
+        self._cost += w * (p.cost - self._cost)
 
 
 @dataclass(slots=True)

@@ -86,6 +86,9 @@ class Intake:
         self.generation = generation  # the loop's: a fetch that ends in a later one is void
         self.part_target_s = part_target_s  # the longest a part of a split request should run
         self.lora_mixed_batches = lora_mixed_batches
+        # While a coalesced message is taken: its clocks (monotonic s, epoch ms), read once
+        # for all its requests (delivered together) instead of once each.
+        self._clock: tuple[float, int] | None = None
 
     def take(self, message: Any) -> bool:
         """Hold the requests a message carries, each handed to `place` (or to the claims'
@@ -102,9 +105,13 @@ class Intake:
                 message.reject(requeue=False)
                 return False
             delivery = Delivery(message, len(members))
-            for member in members:
-                self._take(delivery, member.task_id, task_name, member.annotations,
-                           member.body, deliveries, member.returns)
+            self._clock = (time.monotonic(), now_ms())
+            try:
+                for member in members:
+                    self._take(delivery, member.task_id, task_name, member.annotations,
+                               member.body, deliveries, member.returns)
+            finally:
+                self._clock = None
             return True
         task_id = headers.get("id") or message.properties.get("correlation_id")
         if not task_id:
@@ -188,7 +195,7 @@ class Intake:
 
     def pending(self, held: Held, deliveries: int) -> Pending:
         """A request's entry in its model's scheduler lane."""
-        now = time.monotonic()
+        now, wall_ms = self._clock or (time.monotonic(), now_ms())
         annotations = held.annotations
         deadline = annotations.deadline_ms
         return Pending(
@@ -201,7 +208,7 @@ class Intake:
             cost=annotations.cost,
             longest=annotations.longest,
             received=now,
-            deadline=None if deadline is None else now + (deadline - now_ms()) / 1000,
+            deadline=None if deadline is None else now + (deadline - wall_ms) / 1000,
             budget_s=None if deadline is None or annotations.sent_ms is None
             else (deadline - annotations.sent_ms) / 1000,
             deliveries=deliveries,
@@ -210,10 +217,9 @@ class Intake:
             key=held.task_id,
         )
 
-    @staticmethod
-    def waiting(held: Held, deliveries: int) -> Waiting:
+    def waiting(self, held: Held, deliveries: int) -> Waiting:
         """A request's entry in a continuously batching runtime's feeder."""
         deadline = held.annotations.deadline_ms
-        now = time.monotonic()
-        return Waiting(held, now, None if deadline is None else now + (deadline - now_ms()) / 1000,
+        now, wall_ms = self._clock or (time.monotonic(), now_ms())
+        return Waiting(held, now, None if deadline is None else now + (deadline - wall_ms) / 1000,
                        deliveries, key=held.task_id)
