@@ -10,9 +10,11 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from gateway.auth.install import install_auth
 from gateway.broker.link import Broker
@@ -49,6 +51,17 @@ async def _on_shoal_error(request: Request, exc: Exception) -> Response:
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return http_error_response(request, exc)
+
+
+class GatewayApp(Starlette):
+    """Starlette without its outermost ServerErrorMiddleware: `RequestIdMiddleware`, just
+    inside CORS, answers whatever escapes a handler (in the route's error shape, with the
+    request's id), so Starlette's layer only added a coroutine and a send wrapper to every
+    request (~2.5% of the gateway's CPU under single-text load)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        return stack.app if isinstance(stack, ServerErrorMiddleware) else stack
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
@@ -89,7 +102,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         await broker.close()
         await job_store.close()
 
-    app = Starlette(
+    app = GatewayApp(
         routes=[
             Route("/v1/embeddings", create_embeddings, methods=["POST"]),
             Route("/v1/encode/{model:path}", encode, methods=["POST"]),
