@@ -283,22 +283,42 @@ def _nonnegative_quadratic_min(matrix: list[list[float]], vector: list[float]) -
     """argmin x^T M x - 2 x^T v subject to x >= 0, for a small positive-definite M.
 
     The optimum is the unconstrained optimum on some face {x_k = 0 for k not in
-    F}; with 3 variables trying all 8 faces is exact and cheap.
+    F}: the one whose solution is non-negative and where the objective does not
+    fall by raising any x_k it holds at zero (the KKT conditions, which single out
+    the one minimum of a strictly convex problem). With 3 variables the faces are
+    tried largest first, so the usual fit (every term positive, or one held at zero)
+    costs one or two 3x3 solves, not seven; if rounding leaves no face passing the
+    test, every face is compared by its value.
     """
     n = len(vector)
+    faces = [free for size in range(n, 0, -1) for free in combinations(range(n), size)]
+    solved: list[tuple[tuple[int, ...], list[float]]] = []
+    for free in faces:
+        sub = _solve_linear([[matrix[i][j] for j in free] for i in free],
+                            [vector[i] for i in free])
+        if sub is None or any(v < 0 for v in sub):
+            continue
+        solved.append((free, sub))
+        # Half the objective's gradient at this point, along the coordinates held at 0.
+        if all(sum(matrix[k][i] * x for x, i in zip(sub, free, strict=True)) >= vector[k]
+               for k in range(n) if k not in free):
+            return _placed(n, free, sub)
+    if all(v <= 0 for v in vector):
+        return [0.0] * n  # the empty face: x = 0
     best, best_value = [0.0] * n, 0.0  # the empty face: x = 0, value 0
-    for size in range(1, n + 1):
-        for free in combinations(range(n), size):
-            sub = _solve_linear([[matrix[i][j] for j in free] for i in free],
-                                [vector[i] for i in free])
-            if sub is None or any(v < 0 for v in sub):
-                continue
-            value = -sum(x * vector[i] for x, i in zip(sub, free, strict=True))
-            if value < best_value:
-                best, best_value = [0.0] * n, value
-                for x, i in zip(sub, free, strict=True):
-                    best[i] = x
+    for free, sub in solved:
+        value = -sum(x * vector[i] for x, i in zip(sub, free, strict=True))
+        if value < best_value:
+            best, best_value = _placed(n, free, sub), value
     return best
+
+
+def _placed(n: int, free: tuple[int, ...], sub: list[float]) -> list[float]:
+    """The n-vector with `sub` at the indices `free`, zero elsewhere."""
+    x = [0.0] * n
+    for value, i in zip(sub, free, strict=True):
+        x[i] = value
+    return x
 
 
 def _solve_linear(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
