@@ -16,6 +16,8 @@ default 64 x 1 and 16 x 16), after `--warmup` s, over `--duration` s, `--rounds`
 - texts/s, p50/p99 request latency;
 - device busy: the worker's `shoal_device_busy_seconds_total` (read from its /metrics at
   the window's ends) ÷ wall time, and device ms per batch (÷ `shoal_batch_seconds_count`);
+- requests per message: how many requests the gateway coalesced into each task message
+  (its `shoal_gateway_requests_per_message` histogram over the window);
 - CPU µs per text of each process kind (gateway, worker, runtime, RabbitMQ; /proc
   utime+stime over the window, `app.tuning.cpu`), and the load generator's;
 - the CPU side's time per batch: the larger of the runtime process's CPU per batch (its
@@ -80,32 +82,48 @@ class WorkerCounters:
     batches: float
     batch_items: float
     at: float  # perf_counter when read
+    messages: float = 0.0  # the gateway's published task messages
+    messages_requests: float = 0.0  # and the requests they carried
 
 
-def read_counters(metrics_url: str, model: str) -> WorkerCounters:
-    """The worker's device-busy and batch counters of `model`, now."""
+def _samples(url: str, wanted: dict[str, float], model: str | None) -> dict[str, float]:
+    """The named samples of a /metrics page summed (those of `model` only, if given)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    at = time.perf_counter()
-    wanted = {"shoal_device_busy_seconds_total": 0.0, "shoal_batch_seconds_count": 0.0,
-              "shoal_batch_items_sum": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in wanted and sample.labels.get("model") == model:
+            if sample.name in wanted and (model is None or sample.labels.get("model") == model):
                 wanted[sample.name] += sample.value
-    return WorkerCounters(wanted["shoal_device_busy_seconds_total"],
-                          wanted["shoal_batch_seconds_count"], wanted["shoal_batch_items_sum"], at)
+    return wanted
 
 
-async def counters_over(metrics_url: str, model: str, start: float,
-                        end: float) -> tuple[WorkerCounters, WorkerCounters]:
+def read_counters(metrics_url: str, model: str, gateway_url: str | None = None
+                  ) -> WorkerCounters:
+    """The worker's device-busy and batch counters of `model`, and the gateway's messages
+    and the requests they carried, now."""
+    worker = _samples(metrics_url, {"shoal_device_busy_seconds_total": 0.0,
+                                    "shoal_batch_seconds_count": 0.0,
+                                    "shoal_batch_items_sum": 0.0}, model)
+    at = time.perf_counter()
+    gateway = _samples(gateway_url, {"shoal_gateway_requests_per_message_count": 0.0,
+                                     "shoal_gateway_requests_per_message_sum": 0.0}, None) \
+        if gateway_url else {}
+    return WorkerCounters(worker["shoal_device_busy_seconds_total"],
+                          worker["shoal_batch_seconds_count"], worker["shoal_batch_items_sum"],
+                          at, gateway.get("shoal_gateway_requests_per_message_count", 0.0),
+                          gateway.get("shoal_gateway_requests_per_message_sum", 0.0))
+
+
+async def counters_over(metrics_url: str, model: str, start: float, end: float,
+                        gateway_url: str | None = None
+                        ) -> tuple[WorkerCounters, WorkerCounters]:
     """The counters at `start` and at `end` (perf_counter instants), read off the loop."""
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
-    before = await asyncio.to_thread(read_counters, metrics_url, model)
+    before = await asyncio.to_thread(read_counters, metrics_url, model, gateway_url)
     await asyncio.sleep(max(0.0, end - time.perf_counter()))
-    after = await asyncio.to_thread(read_counters, metrics_url, model)
+    after = await asyncio.to_thread(read_counters, metrics_url, model, gateway_url)
     return before, after
 
 
@@ -124,6 +142,7 @@ class Round:
     device_busy: float  # busy seconds ÷ wall seconds
     batches_per_s: float
     texts_per_batch: float | None
+    requests_per_message: float | None  # as the gateway published them (coalesced)
     device_ms_per_batch: float | None
     cpu_us_per_text: dict[str, float]  # by process kind, "total" (the stack), "client"
     runtime_cpu_ms_per_batch: float | None
@@ -172,6 +191,8 @@ def summarise(level: LoadResult, texts: int, before: WorkerCounters, after: Work
         device_busy=busy / wall if wall > 0 else 0.0,
         batches_per_s=batches / wall if wall > 0 else 0.0,
         texts_per_batch=(after.batch_items - before.batch_items) / batches if batches else None,
+        requests_per_message=(after.messages_requests - before.messages_requests) / messages
+        if (messages := after.messages - before.messages) else None,
         device_ms_per_batch=device_ms, cpu_us_per_text=per_text,
         runtime_cpu_ms_per_batch=runtime_ms, stack_cpu_ms_per_batch=stack_ms,
         cpu_side_ms_per_batch=side_ms, device_over_cpu=ratio, scale_for_target=scale,
@@ -187,8 +208,10 @@ async def measure(endpoint: str, texts: list[str], clients: int, per_request: in
                 for i in range(len(texts))]
     prepared = prepare(endpoint, requests)
     now = time.perf_counter()  # run_load's window: [now + warmup, now + warmup + duration)
+    gateway_metrics = endpoint.split("/v1/", 1)[0] + "/metrics"
     counters = asyncio.create_task(counters_over(metrics_url, MINILM, now + args.warmup,
-                                                 now + args.warmup + args.duration))
+                                                 now + args.warmup + args.duration,
+                                                 gateway_metrics))
     if at_window is not None:
         asyncio.get_running_loop().call_later(args.warmup, at_window)
     level = await run_load(endpoint, prepared, "closed", clients, warmup=args.warmup,
@@ -261,14 +284,15 @@ def report(data: dict[str, Any]) -> str:
         "",
         *markdown.table(
             ["clients x texts", "texts/s", "p50 ms", "p99 ms", "device busy", "texts/batch",
-             "device ms/batch", "CPU side ms/batch", "device/CPU", "1.2x scale",
+             "requests/message", "device ms/batch", "CPU side ms/batch", "device/CPU", "1.2x scale",
              *(f"{k} µs/text" for k in kinds), "errors"],
             [[f"{r.clients} x {r.texts}", f"{r.texts_per_s:,.0f}", _f(r.p50_ms), _f(r.p99_ms),
-              f"{r.device_busy:.1%}", _f(r.texts_per_batch), _f(r.device_ms_per_batch, ".2f"),
+              f"{r.device_busy:.1%}", _f(r.texts_per_batch), _f(r.requests_per_message),
+              _f(r.device_ms_per_batch, ".2f"),
               _f(r.cpu_side_ms_per_batch, ".2f"), _f(r.device_over_cpu, ".2f"),
               _f(r.scale_for_target, ".1f"), *(_f(r.cpu_us_per_text.get(k), ".0f") for k in kinds),
               f"{r.errors:g}"] for r in rows],
-            align="l" + "r" * (len(kinds) + 10)),
+            align="l" + "r" * (len(kinds) + 11)),
     ]
     marked = {r.simulated for r in rows}
     lines += ["", "CPU side ms/batch = max(runtime CPU per batch, stack CPU per batch ÷ "
