@@ -10,30 +10,23 @@ import uuid
 from dataclasses import replace
 
 import httpx
-import msgpack
 import numpy as np
 import pytest
-from kombu import Connection, Consumer, Producer, Queue
+from kombu import Connection, Consumer, Queue
 
 from app.worker.lifecycle.replies import Delivery, Replier
-from tasks.catalog import load_catalog
-from tasks.envelope import (
-    CONTENT_ENCODING,
-    CONTENT_TYPE,
-    Part,
-    coalesce,
-    read_coalesced,
-    task_part,
-)
-from tasks.settings import get_settings
+from tasks.envelope import Part, coalesce, read_coalesced, task_part
 from tests.conftest import MINILM, RESTART, queue_name
+from tests.e2e.coalesced_messages import catalog_entry as _entry
+from tests.e2e.coalesced_messages import collect as _collect
+from tests.e2e.coalesced_messages import delete as _delete
+from tests.e2e.coalesced_messages import publish as _publish
+from tests.e2e.coalesced_messages import reply_queue as _reply_queue
 from tests.stack import BROKER_URL, free_port, metric_sum, queue_counts, wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def _entry(model: str):
-    return load_catalog(get_settings().catalog_dir).get(model)
+# The helpers above keep the names they had when they lived here: test_flower imports
+# them from this module.
 
 
 def test_concurrent_requests_share_messages_and_each_gets_its_own_result(stack):
@@ -62,45 +55,6 @@ def test_concurrent_requests_share_messages_and_each_gets_its_own_result(stack):
     for text in list(results)[:: max(1, len(results) // 6)]:
         alone = httpx.post(url, json={"items": [{"text": text}]}, timeout=60).json()
         assert np.dot(alone["embeddings"][0], results[text]) >= 0.9999
-
-
-def _reply_queue() -> str:
-    name = f"test-coalesced-reply-{uuid.uuid4().hex}"
-    with Connection(BROKER_URL) as conn:
-        conn.default_channel.queue_declare(queue=name)
-    return name
-
-
-def _publish(queue: str, model: str, parts: list[Part], reply_to: str) -> str:
-    message = coalesce(model, "encode", parts, "test", reply_batch=False)
-    with Connection(BROKER_URL) as conn:
-        Producer(conn.default_channel).publish(
-            message.body, routing_key=queue, exchange="", headers=message.headers,
-            content_type=CONTENT_TYPE, content_encoding=CONTENT_ENCODING,
-            correlation_id=message.task_id, reply_to=reply_to, delivery_mode=2)
-    return message.task_id
-
-
-def _collect(reply_to: str, want: set[str], timeout: float) -> dict[str, list[dict]]:
-    """Every reply on `reply_to` by task id, until each of `want` has one."""
-    replies: dict[str, list[dict]] = {}
-    with Connection(BROKER_URL) as conn:
-        channel = conn.default_channel
-
-        def drain() -> bool:
-            while (message := channel.basic_get(reply_to, no_ack=True)) is not None:
-                reply = msgpack.unpackb(message.body)
-                assert message.properties["correlation_id"] == reply["task_id"]
-                replies.setdefault(reply["task_id"], []).append(reply)
-            return want <= set(replies)
-
-        wait_for(drain, timeout, f"replies to {len(want)} requests")
-    return replies
-
-
-def _delete(queue: str) -> None:
-    with Connection(BROKER_URL) as conn:
-        conn.default_channel.queue_delete(queue)
 
 
 def test_each_request_of_a_coalesced_message_keeps_its_deadline_and_errors(stack):
