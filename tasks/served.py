@@ -99,11 +99,16 @@ def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
     """Mark a result with how long its request queued, which worker answered it, and when
     (epoch seconds) the worker took its message, started its batch and answered it
     (`answered_s`, default now: a batch's answers may share one reading of the clock)."""
-    batch = result.get(BATCH) or {}
-    timing = Timing(queue_ms=queue_ms, inference_ms=round(batch.get("inference_ms", 0.0), 3))
+    batch = result.get(BATCH)
+    inference_ms = round(batch.get("inference_ms", 0.0), 3) if batch else 0.0
+    # Dict displays, not Timing(...) and update(...): this runs once per answered request.
+    timing: Timing
     if received_s and started_s:
-        timing.update(received_us=round(received_s * 1e6), started_us=round(started_s * 1e6),
-                      answered_us=round((answered_s or time.time()) * 1e6))
+        timing = {"queue_ms": queue_ms, "inference_ms": inference_ms,
+                  "received_us": round(received_s * 1e6), "started_us": round(started_s * 1e6),
+                  "answered_us": round((answered_s or time.time()) * 1e6)}
+    else:
+        timing = {"queue_ms": queue_ms, "inference_ms": inference_ms}
     result[TIMING] = timing
     result[WORKER] = worker
 
