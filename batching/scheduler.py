@@ -217,8 +217,9 @@ class Scheduler:
             members = take_batch(lane.backlog, limits, lane.cost, now, lane.bulk_turn(now))
             lane.took(members, now)
             shape = BatchShape.of(members)
-            late = [p for p in members if p.deadline is not None
-                    and p.deadline < now + ahead + lane.cost.predict(shape)]
+            predicted = lane.cost.predict(shape)
+            ends = now + ahead + predicted
+            late = [p for p in members if p.deadline is not None and p.deadline < ends]
             admitted = None
             if late:
                 # Refused unrun only on a prediction that measurements of comparable
@@ -236,7 +237,7 @@ class Scheduler:
                 if not members:
                     continue
                 shape = BatchShape.of(members)
-            predicted = lane.cost.predict(shape)
+                predicted = lane.cost.predict(shape)
             check = now + ahead + max(predicted * OVERRUN_FIRST, OVERRUN_MIN_S)
             batch = Batch(lane, members, shape, predicted, now, check, admitted)
             self.in_flight.append(batch)
