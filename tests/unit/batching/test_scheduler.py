@@ -33,7 +33,7 @@ from batching.hold import (
     target_prefetch,
     typical_batch_s,
 )
-from batching.lanes import CALLERS_RECENT_S, Actions, Batch, Lane
+from batching.lanes import CALLERS_RECENT_S, MIX_WEIGHT, Actions, Batch, Lane, RequestMix
 from batching.latency_model import BatchShape, CostModel
 from batching.scheduler import Scheduler
 from batching.shapes import Pending
@@ -887,3 +887,19 @@ def test_job_parts_wait_for_waited_for_requests_but_get_a_batch_every_bulk_pass_
     # Once no caller came for CALLERS_RECENT_S, the parts take whole batches.
     rest = scheduler.tick(now + CALLERS_RECENT_S).start
     assert rest is not None and [p.handle for p in rest.members] == ["part3", "part4"]
+
+
+def test_the_request_mix_is_the_exponentially_weighted_mean_of_what_arrived():
+    mix = RequestMix()
+    assert mix.mean is None
+    arrivals = [(1, 10, 10), (4, 30, 100), (16, 200, 2000), (2, 8, 12)]
+    items, longest, cost = arrivals[0]
+    for n, (i, lg, c) in enumerate(arrivals):
+        mix.add(Pending(None, "g", i, c, lg, 0.0))
+        if n:
+            items += MIX_WEIGHT * (i - items)
+            longest += MIX_WEIGHT * (lg - longest)
+            cost += MIX_WEIGHT * (c - cost)
+        mean = mix.mean
+        assert mean is not None
+        assert (mean.items, mean.longest, mean.cost) == (items, longest, cost)
