@@ -13,7 +13,11 @@ from typing import Any
 
 @dataclass(slots=True)
 class Pending:
-    """A request held by the worker, described by its annotations only."""
+    """A request held by the worker, described by its annotations only.
+
+    Built positionally, once per request, by `app.worker.lifecycle.intake.Intake.pending`
+    (keywords cost more than the rest of it): a new field goes last, with a default, or
+    that call changes with it."""
 
     handle: Any  # opaque to the scheduler: the worker's message
     group: Hashable  # what must not be mixed (op, split parts; LoRA when told not to mix)

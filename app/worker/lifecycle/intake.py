@@ -198,23 +198,25 @@ class Intake:
         now, wall_ms = self._clock or (time.monotonic(), now_ms())
         annotations = held.annotations
         deadline = annotations.deadline_ms
+        split = held.split is not None
+        # Positional (in `Pending`'s field order): keywords cost 0.3 us more per request.
         return Pending(
-            handle=held,
-            # Parts batch only with parts: a short request batched with a part would be
-            # padded to the part's length and wait as long as it. LoRAs mix (see above).
-            group=(annotations.op, held.split is not None) if self.lora_mixed_batches
-            else (annotations.op, held.split is not None, annotations.lora),
-            items=annotations.items,
-            cost=annotations.cost,
-            longest=annotations.longest,
-            received=now,
-            deadline=None if deadline is None else now + (deadline - wall_ms) / 1000,
-            budget_s=None if deadline is None or annotations.sent_ms is None
+            held,  # handle
+            # group: parts batch only with parts: a short request batched with a part would
+            # be padded to the part's length and wait as long as it. LoRAs mix (see above).
+            (annotations.op, split) if self.lora_mixed_batches
+            else (annotations.op, split, annotations.lora),
+            annotations.items,
+            annotations.cost,
+            annotations.longest,
+            now,  # received
+            None if deadline is None else now + (deadline - wall_ms) / 1000,  # deadline
+            None if deadline is None or annotations.sent_ms is None  # budget_s
             else (deadline - annotations.sent_ms) / 1000,
-            deliveries=deliveries,
-            returnable=held.split is None,
-            bulk=annotations.bulk,
-            key=held.task_id,
+            deliveries,
+            not split,  # returnable
+            held.task_id,  # key
+            annotations.bulk,
         )
 
     def waiting(self, held: Held, deliveries: int) -> Waiting:

@@ -394,3 +394,24 @@ def test_a_continuous_runtime_is_fed_as_it_has_room_and_a_drain_waits_for_what_i
     assert f.replies()["b"]["status"] == "SUCCESS" and not drained  # not confirmed yet
     f.channel.confirm()
     assert drained == [True] and second.acks == 1 and f.dispatcher.drain.answered == 1
+
+
+def test_a_requests_scheduler_entry_carries_its_annotations_field_by_field(make):
+    """`Intake.pending` builds `Pending` positionally (once per request): each field
+    lands where its name says."""
+    from app.worker.lifecycle.held import Held
+    from app.worker.lifecycle.replies import Delivery
+    from tasks.envelope import now_ms
+
+    f = make()
+    deadline_ms = now_ms() + 5_000
+    a = Annotations(MODEL, "encode", 3, 42, 17, deadline_ms, deadline_ms - 8_000.0, "ad",
+                    bulk=True)
+    held = Held(Delivery(Message()), "t-1", a, b"", 0)
+    p = f.dispatcher.intake.pending(held, 4)
+    assert p.handle is held and p.key == "t-1"
+    assert p.group == ("encode", False)  # LoRAs mix by default
+    assert (p.items, p.cost, p.longest) == (3, 42, 17)
+    assert p.deliveries == 4 and p.returnable and p.bulk
+    assert p.deadline is not None and 4.0 < p.deadline - p.received <= 5.0
+    assert p.budget_s == pytest.approx(8.0)
