@@ -13,6 +13,7 @@ Celery clients get the same dict, so these keys are part of the result contract.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
     (epoch seconds) the worker took its message, started its batch and answered it
     (`answered_s`, default now: a batch's answers may share one reading of the clock)."""
     batch = result.get(BATCH)
-    inference_ms = round(batch.get("inference_ms", 0.0), 3) if batch else 0.0
+    inference_ms = _milliseconds(batch.get("inference_ms", 0.0)) if batch else 0.0
     # Dict displays, not Timing(...) and update(...): this runs once per answered request.
     timing: Timing
     if received_s and started_s:
@@ -111,6 +112,13 @@ def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
         timing = {"queue_ms": queue_ms, "inference_ms": inference_ms}
     result[TIMING] = timing
     result[WORKER] = worker
+
+
+@functools.lru_cache(maxsize=16)
+def _milliseconds(ms: float) -> float:
+    """`ms` to the microsecond. Every result of a batch carries its batch's time, so a
+    batch rounds it once (round(x, 3) ~0.28 us; a cache hit ~0.06 us)."""
+    return round(ms, 3)
 
 
 def stamp_parts(result: dict[str, Any], inference_ms: float, parts: int) -> None:
