@@ -94,7 +94,7 @@ class Adapter(ABC):
         """Each text with the prompt before it; lowercased for a model that was trained
         on lowercased text (a sentence-transformers `do_lower_case`)."""
         prompt = self.prompt(parsed)
-        texts = [prompt + t for t in parsed.texts]
+        texts = [prompt + (item.text or "") for item in parsed.items]  # `parsed.texts`, prompted
         return [t.lower() for t in texts] if lower else texts
 
     def parse(self, kwargs: Any) -> ParsedRequest:

@@ -143,7 +143,12 @@ Input = str | tuple[int, ...]
 
 
 def has_tokens(items: Sequence[Item]) -> bool:
-    return any(item.tokens is not None for item in items)
+    # A loop, not any() over a generator: called twice per request, and a batch of many
+    # one-item requests paid the generator's set-up for each.
+    for item in items:  # noqa: SIM110
+        if item.tokens is not None:
+            return True
+    return False
 
 
 def with_token_ids(texts: list[Any], items: Sequence[Item]) -> list[Input]:
