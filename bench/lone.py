@@ -1,6 +1,11 @@
 """A lone request: what the pipeline adds to one short text, on an idle stack.
 
     .venv/bin/python -m bench.lone --requests 300 --rounds 3
+    .venv/bin/python -m bench.lone --only 'minilm, classic' \
+        --variant 'spin0:GOMP_SPINCOUNT=0' --variant 'emu6:SHOAL_EMULATE_DEVICE=6.5,0'
+
+`--variant` runs each stack again with more environment, interleaved with the plain one
+in every round: on a shared machine, compare variants within one run, never across runs.
 
 Each response's `X-Shoal-Trace` (asked for with the request header) splits the time
 into hops (`gateway.calls.request_trace`); the second table holds their medians.
@@ -95,11 +100,24 @@ CONFIGS: dict[str, dict[str, str]] = {
 }
 
 
+def variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """Each `--variant LABEL:NAME=VALUE[;NAME=VALUE]` as label -> env, after the plain
+    stack (label ""): every stack runs once per variant in each round, interleaved, so
+    that variants compared in one run share the machine's state."""
+    out: dict[str, dict[str, str]] = {"": {}}
+    for spec in specs:
+        label, _, pairs = spec.partition(":")
+        out[label] = dict(pair.split("=", 1) for pair in pairs.split(";") if pair)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = make_texts(args.requests)
     floor = inproc_ms(texts)
     extra = dict(pair.split("=", 1) for pair in args.env)
-    configs = {name: {**env, **extra} for name, env in CONFIGS.items() if args.only in name}
+    configs = {f"{name}{f' [{label}]' if label else ''}": {**env, **extra, **more}
+               for name, env in CONFIGS.items() if args.only in name
+               for label, more in variants(args.variant).items()}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with tqdm(total=args.rounds * len(configs), desc="lone requests", file=sys.stderr) as bar:
         for _ in range(args.rounds):
@@ -147,10 +165,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the stacks whose name holds this (e.g. 'sim')")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set in every stack's environment (repeatable)")
+    parser.add_argument("--variant", action="append", default=[],
+                        metavar="LABEL:NAME=VALUE[;NAME=VALUE]",
+                        help="also run every stack with this environment, labelled, "
+                             "interleaved with the plain one in each round (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if any("=" not in pair for pair in args.env):
         parser.error("--env takes NAME=VALUE")
+    if any(":" not in spec or "=" not in spec for spec in args.variant):
+        parser.error("--variant takes LABEL:NAME=VALUE[;NAME=VALUE]")
     result = run(args)
     return emit(table(result), result, args.json)
 
