@@ -12,6 +12,12 @@ connection goes again on the next child. After a failure a call's frames go alon
 that only a failure with nothing else in flight blames a request. While a failed
 restart's next child imports (`RestartPending`, when the runtime does not wait for it),
 an attempt's requests are answered MODEL_UNAVAILABLE at once (`unavailable`).
+
+A batch's first frame may be sent ahead by the worker's loop (`send_ahead`, which never
+waits: only a small frame of a batch without streams, to a child that is up, with
+nothing in flight), so that the child starts while the batch's thread wakes up; that
+thread reads the reply in the frame's turn (`attempt` with the `Ahead`) and settles a
+failure exactly as for a frame it sent itself.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed
 from runtimes.wire.frames import (
@@ -49,7 +56,14 @@ from runtimes.worker_side.supervisor import RestartPending, Supervisor
 from runtimes.worker_side.turns import Stale
 from tasks.errors import ErrorCode
 
+if TYPE_CHECKING:
+    from runtimes.worker_side.turns import Turn
+
 log = logging.getLogger(__name__)
+
+# The largest frame the loop sends ahead: a child that is up and has nothing in flight is
+# reading, and the socket's buffer takes this much at once (the loop never waits on it).
+AHEAD_MAX_BYTES = 64 * 1024
 
 # Of these request ids, those whose callers left (read on each step of a stream).
 CancelledAmong = Callable[[list[str]], list[str]]
@@ -66,6 +80,24 @@ class BatchCall:
     alone: bool = False
 
 
+@dataclass(slots=True)
+class Ahead:
+    """A batch's first frame, sent ahead by the worker's loop (`BatchChannel.send_ahead`);
+    its reply is read in `turn` on `child`. `error`: the send raised (the turn is over;
+    the batch's thread settles it as a failed send)."""
+
+    child: RuntimeChild
+    turn: Turn
+    error: BaseException | None = None
+
+    def discard(self) -> None:
+        """The batch will never read the reply: the connection is out of step, and the
+        next frame on it fails (`Stale`) and goes to the next child."""
+        if self.error is None:
+            self.child.turns.broken = True
+            self.child.turns.done()
+
+
 class BatchChannel:
     """Attempts on the batch connection of whichever child serves now; called from as
     many threads as batches are in flight (each waits for its turn to read)."""
@@ -77,15 +109,46 @@ class BatchChannel:
         self._wait_for_restart = wait_for_restart
         self._cancelled_among = cancelled_among
 
-    def attempt(self, call: BatchCall, model: str, requests: list[Request]
-                ) -> list[Outcome] | Failure:
+    def send_ahead(self, model: str, requests: list[Request]) -> Ahead | None:
+        """Send a batch's first frame now, from a thread that must not wait (the worker's
+        loop): None, with nothing sent, unless the batch has no stream, its frame is small
+        and the current child is up with nothing in flight. The batch's `attempt` with
+        the `Ahead` reads the reply."""
+        if any(r.stream for r in requests):
+            return None
+        child = self._children.child
+        if child is None or child.sock is None or child.spare or child.proc.poll() is not None:
+            return None
+        try:
+            payload = encode_frame(Run(model, [RunRequest(r.id, r.op, r.kwargs, r.stream)
+                                               for r in requests], False))
+        except Exception:  # (FrameTooLarge, say) the batch's thread meets it, as usual
+            return None
+        if len(payload) > AHEAD_MAX_BYTES:
+            return None
+        sock, turn = child.sock, None
+        try:
+            with child.turns.ahead() as turn:
+                if turn is None:
+                    return None
+                sock.settimeout(self.batch_timeout)
+                sock.sendall(payload)
+        except Exception as exc:
+            if turn is None:
+                raise
+            return Ahead(child, turn, exc)  # its thread settles it (`_reply`), as its own
+        return Ahead(child, turn)
+
+    def attempt(self, call: BatchCall, model: str, requests: list[Request],
+                ahead: Ahead | None = None) -> list[Outcome] | Failure:
         """Run `requests` once: their outcomes, or how it failed (with the requests of
         theirs whose output went out). After a failure the call's frames go alone; while
-        a failed restart's next child imports, they are answered MODEL_UNAVAILABLE."""
+        a failed restart's next child imports, they are answered MODEL_UNAVAILABLE.
+        `ahead`: the frame was sent ahead (`send_ahead`); its reply is read."""
         frame = Run(model, [RunRequest(r.id, r.op, r.kwargs, r.stream) for r in requests],
                     call.on_deltas is not None)
         try:
-            result = self._exchange(call, frame, [r.id for r in requests])
+            result = self._exchange(call, frame, [r.id for r in requests], ahead)
         except RestartPending as exc:
             return unavailable(call, requests, exc)
         if isinstance(result, Failure):
@@ -106,14 +169,19 @@ class BatchChannel:
             return f"the probe was refused: {outcome.error_code}: {outcome.error_message}"
         return None
 
-    def _exchange(self, call: BatchCall, frame: Run | Probe, ids: list[str]
-                  ) -> list[Outcome] | Failure:
+    def _exchange(self, call: BatchCall, frame: Run | Probe, ids: list[str],
+                  ahead: Ahead | None = None) -> list[Outcome] | Failure:
         """Send a run or probe frame; the outcomes (for `ids`, in order) or how it failed.
 
         Batches from several threads share the connection (the child answers them in
         the order they came, `runtimes.child_side.pipeline`): each waits for its turn to
         read. A frame that talks back (a stream's deltas) or must run alone (a probe)
         waits until nothing else is in flight and keeps the connection for its exchange."""
+        if ahead is not None:
+            try:
+                return self._reply(ahead.child, lambda: self._read_ahead(ahead), ids)
+            except Stale as exc:  # (nothing was before it: only if the child was replaced)
+                self._children.replace_dead(ahead.child, f"connection lost: {exc}")
         try:
             payload = encode_frame(frame)
         except FrameTooLarge as exc:  # nothing was sent; halves may fit
@@ -130,16 +198,35 @@ class BatchChannel:
     def _send(self, call: BatchCall, child: RuntimeChild, payload: bytearray, alone: bool,
               ids: list[str]) -> list[Outcome] | Failure:
         """One frame's exchange on `child` (see `_exchange`)."""
-        assert child.sock is not None
-        try:
+        sock = child.sock
+        assert sock is not None
+
+        def exchange() -> BatchReply:
             with child.turns.send(alone) as turn:
-                child.sock.settimeout(self.batch_timeout)
-                child.sock.sendall(payload)
+                sock.settimeout(self.batch_timeout)
+                sock.sendall(payload)
                 if alone:
-                    reply = self._converse(call, child, ids)
-            if not alone:
-                with turn.reading():
-                    reply = recv_frame(child.sock, BATCH_REPLY_DECODER)
+                    return self._converse(call, child, ids)
+            with turn.reading():
+                return recv_frame(sock, BATCH_REPLY_DECODER)
+
+        return self._reply(child, exchange, ids)
+
+    @staticmethod
+    def _read_ahead(ahead: Ahead) -> BatchReply:
+        """The reply to a frame sent ahead, in its turn (or how its send failed)."""
+        if ahead.error is not None:
+            raise ahead.error
+        assert ahead.child.sock is not None
+        with ahead.turn.reading():
+            return recv_frame(ahead.child.sock, BATCH_REPLY_DECODER)
+
+    def _reply(self, child: RuntimeChild, exchange: Callable[[], BatchReply], ids: list[str]
+               ) -> list[Outcome] | Failure:
+        """The outcomes of a frame's `exchange` on `child` (its send and its reply), or how
+        it failed: a hang, a crash or an exception. Stale goes through."""
+        try:
+            reply = exchange()
         except TimeoutError:
             why = f"no answer within the {self.batch_timeout:g}s batch timeout"
             self._children.replace_dead(child, why)

@@ -60,7 +60,7 @@ from runtimes.base import LoadFailed, OnDeltas, Outcome, Request
 from runtimes.model_files.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.model_files.sources import resolve_source
 from runtimes.wire.frames import Failed, Load, Loaded, Rejected, Unload
-from runtimes.worker_side.batch_channel import BatchCall, BatchChannel, unavailable
+from runtimes.worker_side.batch_channel import Ahead, BatchCall, BatchChannel, unavailable
 from runtimes.worker_side.bisection import Failure, bisect
 from runtimes.worker_side.control_channel import ControlChannel
 from runtimes.worker_side.pool import keys_of, lora_key
@@ -209,8 +209,21 @@ class ProcessRuntime:
 
     # --- Runtime ----------------------------------------------------------------------
 
+    def send_ahead(self, model_id: str, requests: list[Request]) -> Ahead | None:
+        """Send a batch's frame now, from the worker's loop, which must not wait: the child
+        starts on it while the batch's thread wakes up, and that thread's `run_batch` with
+        this `ahead` reads the reply (and settles a failure, bisection included, as for a
+        frame it sent). None, with nothing sent, where it would wait or the batch streams
+        (`BatchChannel.send_ahead`); the batch then runs as usual. An `Ahead` whose batch
+        will not run must be discarded (`Ahead.discard`)."""
+        if not requests or self._children.closed:
+            return None
+        return self._batches.send_ahead(model_id, requests)
+
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+                  on_deltas: OnDeltas | None = None, ahead: Ahead | None = None
+                  ) -> list[Outcome]:
+        """`Runtime.run_batch`; `ahead`: its frame was sent by `send_ahead`."""
         if not requests:
             return []
         call = BatchCall(on_deltas if any(r.stream for r in requests) else None)
@@ -218,7 +231,7 @@ class ProcessRuntime:
         with self._lock:
             self._running |= ids
         try:
-            result = self._batches.attempt(call, model_id, requests)
+            result = self._batches.attempt(call, model_id, requests, ahead)
             if not isinstance(result, Failure):
                 return result
             return bisect(model_id, requests, result,

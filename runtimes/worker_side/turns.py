@@ -6,6 +6,10 @@ read its reply. A frame that must be alone (a stream's or a probe's conversation
 frame of a batch that failed once) waits until nothing else is in flight and keeps the
 connection until its replies are read. One failure breaks the connection for every
 frame behind it (`Stale`): the replies no longer match the frames.
+
+A frame may also be sent ahead (`Turns.ahead`) by a thread that must never wait (the
+worker's loop): only when nothing is in flight, and its reply is read later, in its
+turn, by the batch's own thread.
 """
 
 from __future__ import annotations
@@ -79,6 +83,33 @@ class Turns:
                 raise
             if alone:
                 self.done()
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[Turn | None]:
+        """Send a frame now (the block), without waiting: a turn only when nothing is in
+        flight and no other frame is being sent, else None (send nothing). Its reply is
+        read later, with `Turn.reading`, like any other frame's."""
+        if not self._sending.acquire(blocking=False):
+            yield None
+            return
+        try:
+            with self.changed:
+                idle = self.read == self.sent and not self.broken
+            if not idle:
+                yield None
+                return
+            ticket = self.sent
+            self.sent += 1
+            try:
+                yield Turn(self, ticket)
+            except BaseException:
+                # As in `send`: nothing or part was sent. Nothing was before it, so its
+                # turn to read is now: it is over, and frames behind it fail in turn.
+                self.broken = True
+                self.done()
+                raise
+        finally:
+            self._sending.release()
 
     def done(self) -> None:
         with self.changed:
