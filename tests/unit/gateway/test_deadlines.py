@@ -9,9 +9,12 @@ import pytest
 from gateway.broker.deadlines import Deadlines
 
 
-async def _await(deadlines: Deadlines, timeout_s: float, done: asyncio.Future) -> str:
+async def _await(deadlines: Deadlines, timeout_s: float, done: asyncio.Future,
+                 entered: asyncio.Event | None = None) -> str:
     """A request as `Broker.submit` awaits one: its result, "late", or cancelled."""
     deadline = deadlines.add(timeout_s)
+    if entered is not None:
+        entered.set()
     try:
         return await done
     except asyncio.CancelledError:
@@ -46,8 +49,9 @@ def test_a_cancel_from_elsewhere_is_not_taken_for_a_timeout() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         deadlines = Deadlines()
-        task = asyncio.create_task(_await(deadlines, 30.0, loop.create_future()))
-        await asyncio.sleep(0)
+        entered = asyncio.Event()
+        task = asyncio.create_task(_await(deadlines, 30.0, loop.create_future(), entered))
+        await entered.wait()
         task.cancel()  # the client left
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -55,8 +55,7 @@ async def _serve(app: Any, method: str = "GET") -> tuple[list[bytes], bytes]:
     await cycle.run_asgi(app)
     await asyncio.wait_for(done.wait(), 5)
     held.flush()  # as EdgeProtocol.on_response_complete does
-    await asyncio.sleep(0)
-    transport.close()
+    transport.close()  # after what was written, buffered or not
     theirs.setblocking(False)
     arrived = b""
     while True:
