@@ -138,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="the git revision to compare with")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--plot", type=Path, metavar="PNG",
+                        help="also draw the rows whose field holds --plot-rows, before and "
+                             "after with their rounds' range")
+    parser.add_argument("--plot-rows", default="", metavar="TEXT",
+                        help="which rows --plot draws (default: all); they share one unit")
+    parser.add_argument("--plot-unit", default="", help="the plotted rows' unit, for its axis")
     parser.add_argument("--field", action="append", required=True,
                         help="a dotted path into the benchmark's JSON (repeatable)")
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
@@ -148,7 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
     args.argv = [a for a in args.argv if a != "--"]
     data = run(args)
+    if args.plot:
+        draw(args.plot, data, args.plot_rows, args.plot_unit)
     return emit(report(data), data, args.json)
+
+
+def draw(path: Path, data: dict[str, Any], rows: str, unit: str) -> Path:
+    """The rows whose field holds `rows`, as bars (`bench.lib.plot.plot_same_run`)."""
+    from bench.lib.plot import plot_same_run
+
+    chosen = [r for r in data["rows"] if rows in r["field"]]
+    module = data["command"].split(" -- ", 1)[-1].split()[0]
+    title = (f"{module}: before {data['before']}, after {data['after']}\nmedians of "
+             f"{data['rounds']} alternating rounds, bars: the rounds' range")
+    return plot_same_run(path, chosen, title_text=title, unit=unit)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,34 @@ def plot_peers(path: Path, summary: Sequence[dict], *, title_text: str) -> Path:
     fig.suptitle(title_text)
     fig.savefig(path, dpi=110)
     return path
+
+
+def plot_same_run(path: Path, rows: Sequence[dict], *, title_text: str, unit: str) -> Path:
+    """bench.same_run's rows as horizontal bars, before and after, each with its rounds'
+    range: a field per pair of bars, all in one `unit`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 0.55 * len(rows) + 1.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    height = 0.38
+    for offset, tree, colour in ((-height / 2, "before", "#9e9e9e"),
+                                 (height / 2, "after", "#1f77b4")):
+        values = [r[tree] for r in rows]
+        spread = [[v - r[f"{tree}_range"][0] for v, r in zip(values, rows, strict=True)],
+                  [r[f"{tree}_range"][1] - v for v, r in zip(values, rows, strict=True)]]
+        ax.barh([i + offset for i in range(len(rows))], values, height, xerr=spread,
+                color=colour, label=tree, capsize=3)
+    for i, r in enumerate(rows):
+        if r.get("ratio"):
+            ax.annotate(f"x{r['ratio']:.2f}", (max(r["before"], r["after"]), i),
+                        xytext=(6, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [r["field"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.legend(loc="lower right")
+    fig.suptitle(title_text, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

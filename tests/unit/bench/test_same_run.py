@@ -28,3 +28,16 @@ def test_only_numbers_are_picked_never_a_flag():
 def test_rows_are_named_by_their_load_or_their_level():
     assert label(FEED, "loads.1.texts_per_s") == "loads[16x16].texts_per_s"
     assert label(BASELINES, "levels.0.items_per_s") == "levels[shoal x1].items_per_s"
+
+
+def test_the_rows_asked_for_are_drawn(tmp_path) -> None:
+    from bench.same_run import draw
+
+    row = {"before": 400.0, "after": 320.0, "before_range": [380.0, 410.0],
+           "after_range": [300.0, 480.0], "ratio": 0.8}
+    data = {"command": "python -m bench.same_run --before abc -- bench.device_feed --rounds 1",
+            "before": "abc", "after": "def", "rounds": 3,
+            "rows": [{**row, "field": "loads[64x1].cpu_us_per_text.total"},
+                     {**row, "field": "loads[64x1].texts_per_s"}]}
+    path = draw(tmp_path / "plot.png", data, "cpu_us_per_text", "µs per text")
+    assert path.read_bytes().startswith(b"\x89PNG")
