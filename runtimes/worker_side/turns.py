@@ -69,18 +69,8 @@ class Turns:
                     self.changed.wait_for(lambda: self.read == self.sent)
             if self.broken:
                 raise Stale("an earlier frame on this connection failed")
-            ticket = self.sent
-            self.sent += 1
-            try:
-                yield Turn(self, ticket)
-            except BaseException:
-                # Nothing or part was sent: the connection is broken and the child is
-                # replaced; let the frames behind this one read (and fail) in turn.
-                self.broken = True
-                with self.changed:
-                    self.changed.wait_for(lambda: self.read == ticket)
-                self.done()
-                raise
+            with self._next_turn() as turn:
+                yield turn
             if alone:
                 self.done()
 
@@ -98,18 +88,26 @@ class Turns:
             if not idle:
                 yield None
                 return
-            ticket = self.sent
-            self.sent += 1
-            try:
-                yield Turn(self, ticket)
-            except BaseException:
-                # As in `send`: nothing or part was sent. Nothing was before it, so its
-                # turn to read is now: it is over, and frames behind it fail in turn.
-                self.broken = True
-                self.done()
-                raise
+            with self._next_turn() as turn:  # nothing before it: its turn to read is now
+                yield turn
         finally:
             self._sending.release()
+
+    @contextlib.contextmanager
+    def _next_turn(self) -> Iterator[Turn]:
+        """The next frame's turn, while the block sends it (the caller holds `_sending`)."""
+        ticket = self.sent
+        self.sent += 1
+        try:
+            yield Turn(self, ticket)
+        except BaseException:
+            # Nothing or part was sent: the connection is broken and the child is
+            # replaced; let the frames behind this one read (and fail) in turn.
+            self.broken = True
+            with self.changed:
+                self.changed.wait_for(lambda: self.read == ticket)
+            self.done()
+            raise
 
     def done(self) -> None:
         with self.changed:
