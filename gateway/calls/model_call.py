@@ -12,6 +12,7 @@ from gateway.auth.access import check_model_allowed, models_visible
 from gateway.calls.blob_offload import check_out, submit_claimed
 from gateway.calls.request_trace import TRACE_HEADER, hop_trace
 from gateway.edge.api_errors import ApiError, invalid
+from gateway.edge.raw_headers import header, header_values
 from tasks.catalog import ModelEntry
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
@@ -34,7 +35,7 @@ _MAX_TIMEOUT_DIGITS = 18  # longer is out of range anyway; int() is not fed unbo
 
 def timeout_ms(request: Request) -> int:
     settings = request.app.state.settings
-    values = request.headers.getlist("x-timeout-ms")
+    values = header_values(request, b"x-timeout-ms")
     if not values:
         return settings.default_timeout_ms
     if len(values) > 1:
@@ -147,7 +148,7 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     result = reply["result"]
     out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}",
                    **reply_headers(result)}
-    if TRACE_HEADER in request.headers:
+    if header(request, TRACE_HEADER.encode()) is not None:
         # The outer middleware stamped its arrival (`gateway.calls.request_trace`).
         arrived = getattr(request.state, "arrived", replied)
         out_headers["X-Shoal-Trace"] = hop_trace(arrived, part.annotations.sent_ms,

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.edge.api_errors import ApiError
+from gateway.edge.raw_headers import header
 from tasks.errors import ErrorCode
 
 JSON = "application/json"
@@ -31,7 +32,7 @@ def is_msgpack(header: str | None) -> bool:
 
 async def read_body(request: Request, max_bytes: int) -> Any:
     """The decoded body; 413 if over `max_bytes`, 400 if it does not parse."""
-    declared = request.headers.get("content-length")
+    declared = header(request, b"content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     chunks: list[bytes] = []
@@ -46,8 +47,7 @@ async def read_body(request: Request, max_bytes: int) -> Any:
     # Peak memory: the body twice while it is decoded (`raw` and what msgpack or orjson
     # make of it), once after: `raw` goes when this returns, the pieces go now.
     chunks.clear()
-    content_type = request.headers.get("content-type")
-    kind = media_type(content_type)
+    kind = media_type(header(request, b"content-type"))
     if kind in _MSGPACK_TYPES:
         try:
             return msgpack.unpackb(raw, raw=False)
@@ -76,14 +76,14 @@ def _too_large(max_bytes: int) -> ApiError:
 
 
 def wants_msgpack(request: Request) -> bool:
-    accept = request.headers.get("accept", "")
+    accept = header(request, b"accept") or ""
     for part in accept.split(","):
         kind = media_type(part)
         if kind in _MSGPACK_TYPES:
             return True
         if kind == JSON:
             return False
-    return is_msgpack(request.headers.get("content-type"))
+    return is_msgpack(header(request, b"content-type"))
 
 
 def encode_response(

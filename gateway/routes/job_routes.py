@@ -35,6 +35,7 @@ from gateway.calls.model_call import ROUTE_OF_OPERATION, served_model
 from gateway.calls.native_api import body_limit, checked_kwargs, read_native
 from gateway.edge.api_errors import ApiError, invalid
 from gateway.edge.codecs import check_body_size, encode_response, media_type, read_body
+from gateway.edge.raw_headers import header
 from gateway.jobs.bulk_files import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
 from gateway.jobs.store import CANCELLED, Job, JobStore, view
 from tasks.catalog import ModelEntry
@@ -86,7 +87,7 @@ async def accept_native(request: Request, op: str) -> Response:
 
 
 def prefers_async(request: Request) -> bool:
-    prefer = request.headers.get("prefer")
+    prefer = header(request, b"prefer")
     return prefer is not None and "respond-async" in prefer.lower()
 
 
