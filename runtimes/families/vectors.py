@@ -42,14 +42,15 @@ def dense_result(rows: np.ndarray, options: EncodeOptions, normalize_default: bo
         rows = rows[:, : options.dimensions]
     if normalize_default if options.normalize is None else options.normalize:
         rows = normalize_rows(rows)
-    return {
-        "output": "dense",
-        "dims": int(rows.shape[1]),
-        "count": int(rows.shape[0]),
-        "dtype": options.dtype,
-        "embeddings": quantize(rows, options.dtype),
-        "usage": {"tokens": tokens},
-    }
+    return _dense(int(rows.shape[1]), int(rows.shape[0]), options.dtype,
+                  quantize(rows, options.dtype), tokens)
+
+
+def _dense(dims: int, count: int, dtype: str, embeddings: bytes, tokens: int
+           ) -> dict[str, Any]:
+    """An encode result of `count` dense vectors, quantized as `dtype`."""
+    return {"output": "dense", "dims": dims, "count": count, "dtype": dtype,
+            "embeddings": embeddings, "usage": {"tokens": tokens}}
 
 
 def dense_results(prepared: list[ParsedRequest], vectors: np.ndarray,
@@ -89,14 +90,9 @@ def dense_results(prepared: list[ParsedRequest], vectors: np.ndarray,
         for i in members:
             start, end = starts[i], starts[i + 1]
             count = end - start
-            results[i] = {
-                "output": "dense",
-                "dims": dims,
-                "count": count,
-                "dtype": dtype,
-                "embeddings": blob[at * row_bytes:(at + count) * row_bytes],
-                "usage": {"tokens": lengths[start] if count == 1 else sum(lengths[start:end])},
-            }
+            results[i] = _dense(
+                dims, count, dtype, blob[at * row_bytes:(at + count) * row_bytes],
+                lengths[start] if count == 1 else sum(lengths[start:end]))
             at += count
     return results
 
