@@ -13,7 +13,9 @@ class _CachedLabels:
     times per request (a batch of 64 single-text requests: hundreds of times). Children
     are never removed here but by `remove`/`clear`, which drop the cache with them."""
 
-    _children: dict[tuple[Any, ...], Any]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._children: dict[tuple[Any, ...], Any] = {}
+        super().__init__(*args, **kwargs)
 
     def labels(self, *values: Any, **named: Any) -> Any:
         if named:
@@ -24,9 +26,6 @@ class _CachedLabels:
             child = super().labels(*values)  # type: ignore[misc]
             self._children[values] = child
             return child
-        except AttributeError:  # the first call on this metric
-            self._children = {}
-            return self.labels(*values)
 
     def remove(self, *values: Any) -> None:
         self._children = {}
