@@ -103,6 +103,9 @@ class BatchProfile(BaseModel):
     # How long a load takes and what the model occupies on this device: the sim runtime
     # sleeps and counts these; a real worker starts from load_ms and measures both.
     load_ms: float = Field(1000.0, ge=0, description="how long a load takes")
+    host_load_ms: float | None = Field(
+        None, ge=0, description="sim: how long a reload from the host-memory tier takes "
+        "(default: a tenth of load_ms)")
     footprint_bytes: int | None = Field(
         None, ge=1, description="sim: device bytes the loaded model takes (default: 100 MB)")
     precision: Precision | None = Field(

@@ -64,6 +64,15 @@ class Settings(BaseSettings):
         None, ge=1, description="worker: bytes of device memory its models may take "
         "(default: SHOAL_DEVICE_MEMORY_FRACTION of the device; of RAM on CPU)")
     device_memory_fraction: float = Field(0.8, gt=0, le=1)
+    placement: Literal["fleet", "lru"] = Field(
+        "fleet", description="worker: how models are placed and evicted: 'fleet' decides "
+        "from every worker's holdings and the demand they report (copies by demand, "
+        "eviction by value); 'lru' has each worker load what it is sent and evict the least "
+        "recently used, alone (what a router's replicas do)")
+    host_memory_bytes: int | None = Field(
+        None, ge=0, description="worker: bytes of host memory that keep evicted models' "
+        "weights, so that their reload is a copy, not a read and build from disk (default: "
+        "a quarter of RAM; 0: off)")
     pool_state_interval_s: float = Field(
         5.0, gt=0, description="worker: how often it tells gateways what it has loaded")
 
