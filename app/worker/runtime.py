@@ -9,6 +9,7 @@ import logging
 from typing import cast
 
 from runtimes.base import Runtime, StartRuntime
+from runtimes.model_files.footprint import host_tier_bytes
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.replicas import ReplicaSet, default_replicas
 from tasks import engines
@@ -55,7 +56,12 @@ def _starter(registered: engines.EngineEntry) -> StartRuntime:
 
 def _process_runtimes(settings: Settings, engine: str, precision: str | None,
                       chunk_tokens: int, models: list[str]) -> ProcessRuntime | ReplicaSet:
-    """The runtime process of `engine`, or SHOAL_RUNTIME_REPLICAS of them on the device."""
+    """The runtime process of `engine`, or SHOAL_RUNTIME_REPLICAS of them on the device
+    (they share the host-memory tier's budget, SHOAL_HOST_MEMORY_BYTES, in equal parts)."""
+    replicas = settings.runtime_replicas
+    count = default_replicas(settings.device) if replicas == "auto" else replicas
+    host_bytes = host_tier_bytes(settings.host_memory_bytes) // count
+
     def start(index: int, env: dict[str, str] | None = None) -> ProcessRuntime:
         # answer_while_restarting: when a dead runtime's replacement dies too while it
         # loads, the next one is still importing (~7 s on 2 cores); the worker answers
@@ -67,10 +73,8 @@ def _process_runtimes(settings: Settings, engine: str, precision: str | None,
             batch_timeout=settings.runtime_batch_timeout_s,
             spare=settings.runtime_spare, precision=precision,
             pipeline_depth=settings.runtime_pipeline_depth, engine=engine, env=env,
-            answer_while_restarting=True)
+            answer_while_restarting=True, host_bytes=host_bytes)
 
-    replicas = settings.runtime_replicas
-    count = default_replicas(settings.device) if replicas == "auto" else replicas
     if count == 1:
         return start(0)
     log.info("%s: %d runtime processes on %s (SHOAL_RUNTIME_REPLICAS=%s)", engine, count,

@@ -8,6 +8,10 @@ either inside the worker on a dedicated thread or, behind a socket, in its own p
 (`runtimes.child_side.server`); it keeps no reference to the broker, so both compute the same
 thing.
 
+The host-memory tier (issue 51): a model unloaded while the host's budget allows is
+kept, its weights in host memory (`host_tier`, the engine's `offload`), so that loading
+it again is a copy back to the device, not a read and build from disk.
+
 An inference exception propagates out of `run_batch`: the caller decides
 which request is to blame (`runtimes.worker_side.bisection` bisects the batch). Only
 problems found by checking a request before inference are per-request
@@ -26,6 +30,7 @@ from typing import Any, Protocol
 
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.child_side.adapter import Adapter, Stream
+from runtimes.child_side.host_tier import HostTier
 from runtimes.model_files.sources import resolve_source
 from runtimes.worker_side.pool import keys_of, lora_key
 from tasks import engines
@@ -54,6 +59,16 @@ class Engine(Protocol):
     def allocated(self) -> int: ...
     def measure(self, adapter: Adapter, allocated_before: int) -> int: ...
     def release(self) -> None: ...
+
+    def offload(self, adapter: Adapter, budget: int) -> int | None:
+        """Make an unloaded model's adapter fit to be kept in host memory (on a GPU its
+        weights move to host memory): the host bytes it then takes; None, and nothing
+        moved, when it cannot be kept or takes more than `budget` bytes."""
+        ...
+
+    def restore(self, adapter: Adapter) -> None:
+        """Put an adapter `offload` made fit back on the device, as it was."""
+        ...
     def total_bytes(self) -> int: ...
     def stamp(self) -> dict[str, Any] | None: ...
 
@@ -93,10 +108,15 @@ class ModelHost:
 
     Loads and unloads may come from another thread than batches (the runtime process
     loads beside serving); the caller never unloads a model while a batch of it runs.
+
+    `host_bytes` is the host-memory tier's budget (0: off): an unloaded model is kept in
+    `tier` (a `HostTier` of adapters; its `hits` count the loads it served) while it
+    fits, the least recently unloaded dropped first; its LoRA adapters are not kept.
     """
 
     def __init__(self, device: str = "cpu", threads: int = 0, chunk_tokens: int = 16_384,
-                 precision: str | None = None, engine: str = engines.DEFAULT) -> None:
+                 precision: str | None = None, engine: str = engines.DEFAULT,
+                 host_bytes: int = 0) -> None:
         self.device = device
         self.chunk_tokens = chunk_tokens
         # For every model; None: each entry's (runtimes.model_files.precision).
@@ -106,6 +126,7 @@ class ModelHost:
         self._models: dict[str, Adapter] = {}
         self.footprints: dict[str, int] = {}  # measured device bytes, by model id
         self._loading = threading.Lock()  # one load at a time: their memory adds up
+        self.tier: HostTier[Adapter] = HostTier(host_bytes)  # unloaded models kept
         # Requests whose callers left (from any thread), oldest first: an id is forgotten
         # when its batch ends, or, cancelled after that, once MAX_CANCELLED newer ones came.
         self._cancelled: dict[str, None] = {}
@@ -122,6 +143,10 @@ class ModelHost:
             if entry.id in self._models:
                 return self.footprints[entry.id]
             started = time.perf_counter()
+            kept = self.tier.take(entry.id)
+            if kept is not None and kept.entry == entry:
+                return self._restore(entry, kept, started)
+            del kept  # none, or built from another entry of that id: built again
             allocated = self.engine.allocated()
             precision = self.engine.precision(entry, self.precision)
             adapter = self.engine.adapter_class(entry)(
@@ -135,17 +160,48 @@ class ModelHost:
                      precision, measured / 2**20, time.perf_counter() - started)
             return measured
 
+    def _restore(self, entry: ModelEntry, adapter: Adapter, started: float) -> int:
+        """A model kept in the host tier back on the device (under `_loading`)."""
+        allocated = self.engine.allocated()
+        self.engine.restore(adapter)
+        measured = self.engine.measure(adapter, allocated)
+        self._models[entry.id] = adapter
+        self.footprints[entry.id] = measured
+        log.info("loaded %s from host memory (%.1f MiB) in %.3fs", entry.id, measured / 2**20,
+                 time.perf_counter() - started)
+        return measured
+
     def unload(self, model_id: str) -> None:
-        """Free a model and its LoRA adapters."""
+        """Free a model and its LoRA adapters from the device; the model is kept in the
+        host tier if it fits there (its LoRA adapters are freed)."""
         adapter = self._models.pop(model_id, None)
         for key in keys_of(model_id, self.footprints):
             del self.footprints[key]
         if adapter is None:
             return
+        kept = self._keep(model_id, adapter)
         del adapter
         gc.collect()  # adapters hold reference cycles (modules, hooks)
         self.engine.release()
-        log.info("unloaded %s", model_id)
+        log.info("unloaded %s%s", model_id, f" (kept in host memory: {kept / 2**20:.1f} MiB)"
+                 if kept is not None else "")
+
+    def _keep(self, model_id: str, adapter: Adapter) -> int | None:
+        """Keep an unloaded model in the host tier if it fits: the host bytes it takes
+        there (the least recently kept ones dropped to make room), or None."""
+        if not self.tier.on:
+            return None
+        for lora in sorted(adapter.loaded_loras):
+            adapter.unload_lora(lora)
+        nbytes = self.engine.offload(adapter, self.tier.budget)
+        if nbytes is None:
+            self.tier.refused += 1
+            return None
+        dropped = self.tier.put(model_id, adapter, nbytes)
+        for key, value in dropped:
+            if value is not adapter:
+                log.info("dropped %s from host memory (room for %s)", key, model_id)
+        return None if any(value is adapter for _, value in dropped) else nbytes
 
     def load_lora(self, model_id: str, lora: str) -> int:
         """Load a LoRA adapter of a loaded model (a no-op if loaded): the bytes it takes."""
@@ -299,3 +355,4 @@ class ModelHost:
     def close(self) -> None:
         self._models.clear()
         self.footprints.clear()
+        self.tier.clear()

@@ -105,6 +105,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=engines.names("process"), default=engines.DEFAULT,
                         help="what computes: an engine of tasks.engines that runs in this "
                              "process (PyTorch, ONNX Runtime: never imports torch)")
+    parser.add_argument("--host-bytes", type=int, default=0,
+                        help="host memory that keeps unloaded models for a cheaper reload "
+                             "(the host-memory tier, runtimes.child_side.host_tier; 0: off)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer our parent")
     parser.add_argument("--spare", action="store_true",
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtimes.child_side.host import ModelHost
 
     host = ModelHost(device=args.device, threads=args.threads, chunk_tokens=args.chunk_tokens,
-                     precision=args.precision, engine=args.engine)
+                     precision=args.precision, engine=args.engine, host_bytes=args.host_bytes)
     if args.spare:
         host.engine.warm()
     host.load(entries)

@@ -65,3 +65,9 @@ def _modules(obj: Any, depth: int, found: list[Any]) -> list[Any]:
 def physical_memory_bytes() -> int:
     """This machine's RAM: the device memory of a CPU runtime."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_tier_bytes(setting: int | None) -> int:
+    """The host-memory tier's budget (issue 51) from SHOAL_HOST_MEMORY_BYTES: the setting,
+    else a quarter of this machine's RAM (0: the tier is off)."""
+    return physical_memory_bytes() // 4 if setting is None else setting

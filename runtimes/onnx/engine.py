@@ -70,6 +70,18 @@ class OnnxEngine:
     def release(self) -> None:
         pass
 
+    def offload(self, adapter: Adapter, budget: int) -> int | None:
+        """An unloaded model kept in host memory (`runtimes.child_side.host_tier`): on a CPU
+        its session stays as it is (the saving is the session's build); a session on a GPU
+        cannot move, so it is not kept (None), nor is one of more than `budget` bytes."""
+        assert isinstance(adapter, OnnxAdapter)
+        if device_kind(self.device) == "cuda" or adapter.graph_bytes > budget:
+            return None
+        return adapter.graph_bytes
+
+    def restore(self, adapter: Adapter) -> None:
+        pass  # kept on a CPU only, where it never left
+
     def total_bytes(self) -> int:
         if device_kind(self.device) == "cuda":
             return _gpu_memory_bytes(self.device)

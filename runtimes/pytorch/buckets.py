@@ -244,6 +244,14 @@ class Buckets:
             self._static.clear()
             self.graph_bytes = 0
 
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs and their static buffers (their memory pool goes with
+        them): the model's tensors are moving off the device (`runtimes.pytorch.offload`),
+        and a graph replays the addresses it was captured at. `capture` makes them again."""
+        self.graphs.clear()
+        self._static.clear()
+        self.graph_bytes = 0
+
     def _capture(self, model: torch.nn.Module, name: str) -> None:
         device = torch.device(self.device)
         buckets = sorted(all_buckets(self.limit, self.max_tokens),

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -64,6 +66,16 @@ class DeviceClock:
             elapsed = time.perf_counter() - start
             with self._lock:
                 self._seconds += elapsed
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Passes on this thread inside are nobody's busy time (a CUDA graph capture after
+        a reload from host memory): the hooks see them as nested in an open pass."""
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
 
     def bill(self, seconds: float) -> None:
         """Add busy time the hooks did not see (or take some back: negative)."""

@@ -10,7 +10,7 @@ import torch
 from runtimes.child_side.adapter import Adapter
 from runtimes.model_files.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.model_files.precision import resolve_precision
-from runtimes.pytorch import device_double
+from runtimes.pytorch import device_double, offload
 from runtimes.pytorch.buckets import graph_bytes
 from runtimes.pytorch.device_time import device_clock
 from runtimes.pytorch.families import ADAPTERS
@@ -51,6 +51,27 @@ class TorchEngine:
     def release(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
+            # Pinned host memory freed by the host-memory tier stays cached by torch's
+            # host allocator until emptied (a private call, in torch >= 2.5 CUDA builds).
+            empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+            if empty_host_cache is not None:
+                empty_host_cache()
+
+    def offload(self, adapter: Adapter, budget: int) -> int | None:
+        """An unloaded model kept in host memory (`runtimes.child_side.host_tier`): on CUDA
+        its tensors move to pinned host memory (`runtimes.pytorch.offload`); on a CPU
+        nothing moves. The host bytes it then takes; None (nothing moved) when its
+        tensors are more than `budget`."""
+        if tensor_bytes(adapter) > budget:
+            return None
+        if not self.device.startswith("cuda"):
+            return tensor_bytes(adapter)
+        return offload.to_host(adapter)
+
+    def restore(self, adapter: Adapter) -> None:
+        """A kept model back on the device, as it was (`offload` reversed)."""
+        if self.device.startswith("cuda"):
+            offload.to_device(adapter, self.device, adapter.entry.id)
 
     def total_bytes(self) -> int:
         if self.device.startswith("cuda"):

@@ -83,6 +83,9 @@ class ProcessRuntime:
     `spare_promotions`, `start_failures`; `pid` is the current child's, `spare_pid` the
     spare's.
 
+    `host_bytes` is the child's host-memory tier (`runtimes.child_side.host_tier`; 0: off):
+    a model it unloads is kept in host memory while it fits, and loads again from there.
+
     `models` load at start. A child that replaces a dead one loads every model resident
     in its predecessor (`resident`) before it is ready, so that what the worker believes
     loaded stays loaded. With `spare`, a spare child is kept imported ahead to be that
@@ -104,6 +107,7 @@ class ProcessRuntime:
         pipeline_depth: int = 2,
         engine: str = engines.DEFAULT,
         answer_while_restarting: bool = False,
+        host_bytes: int = 0,
     ) -> None:
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.start_timeout = start_timeout
@@ -119,7 +123,7 @@ class ProcessRuntime:
             "--threads", str(threads), "--chunk-tokens", str(chunk_tokens),
             "--parent-pid", str(os.getpid()),
             *(["--precision", precision] if precision else []),
-            "--engine", engine,
+            "--engine", engine, "--host-bytes", str(host_bytes),
         ]
         # OpenMP threads that spin between ops steal the cores the worker,
         # gateway and broker need on a CPU host: measured on 2 cores, passive
