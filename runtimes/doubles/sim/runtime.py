@@ -41,6 +41,7 @@ from runtimes.base import (
     failed,
     prepare_each,
 )
+from runtimes.child_side.host_tier import HostTier
 from runtimes.doubles.sim.devices import SimConstants, sim_constants
 from runtimes.families.vectors import dense_result
 from runtimes.worker_side.pool import keys_of, lora_key
@@ -220,11 +221,17 @@ class SimRuntime:
     (default: all). A load sleeps the profile's `load_ms` (over `speed`) and takes its
     `footprint_bytes`; `device_bytes` is what the simulated device holds (None: the
     worker's setting decides).
+
+    `host_bytes` models the host-memory tier (`runtimes.child_side.host_tier`; 0: off): an
+    unloaded model's footprint is kept in `tier` while it fits (least recently unloaded
+    dropped first), and loading it again sleeps the profile's `host_load_ms` (default a
+    tenth of `load_ms`) instead of `load_ms`.
     """
 
     def __init__(self, entries: list[ModelEntry], device: str, speed: float = 1.0,
                  constants: tuple[float, float, float] | None = None,
-                 loaded: list[str] | None = None, device_bytes: int | None = None) -> None:
+                 loaded: list[str] | None = None, device_bytes: int | None = None,
+                 host_bytes: int = 0) -> None:
         if not (isinstance(speed, int | float) and 0 < speed < float("inf")):
             raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
         self.device = device
@@ -239,6 +246,7 @@ class SimRuntime:
         self._closed = False
         self._models = {e.id: _SimModel(e, sim_constants(e, device, constants)) for e in entries}
         self.device_bytes = device_bytes
+        self.tier: HostTier[bool] = HostTier(host_bytes)  # unloaded models' footprints
         self.resident: dict[str, int] = {
             m: self.footprint(m) for m in (self._models if loaded is None else loaded)}
         for model in self._models.values():
@@ -270,7 +278,11 @@ class SimRuntime:
             self.resident[lora_key(model_id, lora)] = SIM_LORA_BYTES
             return SIM_LORA_BYTES
         profile = model.entry.profile(self.device) or BatchProfile()
-        _sleep_until(time.perf_counter() + profile.load_ms / 1000 / self.speed)
+        load_ms = profile.load_ms
+        if model_id not in self.resident and self.tier.take(model_id):
+            load_ms = profile.load_ms / 10 if profile.host_load_ms is None \
+                else profile.host_load_ms
+        _sleep_until(time.perf_counter() + load_ms / 1000 / self.speed)
         self.resident[model_id] = self.footprint(model_id)
         return self.resident[model_id]
 
@@ -278,8 +290,11 @@ class SimRuntime:
         if lora is not None:
             self.resident.pop(lora_key(model_id, lora), None)
             return
+        footprint = self.resident.get(model_id)
         for key in keys_of(model_id, self.resident):
             del self.resident[key]
+        if footprint is not None and self.tier.on:
+            self.tier.put(model_id, True, footprint)
 
     def constants(self, model_id: str) -> SimConstants:
         return self._models[model_id].constants

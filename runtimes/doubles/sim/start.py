@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from runtimes.doubles.sim.runtime import SimRuntime
+from runtimes.model_files.footprint import host_tier_bytes
 from tasks.catalog import ModelEntry
 from tasks.settings import Settings
 
@@ -19,4 +20,5 @@ def start_runtime(entries: list[ModelEntry], pinned: list[str], settings: Settin
                 "(speed x%g) and results are fake", [e.id for e in entries],
                 settings.device, settings.sim_speed)
     return SimRuntime(entries, settings.device, settings.sim_speed, settings.sim_constants,
-                      loaded=sorted(pinned))
+                      loaded=sorted(pinned),
+                      host_bytes=host_tier_bytes(settings.host_memory_bytes))
