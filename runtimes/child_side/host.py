@@ -181,7 +181,8 @@ class ModelHost:
             return
         kept = self._keep(model_id, adapter)
         del adapter
-        gc.collect()  # adapters hold reference cycles (modules, hooks)
+        if kept is None:
+            gc.collect()  # adapters hold reference cycles (modules, hooks)
         self.engine.release()
         log.info("unloaded %s%s", model_id, f" (kept in host memory: {kept / 2**20:.1f} MiB)"
                  if kept is not None else "")
@@ -191,8 +192,11 @@ class ModelHost:
         there (the least recently kept ones dropped to make room), or None."""
         if not self.tier.on:
             return None
-        for lora in sorted(adapter.loaded_loras):
+        loras = sorted(adapter.loaded_loras)
+        for lora in loras:
             adapter.unload_lora(lora)
+        if loras:
+            gc.collect()  # their tensors, in peft's reference cycles
         nbytes = self.engine.offload(adapter, self.tier.budget)
         if nbytes is None:
             self.tier.refused += 1
@@ -201,7 +205,12 @@ class ModelHost:
         for key, value in dropped:
             if value is not adapter:
                 log.info("dropped %s from host memory (room for %s)", key, model_id)
-        return None if any(value is adapter for _, value in dropped) else nbytes
+        if any(value is adapter for _, value in dropped):
+            return None
+        if dropped:
+            del dropped
+            gc.collect()  # what was dropped frees its host memory now
+        return nbytes
 
     def load_lora(self, model_id: str, lora: str) -> int:
         """Load a LoRA adapter of a loaded model (a no-op if loaded): the bytes it takes."""
