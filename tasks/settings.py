@@ -74,7 +74,8 @@ class Settings(BaseSettings):
         "weights, so that their reload is a copy, not a read and build from disk (default: "
         "a quarter of RAM; 0: off)")
     pool_state_interval_s: float = Field(
-        5.0, gt=0, description="worker: how often it tells gateways what it has loaded")
+        2.0, gt=0, description="worker: how often it tells gateways and its peers what it "
+        "has loaded and what it is asked for (and at once on a change)")
 
     # --- gateway ---
     gateway_models: Annotated[list[str], NoDecode] = Field(

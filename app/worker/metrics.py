@@ -90,7 +90,18 @@ BUDGET_BYTES = Gauge("shoal_device_budget_bytes", "device bytes the models may t
 LOADS = Counter("shoal_model_loads_total", "model loads", ["model", "outcome"])
 LOAD_SECONDS = Histogram("shoal_model_load_seconds", "time to load a model", ["model"],
                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-EVICTIONS = Counter("shoal_model_evictions_total", "models evicted to make room", ["model"])
+EVICTIONS = Counter("shoal_model_evictions_total", "models evicted to make room, by what "
+                    "chose them: value (the fleet's plan: cheapest absence first) or lru",
+                    ["model", "reason"])
+DEMAND = Gauge("shoal_model_demand_rps", "requests per second the fleet receives for a "
+               "model (every worker's report summed, as this worker sees it)", ["model"])
+DEMAND_BUSY = Gauge("shoal_model_demand_busy", "device seconds per second the fleet's "
+                    "batches of a model take", ["model"])
+COPIES = Gauge("shoal_model_copies", "workers the fleet's plan has keep a model loaded "
+               "(0: swapped in on demand by one worker)", ["model"])
+STANDBY = Gauge("shoal_model_standby", "1 while this worker leaves a model's queue to the "
+                "workers the fleet's plan has serve it (it does not consume it), else 0",
+                ["model"])
 LOAD_WAIT = Histogram("shoal_model_load_wait_seconds", "how long requests waited for their "
                       "model to load", ["model"], buckets=_SECONDS)
 

@@ -114,16 +114,22 @@ class PoolStates:
         if new:
             self.soon()  # let the newcomer know us now, not in an interval
 
-    def warm_peers(self, model: str) -> int:
-        """Other workers that hold `model`, by their latest fresh state."""
+    def fresh(self) -> list[dict[str, Any]]:
+        """The peers' latest states, those gone stale forgotten."""
         now = time.monotonic()
-        count = 0
+        states = []
         for worker, (when, state) in list(self.peers.items()):
-            interval = float(state.get("interval_s") or self.interval_s)
+            interval = state.get("interval_s")
+            interval = float(interval) if isinstance(interval, int | float) and interval > 0 \
+                else self.interval_s
             if now - when > STALE_AFTER_INTERVALS * interval:
                 del self.peers[worker]
                 continue
-            if any(isinstance(m, dict) and m.get("id") == model and m.get("state") == RESIDENT
-                   for m in state["models"]):
-                count += 1
-        return count
+            states.append(state)
+        return states
+
+    def warm_peers(self, model: str) -> int:
+        """Other workers that hold `model`, by their latest fresh state."""
+        return sum(any(isinstance(m, dict) and m.get("id") == model
+                       and m.get("state") == RESIDENT for m in state["models"])
+                   for state in self.fresh())

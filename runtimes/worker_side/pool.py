@@ -12,13 +12,15 @@ Rules:
   flight (at its estimate) fit the budget;
 - pinned keys, keys in use (the caller names them: a running or held batch) and keys
   still loading are never evicted;
-- the others go least recently used first, only as many as needed; if evicting all of
-  them would still not make room, nothing is evicted and the load is refused.
+- the others go least recently used first (or, given an `order`, lowest first: the
+  fleet's placement orders them by what their absence would cost), only as many as
+  needed; if evicting all of them would still not make room, nothing is evicted and the
+  load is refused. Keys the caller `protect`s are kept for that load as if in use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 LORA_SEPARATOR = ":"
@@ -72,18 +74,24 @@ class Pool:
     # --- decisions -------------------------------------------------------------------
 
     def admit(self, key: str, estimate: int, now: float, in_use: Collection[str] = (),
-              pinned: bool = False, base: str | None = None) -> list[str]:
+              pinned: bool = False, base: str | None = None,
+              order: Mapping[str, float] | None = None,
+              protect: Collection[str] = ()) -> list[str]:
         """Reserve `estimate` bytes for loading `key`: the keys to evict first (least
-        recently used first; each evicted model takes its adapters along). Raises
-        DoesNotFit, changing nothing, when that cannot make room."""
+        recently used first, or lowest in `order`; each evicted model takes its adapters
+        along; `protect`ed keys stay). Raises DoesNotFit, changing nothing, when that
+        cannot make room."""
         if key in self.slots:
             state = "loading" if self.slots[key].loading else "resident"
             raise ValueError(f"{key} is already {state}")
         free = self.budget - self.used() - estimate
         evict: list[str] = []
         if free < 0:
-            kept = self._kept(in_use, base)
-            for slot in sorted(self.slots.values(), key=lambda s: s.last_used):
+            kept = self._kept([*in_use, *protect], base)
+            ranked = sorted(self.slots.values(), key=lambda s: s.last_used)
+            if order is not None:
+                ranked.sort(key=lambda s: order.get(s.key, 0.0))  # stable: LRU among equals
+            for slot in ranked:
                 if free >= 0:
                     break
                 if slot.key in kept or slot.key in evict:
@@ -98,7 +106,8 @@ class Pool:
                     f"{key} needs about {_mib(estimate)} and {_mib(self.budget)} of device "
                     f"memory is the budget: {_mib(self.budget - self.used())} free, and only "
                     f"{_mib(sum(self.slots[k].bytes for k in evict))} more could be freed "
-                    f"(pinned, in use or loading: {sorted(self._kept(in_use, base)) or 'none'})")
+                    f"(pinned, in use or loading: "
+                    f"{sorted(self._kept([*in_use, *protect], base)) or 'none'})")
         for k in evict:
             del self.slots[k]
         self.slots[key] = Slot(key, estimate, pinned, True, now, base)

@@ -144,7 +144,7 @@ def test_lazy_loads_evict_the_least_recently_used_and_operators_see_and_steer(tm
                 stack.worker(worker, models, SHOAL_PIN="", SHOAL_QUEUE_PREFIX=prefix,
                              SHOAL_RUNTIME="sim", SHOAL_DEVICE="cpu",
                              SHOAL_WORKER_METRICS_PORT=str(metrics_port),
-                             SHOAL_POOL_STATE_INTERVAL_S="1",
+                             SHOAL_POOL_STATE_INTERVAL_S="1", SHOAL_PLACEMENT="lru",
                              # three 100 MB models, room for two
                              SHOAL_DEVICE_MEMORY_BYTES=str(250 * MB))
                 stack.gateway("evict-gateway", port, None, SHOAL_QUEUE_PREFIX=prefix)

@@ -209,6 +209,8 @@ class Batches:
         if busy_ms is not None:
             metrics.DEVICE_BUSY.labels(model).inc(busy_ms / 1000)
             self.device_busy_s += busy_ms / 1000
+        # The fleet's demand: how long this model's batches keep a device busy.
+        self.placement.ran(model, busy_ms / 1000 if busy_ms is not None else seconds or 0.0)
         return model, held, outcomes
 
     def shutdown(self, wait: bool) -> None:

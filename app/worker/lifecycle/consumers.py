@@ -7,6 +7,10 @@ takes one message at a time (the one that starts its load). The scheduler adapts
 model's prefetch (`batching.scheduler`); both apply to new consumers only, so a change
 consumes again. The number of the queue's consumers (this worker's peers) tells whether
 a request could be handed to another worker.
+
+With the fleet's placement, a worker stands by for a model the plan gives to others:
+its consumer is cancelled, so the broker hands it none of that model's traffic, and
+consumes again when the plan gives it the model or when nobody else consumes the queue.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Consuming:
     peers: int = 1
     checked: float = float("-inf")
     priority: int = 0  # its x-priority
+    prefetch: int = COLD_PREFETCH
 
 
 class Consumers:
@@ -58,6 +63,7 @@ class Consumers:
         self.prefetch = prefetch  # of a consumer whose model is loaded, before adapting
         self.by_model: dict[str, Consuming] = {}
         self.stopped = False  # cancelled for a drain: they stay cancelled
+        self.standing_by: set[str] = set()  # cancelled: the fleet's plan gives them to others
 
     def consume(self, model: str, consumer: Any, queue: str, count_peers: Callable[[], int],
                 warm_peers: Callable[[], int]) -> None:
@@ -87,16 +93,48 @@ class Consumers:
         else:
             metrics.PREFETCH.labels(model).set(prefetch)
 
+    def standby(self, model: str) -> None:
+        """Stop consuming the model's queue (others serve it)."""
+        consuming = self.by_model.get(model)
+        if consuming is None or model in self.standing_by or self.stopped:
+            return
+        consuming.consumer.cancel()
+        self.standing_by.add(model)
+        metrics.STANDBY.labels(model).set(1)
+
+    def resume(self, model: str) -> None:
+        """Consume the model's queue again, with the prefetch and priority of its state."""
+        if model not in self.standing_by or model not in self.by_model:
+            return
+        self.standing_by.discard(model)
+        metrics.STANDBY.labels(model).set(0)
+        consuming = self.by_model[model]
+        self._reconsume(model, consuming.prefetch, consuming.priority, first=True)
+
+    def consumers_of(self, model: str) -> int:
+        """The queue's consumers now, this one included if it consumes (-1: unknown)."""
+        consuming = self.by_model.get(model)
+        if consuming is None:
+            return -1
+        try:
+            consuming.peers = consuming.count_peers()
+        except Exception:
+            log.warning("could not count the consumers of %s", model, exc_info=True)
+            return -1
+        return consuming.peers
+
     def _reconsume(self, model: str, prefetch: int, priority: int, first: bool = False) -> None:
         """Consume again with a new per-consumer prefetch and priority (both apply to new
         consumers only)."""
         if self.stopped:
             return  # consumers stay cancelled
         consuming = self.by_model[model]
+        consuming.priority, consuming.prefetch = priority, prefetch
+        if model in self.standing_by:
+            return  # applies when it consumes again
         consumer = consuming.consumer
         if not first:
             consumer.cancel()
-        consuming.priority = priority
         for queue in consumer.queues:
             queue.consumer_arguments = {"x-priority": priority}
         consumer.qos(prefetch_count=prefetch)
@@ -136,3 +174,6 @@ class Consumers:
     def clear(self) -> None:
         """Forget the consumers (their connection was lost)."""
         self.by_model.clear()
+        for model in self.standing_by:
+            metrics.STANDBY.labels(model).set(0)
+        self.standing_by.clear()  # a new connection consumes every queue again

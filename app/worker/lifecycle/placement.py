@@ -17,6 +17,16 @@ meanwhile are answered at once instead of each trying the load again.
 Loads queue and run one at a time; each evicts what it needs when it starts. A load
 that does not fit yet (what is in use or loading must end first) waits; one whose
 requests are all gone by its turn (answered at their deadlines) is dropped.
+
+What it evicts: with SHOAL_PLACEMENT=lru, the least recently used. With `fleet` (the
+default), the fleet's plan decides (`follow`, from `batching.fleet`): the models this
+worker keeps go last, and only for a model it keeps that is worth more; the rest (its
+swap room) go cheapest first, by what their absence would cost (demand x reload time),
+but not within a load's time of their own load (hysteresis: each swap serves what waits
+for it). Loads of the models it keeps go first; the swapped-in ones in arrival order, so
+a rare model's wait is bounded by the models queued before it. It counts what each
+model is asked for and how long its batches keep the device busy (`demand`), which the
+pool state publishes for the fleet's plan.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from app.worker import metrics
+from batching.fleet import DecayingRate, Demand, Plan, eviction_value
 from runtimes.base import Runtime
 from runtimes.worker_side.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
 from tasks.pool_state import COLD, LOADING, RESIDENT
@@ -36,6 +47,11 @@ log = logging.getLogger(__name__)
 
 FAILURE_MEMORY_S = 10.0
 DEFAULT_LOAD_S = 1.0
+# The window of the demand each worker reports: short enough to follow a shift of
+# popularity within tens of seconds, long enough that a rare model's rate is not noise.
+DEMAND_TAU_S = 10.0
+# Protects the models the plan keeps from the swap room's evictions.
+KEPT = 1e12
 
 
 class Placement:
@@ -63,6 +79,12 @@ class Placement:
         self.estimates: dict[str, int] = {}  # key -> bytes the runtime estimated
         self._starting = False
         self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
+        self.arrivals = {m: DecayingRate(DEMAND_TAU_S) for m in models}
+        self.busy = {m: DecayingRate(DEMAND_TAU_S) for m in models}
+        self.fleet = False  # SHOAL_PLACEMENT=fleet: `follow` gives the plan
+        self.keep: frozenset[str] = frozenset()  # what the fleet's plan has it keep
+        self.demand: dict[str, Demand] = {}  # the fleet's, by model
+        self.loaded_at: dict[str, float] = {}  # model -> when its last load ended
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
             pool.add(model, measured, now, pinned=model in pinned)
@@ -86,10 +108,45 @@ class Placement:
         return self.pool.resident(lora_key(model, lora))
 
     def touch(self, key: str) -> None:
-        self.pool.touch(key, time.monotonic())
+        """A request for `key` arrived (its model's demand counts it)."""
+        now = time.monotonic()
+        self.pool.touch(key, now)
+        arrivals = self.arrivals.get(key)
+        if arrivals is not None:
+            arrivals.add(now)
+
+    def ran(self, model: str, seconds: float) -> None:
+        """A batch of `model` kept the device busy for `seconds`."""
+        busy = self.busy.get(model)
+        if busy is not None:
+            busy.add(time.monotonic(), seconds)
+
+    def follow(self, plan: Plan, me: str, demand: dict[str, Demand]) -> None:
+        """The fleet's latest plan and demand: what to keep, what eviction costs."""
+        self.fleet, self.keep, self.demand = True, plan.keep.get(me, frozenset()), demand
+
+    def _value(self, key: str) -> float:
+        model = key.partition(LORA_SEPARATOR)[0]
+        demand = self.demand.get(model) or Demand(load_s=self.load_seconds(model))
+        return eviction_value(demand) + (KEPT if model in self.keep else 0.0)
+
+    def _eviction_rules(self, key: str, now: float) -> tuple[dict[str, float] | None,
+                                                             set[str]]:
+        """How `pool.admit` orders and protects what it may evict for `key` (LRU, nothing
+        protected, unless the fleet decides)."""
+        if not self.fleet:
+            return None, set()
+        order = {k: self._value(k) for k in self.pool.slots}
+        incoming = self._value(key)
+        protect = {k for k, v in order.items() if v >= incoming and v >= KEPT}
+        if key.partition(LORA_SEPARATOR)[0] not in self.keep:
+            protect |= {m for m, at in self.loaded_at.items()
+                        if now - at < self.load_seconds(m)}
+        return order, protect
 
     def snapshot(self) -> dict[str, Any]:
         """What `celery inspect shoal_models` and the pool-state messages report."""
+        now = time.monotonic()
         models = []
         for model in self.models:
             slot = self.pool.slots.get(model)
@@ -98,7 +155,10 @@ class Placement:
             models.append({"id": model, "state": self.state(model),
                            "pinned": model in self.pinned,
                            "bytes": slot.bytes if slot is not None and not slot.loading
-                           else None, "loras": loras})
+                           else self.estimates.get(model), "loras": loras,
+                           "rate": round(self.arrivals[model].rate(now), 4),
+                           "busy": round(self.busy[model].rate(now), 4),
+                           "load_s": round(self.load_seconds(model), 4)})
         return {"budget_bytes": self.pool.budget, "used_bytes": self.pool.used(),
                 "models": models}
 
@@ -174,25 +234,29 @@ class Placement:
                 self.on_state(gone[0], COLD)
         in_use = self.in_use()  # those callbacks may have taken new requests in
         # The load most requests wait for first (first come among equals): a popular
-        # model must not wait behind the loads of rare ones.
-        self.queued.sort(key=lambda q: -in_use.get(q[0] if q[1] is None else
-                                                   lora_key(q[0], q[1]), 0))
+        # model must not wait behind the loads of rare ones. The fleet's: the models kept
+        # first, then the swapped-in ones as they came (a rare one's wait stays bounded).
+        self.queued.sort(key=(lambda q: q[0] not in self.keep) if self.fleet else (
+            lambda q: -in_use.get(q[0] if q[1] is None else lora_key(q[0], q[1]), 0)))
         for i, (model, lora) in enumerate(self.queued):
             if lora is not None and not self.pool.resident(model):
                 continue  # its model was evicted meanwhile; asked again once it is back
             key = model if lora is None else lora_key(model, lora)
+            order, protect = self._eviction_rules(key, now)
             try:
                 evicted = self.pool.admit(key, self._estimate(model, lora), now,
-                                          in_use, base=None if lora is None else model)
+                                          in_use, base=None if lora is None else model,
+                                          order=order, protect=protect)
             except DoesNotFit:
                 continue  # not now: what is in use or loading must end first
             del self.queued[i]
             self.asked.discard(key)
             self.current = (model, lora)
             self.started[key] = now
+            reason = "lru" if order is None else "value"
             for gone in evicted:
-                metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0]).inc()
-                log.info("evicting %s to make room for %s", gone, key)
+                metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0], reason).inc()
+                log.info("evicting %s to make room for %s (%s)", gone, key, reason)
             log.info("loading %s", key)
             future = self.executor.submit(self._load, model, lora, evicted)
             future.add_done_callback(
@@ -270,6 +334,7 @@ class Placement:
         if lora is None:
             metrics.LOAD_SECONDS.labels(model).observe(seconds)
             self.load_s[model] = seconds
+            self.loaded_at[model] = now
             self.on_state(model, RESIDENT)
         else:
             self.on_lora(model, lora, None)

@@ -3,8 +3,10 @@
 Publishes the placement's snapshot (`app.worker.pool_states`) every
 SHOAL_POOL_STATE_INTERVAL_S and on the loop's next turn after a model's state changes;
 reads its peers' states, which say whether a peer holds a model warm
-(`ModelQueueConsumer.warm_peers`). On shutdown it says farewell (a state with no models),
-so gateways stop counting this worker at once rather than when its state goes stale.
+(`ModelQueueConsumer.warm_peers`) and, with SHOAL_PLACEMENT=fleet, make the fleet's plan
+that the loop follows every FLEET_TICK_S (`app.worker.lifecycle.fleet`). On shutdown it
+says farewell (a state with no models), so gateways stop counting this worker at once
+rather than when its state goes stale.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from app.worker.lifecycle.fleet import FLEET_TICK_S
 from app.worker.pool_states import PoolStates
 from app.worker.steps.model_queues import ModelQueueConsumer
 
@@ -29,6 +32,7 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         self.pool_states = c.shoal_pool_states = PoolStates(settings.queue_prefix,
                                                             self.interval_s)
         self.timer: Any = None
+        self.fleet_timer: Any = None
 
     def start(self, c: Any) -> None:
         queues = c.shoal_queues
@@ -39,12 +43,18 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         self.pool_states.open(c, dispatcher.placement.snapshot)
         dispatcher.on_placement = self.pool_states.soon
         self.timer = c.hub.call_repeatedly(self.interval_s, self.pool_states.publish)
+        if c.shoal_queues.settings.placement == "fleet":
+            # The fleet's plan, from the peers' latest states (app.worker.lifecycle.fleet).
+            self.fleet_timer = c.hub.call_repeatedly(
+                FLEET_TICK_S, lambda: dispatcher.follow_fleet(c.hostname,
+                                                              self.pool_states.fresh()))
 
     def stop_publishing(self) -> None:
-        """No more periodic states (a drain, a stop)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        """No more periodic states (a drain, a stop), nor plans."""
+        for timer in (self.timer, self.fleet_timer):
+            if timer is not None:
+                timer.cancel()
+        self.timer = self.fleet_timer = None
 
     def farewell(self) -> None:
         """Gateways stop counting this worker as serving its models now."""
