@@ -211,5 +211,6 @@ def fleet_demand(reports: Iterable[Mapping[str, Mapping[str, float]]],
             rate[model] = rate.get(model, 0.0) + float(numbers.get("rate", 0.0))
             busy[model] = busy.get(model, 0.0) + float(numbers.get("busy", 0.0))
     models = set(rate) | set(sizes) | set(load_s)
-    return {m: Demand(rate.get(m, 0.0), busy.get(m, 0.0), max(1, sizes.get(m, 1)),
+    unknown = max(sizes.values(), default=1)  # a size nobody reported: the largest known
+    return {m: Demand(rate.get(m, 0.0), busy.get(m, 0.0), max(1, sizes.get(m, unknown)),
                       load_s.get(m, 1.0)) for m in models}

@@ -9,7 +9,12 @@ The body is msgpack:
      "budget_bytes": int, "used_bytes": int,
      "device_busy": float,  # optional: the busy fraction of its device since its last state
      "models": [{"id": str, "state": "resident" | "loading" | "cold",
-                 "pinned": bool, "bytes": int | None, "loras": [str, ...]}]}
+                 "pinned": bool, "bytes": int | None, "loras": [str, ...],
+                 # optional, what the fleet's placement reads (app.worker.lifecycle.fleet):
+                 "estimate": int,  # bytes a copy takes (measured, else estimated)
+                 "rate": float,  # requests per second this worker received (decaying)
+                 "busy": float,  # device seconds per second its batches took
+                 "load_s": float}]}  # what its last load here took (else the profile's)
 
 "cold" means the worker may serve the model (it consumes its queue) but has not
 loaded it: its first request there waits for a load.

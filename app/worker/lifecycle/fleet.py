@@ -54,8 +54,9 @@ def read_state(state: Mapping[str, Any]) -> tuple[WorkerView, dict[str, dict[str
     load_s: dict[str, float] = {}
     for m in models:
         report[m["id"]] = {"rate": _number(m.get("rate")), "busy": _number(m.get("busy"))}
-        if _number(m.get("bytes")) > 0:
-            sizes[m["id"]] = int(_number(m.get("bytes")))
+        size = _number(m.get("bytes")) or _number(m.get("estimate"))
+        if size > 0:
+            sizes[m["id"]] = int(size)
         if _number(m.get("load_s")) > 0:
             load_s[m["id"]] = _number(m.get("load_s"))
     view = WorkerView(

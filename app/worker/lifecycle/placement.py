@@ -22,11 +22,11 @@ What it evicts: with SHOAL_PLACEMENT=lru, the least recently used. With `fleet` 
 default), the fleet's plan decides (`follow`, from `batching.fleet`): the models this
 worker keeps go last, and only for a model it keeps that is worth more; the rest (its
 swap room) go cheapest first, by what their absence would cost (demand x reload time),
-but not within a load's time of their own load (hysteresis: each swap serves what waits
-for it). Loads of the models it keeps go first; the swapped-in ones in arrival order, so
-a rare model's wait is bounded by the models queued before it. It counts what each
-model is asked for and how long its batches keep the device busy (`demand`), which the
-pool state publishes for the fleet's plan.
+once nothing waits for them (the hysteresis is the plan's: what it keeps changes only
+for a clearly busier model). Loads of the models it keeps go first; the swapped-in ones
+in arrival order, so a rare model's wait is bounded by the models queued before it. It
+counts what each model is asked for and how long its batches keep the device busy,
+which the pool state publishes for the fleet's plan.
 """
 
 from __future__ import annotations
@@ -84,13 +84,9 @@ class Placement:
         self.fleet = False  # SHOAL_PLACEMENT=fleet: `follow` gives the plan
         self.keep: frozenset[str] = frozenset()  # what the fleet's plan has it keep
         self.demand: dict[str, Demand] = {}  # the fleet's, by model
-        self.loaded_at: dict[str, float] = {}  # model -> when its last load ended
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
             pool.add(model, measured, now, pinned=model in pinned)
-        if pool.used() > pool.budget:
-            log.warning("the pinned models take %.1f MiB, over the %.1f MiB budget: nothing "
-                        "else can load", pool.used() / 2**20, pool.budget / 2**20)
         self._gauges()
 
     # --- state ---------------------------------------------------------------------------
@@ -130,19 +126,14 @@ class Placement:
         demand = self.demand.get(model) or Demand(load_s=self.load_seconds(model))
         return eviction_value(demand) + (KEPT if model in self.keep else 0.0)
 
-    def _eviction_rules(self, key: str, now: float) -> tuple[dict[str, float] | None,
-                                                             set[str]]:
+    def _eviction_rules(self, key: str) -> tuple[dict[str, float] | None, set[str]]:
         """How `pool.admit` orders and protects what it may evict for `key` (LRU, nothing
         protected, unless the fleet decides)."""
         if not self.fleet:
             return None, set()
         order = {k: self._value(k) for k in self.pool.slots}
         incoming = self._value(key)
-        protect = {k for k, v in order.items() if v >= incoming and v >= KEPT}
-        if key.partition(LORA_SEPARATOR)[0] not in self.keep:
-            protect |= {m for m, at in self.loaded_at.items()
-                        if now - at < self.load_seconds(m)}
-        return order, protect
+        return order, {k for k, v in order.items() if v >= incoming and v >= KEPT}
 
     def snapshot(self) -> dict[str, Any]:
         """What `celery inspect shoal_models` and the pool-state messages report."""
@@ -155,7 +146,9 @@ class Placement:
             models.append({"id": model, "state": self.state(model),
                            "pinned": model in self.pinned,
                            "bytes": slot.bytes if slot is not None and not slot.loading
-                           else self.estimates.get(model), "loras": loras,
+                           else None, "loras": loras,
+                           "estimate": slot.bytes if slot is not None
+                           else self._estimate(model, None),
                            "rate": round(self.arrivals[model].rate(now), 4),
                            "busy": round(self.busy[model].rate(now), 4),
                            "load_s": round(self.load_seconds(model), 4)})
@@ -242,7 +235,7 @@ class Placement:
             if lora is not None and not self.pool.resident(model):
                 continue  # its model was evicted meanwhile; asked again once it is back
             key = model if lora is None else lora_key(model, lora)
-            order, protect = self._eviction_rules(key, now)
+            order, protect = self._eviction_rules(key)
             try:
                 evicted = self.pool.admit(key, self._estimate(model, lora), now,
                                           in_use, base=None if lora is None else model,
@@ -334,7 +327,6 @@ class Placement:
         if lora is None:
             metrics.LOAD_SECONDS.labels(model).observe(seconds)
             self.load_s[model] = seconds
-            self.loaded_at[model] = now
             self.on_state(model, RESIDENT)
         else:
             self.on_lora(model, lora, None)

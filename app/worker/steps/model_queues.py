@@ -53,6 +53,10 @@ DEAD_LETTER_PREFETCH = 16
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+class PinnedOverBudget(RuntimeError):
+    """The pinned models alone do not fit the device budget: the worker does not start."""
+
+
 class ModelQueueConsumer(bootsteps.ConsumerStep):
     """Consumes every served model's queue (and dead-letter queue) into the dispatcher.
 
@@ -95,6 +99,14 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         SPARE_PROMOTIONS.set_function(lambda: self.runtime.spare_promotions)
         START_FAILURES.set_function(lambda: self.runtime.start_failures)
         self.pool = Pool(device_budget(settings, self.runtime.device_bytes))
+        pinned_bytes = sum(self.runtime.resident.get(m, 0) for m in self.pinned)
+        if pinned_bytes > self.pool.budget:
+            self.runtime.close()
+            raise PinnedOverBudget(
+                f"SHOAL_PIN: the pinned models take {pinned_bytes / 2**20:.1f} MiB, over this "
+                f"worker's device budget of {self.pool.budget / 2**20:.1f} MiB "
+                "(SHOAL_DEVICE_MEMORY_BYTES, else SHOAL_DEVICE_MEMORY_FRACTION of the "
+                "device): pin fewer models, or raise the budget")
         self.dispatcher: Dispatcher | None = None
         self.consumers: list[Any] = []
         self.started = False  # consuming (the steps after it start theirs then)
