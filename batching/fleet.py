@@ -24,7 +24,8 @@ The plan, in order:
    (those fewest workers may serve first) on the least busy worker with room, ties
    broken by a rendezvous hash, the same on every worker;
 5. each model left out gets one swap worker: the one that holds it already, else the one
-   with the least swap traffic.
+   that held it last (`warm`: its reload there is likely a copy from host memory), else
+   the one with the least swap traffic.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class WorkerView:
     serves: frozenset[str]  # models it may serve (SHOAL_MODELS)
     held: frozenset[str] = frozenset()  # resident or loading there
     pinned: frozenset[str] = frozenset()
+    # Evicted there moments ago: a reload there is likely cheap (the host-memory tier),
+    # and the next holder of a swapped model should be the last one.
+    warm: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +133,8 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
             left -= need[model].bytes
 
     def place(model: str, fits: list[WorkerView]) -> None:
-        best = min(fits, key=lambda w: (busy_of[w.name], len(keep[w.name]),
-                                        rendezvous(model, w.name)))
+        best = min(fits, key=lambda w: (model not in w.warm, busy_of[w.name],
+                                        len(keep[w.name]), rendezvous(model, w.name)))
         keep[best.name].add(model)
         room[best.name] -= need[model].bytes
         busy_of[best.name] += need[model].busy / copies[model]
@@ -159,8 +163,8 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
     for model in left_out:
         if not servers[model]:
             continue
-        best = min(servers[model], key=lambda w: (model not in w.held, swap_rate[w.name],
-                                                  rendezvous(model, w.name)))
+        best = min(servers[model], key=lambda w: (model not in w.held, model not in w.warm,
+                                                  swap_rate[w.name], rendezvous(model, w.name)))
         swap[model] = best.name
         swap_rate[best.name] += max(need[model].rate, UNASKED_RATE)
     return Plan({name: frozenset(ms) for name, ms in keep.items()}, swap, copies)

@@ -14,7 +14,8 @@ The body is msgpack:
                  "estimate": int,  # bytes a copy takes (measured, else estimated)
                  "rate": float,  # requests per second this worker received (decaying)
                  "busy": float,  # device seconds per second its batches took
-                 "load_s": float}]}  # what its last load here took (else the profile's)
+                 "load_s": float,  # what its last load here took (else the profile's)
+                 "warm": bool}]}  # evicted here moments ago (its reload likely cheap)
 
 "cold" means the worker may serve the model (it consumes its queue) but has not
 loaded it: its first request there waits for a load.

@@ -63,7 +63,8 @@ def read_state(state: Mapping[str, Any]) -> tuple[WorkerView, dict[str, dict[str
         str(state.get("worker", "")), int(_number(state.get("budget_bytes"))),
         frozenset(m["id"] for m in models),
         frozenset(m["id"] for m in models if m.get("state") in (RESIDENT, LOADING)),
-        frozenset(m["id"] for m in models if m.get("pinned") is True))
+        frozenset(m["id"] for m in models if m.get("pinned") is True),
+        frozenset(m["id"] for m in models if m.get("warm") is True))
     return view, report, sizes, load_s
 
 

@@ -52,6 +52,9 @@ DEFAULT_LOAD_S = 1.0
 DEMAND_TAU_S = 10.0
 # Protects the models the plan keeps from the swap room's evictions.
 KEPT = 1e12
+# A model evicted this recently is "warm" here (its weights likely in the host-memory
+# tier): the fleet's plan prefers this worker for it.
+WARM_S = 60.0
 
 
 class Placement:
@@ -84,6 +87,7 @@ class Placement:
         self.fleet = False  # SHOAL_PLACEMENT=fleet: `follow` gives the plan
         self.keep: frozenset[str] = frozenset()  # what the fleet's plan has it keep
         self.demand: dict[str, Demand] = {}  # the fleet's, by model
+        self.evicted_at: dict[str, float] = {}  # model -> when it was last evicted here
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
             pool.add(model, measured, now, pinned=model in pinned)
@@ -151,7 +155,8 @@ class Placement:
                            else self._estimate(model, None),
                            "rate": round(self.arrivals[model].rate(now), 4),
                            "busy": round(self.busy[model].rate(now), 4),
-                           "load_s": round(self.load_seconds(model), 4)})
+                           "load_s": round(self.load_seconds(model), 4),
+                           "warm": now - self.evicted_at.get(model, -WARM_S) < WARM_S})
         return {"budget_bytes": self.pool.budget, "used_bytes": self.pool.used(),
                 "models": models}
 
@@ -248,6 +253,7 @@ class Placement:
             self.started[key] = now
             reason = "lru" if order is None else "value"
             for gone in evicted:
+                self.evicted_at[gone] = now
                 metrics.EVICTIONS.labels(gone.partition(LORA_SEPARATOR)[0], reason).inc()
                 log.info("evicting %s to make room for %s (%s)", gone, key, reason)
             log.info("loading %s", key)

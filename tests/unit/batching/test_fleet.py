@@ -145,3 +145,13 @@ def test_a_decaying_rate_follows_a_step_and_forgets():
     assert rate.rate(130.0) < 1.0  # three windows of silence
     with pytest.raises(ValueError):
         DecayingRate(0)
+
+
+def test_a_swapped_model_goes_back_to_the_worker_that_held_it_last():
+    cold = plan_fleet([worker("a", 4), worker("b", 4)], zipf())
+    for model, first in cold.swap.items():
+        other = "b" if first == "a" else "a"
+        views = [WorkerView(w, 410 * MIB, frozenset(MODELS),
+                            warm=frozenset([model]) if w == other else frozenset())
+                 for w in "ab"]
+        assert plan_fleet(views, zipf()).swap[model] == other
