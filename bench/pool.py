@@ -232,6 +232,8 @@ def scaling(rows: list[dict[str, Any]]) -> float | None:
             row["limit"] = "client"
         elif row["utilisation_mean"] > 0.85:
             row["limit"] = "fleet (devices busy)"
+        elif row["req_per_s"] < 0.95 * row["offered_per_s"]:
+            row["limit"] = "fleet (devices idle while requests wait: placement)"
         else:
             row["limit"] = "not saturated"
         ref = refs.get(row["round"])

@@ -193,11 +193,12 @@ def test_scaling_sets_each_runs_efficiency_against_ref_1_of_its_round():
                 "send_lag_p99_ms": 5.0, "utilisation_mean": util,
                 "cpu": {"machine": machine, "client_cores": 0.2}}
     rows = [row("ref-1", 1, 10.0), row("pool-8", 8, 76.0, machine=0.95),
-            row("pool-4", 4, 20.0, util=0.4)]
+            row("pool-4", 4, 20.0, util=0.4), row("pool-2", 2, 24.0, util=0.4)]
     assert scaling(rows) == 10.0
     assert rows[1]["efficiency"] == pytest.approx(0.95)
     assert rows[1]["limit"] == "machine CPU"
-    assert rows[2]["limit"] == "not saturated" and rows[0]["limit"].startswith("fleet")
+    assert rows[2]["limit"].endswith("placement)") and rows[0]["limit"].startswith("fleet")
+    assert rows[3]["limit"] == "not saturated"
 
 
 # --- the scenarios -------------------------------------------------------------------------
