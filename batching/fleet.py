@@ -218,3 +218,25 @@ def fleet_demand(reports: Iterable[Mapping[str, Mapping[str, float]]],
     unknown = max(sizes.values(), default=1)  # a size nobody reported: the largest known
     return {m: Demand(rate.get(m, 0.0), busy.get(m, 0.0), max(1, sizes.get(m, unknown)),
                       load_s.get(m, 1.0)) for m in models}
+
+
+class DemandMeter:
+    """What one worker is asked for, per model: requests and device seconds per second,
+    each a `DecayingRate` (the caller passes the clock)."""
+
+    def __init__(self, models: Iterable[str], tau_s: float) -> None:
+        self.arrivals = {m: DecayingRate(tau_s) for m in models}
+        self.busy = {m: DecayingRate(tau_s) for m in models}
+
+    def arrived(self, model: str, now: float) -> None:
+        if model in self.arrivals:
+            self.arrivals[model].add(now)
+
+    def ran(self, model: str, seconds: float, now: float) -> None:
+        if model in self.busy:
+            self.busy[model].add(now, seconds)
+
+    def report(self, model: str, now: float) -> dict[str, float]:
+        """{"rate", "busy"} of a pool-state model entry."""
+        return {"rate": round(self.arrivals[model].rate(now), 4),
+                "busy": round(self.busy[model].rate(now), 4)}

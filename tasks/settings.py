@@ -65,14 +65,10 @@ class Settings(BaseSettings):
         "(default: SHOAL_DEVICE_MEMORY_FRACTION of the device; of RAM on CPU)")
     device_memory_fraction: float = Field(0.8, gt=0, le=1)
     placement: Literal["fleet", "lru"] = Field(
-        "fleet", description="worker: how models are placed and evicted: 'fleet' decides "
-        "from every worker's holdings and the demand they report (copies by demand, "
-        "eviction by value); 'lru' has each worker load what it is sent and evict the least "
-        "recently used, alone (what a router's replicas do)")
+        "fleet", description="worker: fleet (copies by demand, eviction by value) or lru")
     host_memory_bytes: int | None = Field(
-        None, ge=0, description="worker: bytes of host memory that keep evicted models' "
-        "weights, so that their reload is a copy, not a read and build from disk (default: "
-        "a quarter of RAM; 0: off)")
+        None, ge=0, description="worker: host memory that keeps evicted models' weights for a "
+        "cheap reload (default: a quarter of RAM; 0: off)")
     pool_state_interval_s: float = Field(
         2.0, gt=0, description="worker: how often it tells gateways and its peers what it "
         "has loaded and what it is asked for (and at once on a change)")

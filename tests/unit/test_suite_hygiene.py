@@ -18,6 +18,7 @@ DELIBERATE_SLEEPS = {
     ("tests/unit/bench/test_peers.py", "0"): "yields to the event loop, waits for nothing",
     ("tests/e2e/test_broker_failover.py", "OUTAGE_S"): "the outage itself",
     ("tests/e2e/test_worker_health.py", "2 * STALL_S"): "a stall detector must see time pass",
+    ("tests/e2e/test_fleet_placement.py", "i * every_s"): "an open-loop load's pacing",
 }
 
 # Skips, by file: a CUDA device, root (network namespaces), tools a machine may not have.

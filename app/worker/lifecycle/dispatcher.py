@@ -43,7 +43,7 @@ from app.worker.lifecycle.claims import ClaimFetcher
 from app.worker.lifecycle.consumers import Consumers
 from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.feed import Feed
-from app.worker.lifecycle.fleet import decide
+from app.worker.lifecycle.fleet import FleetRow
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.intake import Intake
 from app.worker.lifecycle.placement import Placement
@@ -104,7 +104,9 @@ class Dispatcher:
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
             lambda fn, *args: self.c.hub.call_soon(fn, *args), self.holdings.in_use,
             self._on_state, self._on_load_failed, load_s or {}, self._on_lora)
+        self.placement.running = lambda: {b.lane.model for b in self.scheduler.in_flight}
         self.consumers = Consumers(self.scheduler, self.placement, prefetch)
+        self.fleet = FleetRow(self.placement, self.consumers)  # the pool-state step's timer
         self.returns = Returns(self.consumers, self.replier, consumer)
         self.batches = Batches(runtime, self.scheduler, self.placement, self.streams,
                                self.replier, consumer, depth, self._on_batch_done)
@@ -324,29 +326,6 @@ class Dispatcher:
                 self.answers.refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
         self.on_placement()
         self._queue_tick()
-
-    def follow_fleet(self, me: str, peers: list[dict[str, Any]]) -> None:
-        """The fleet's plan (`app.worker.lifecycle.fleet`), this worker's row applied: it
-        consumes what the plan gives it, stands by for the rest while another worker
-        consumes it, and loads ahead what it keeps."""
-        if self.drain.active:
-            return
-        consumers = self.consumers
-        decided = decide(me, self.placement.snapshot(), peers, self.holdings.in_use(),
-                         consumers.standing_by)
-        self.placement.follow(decided.plan, me, decided.demand)
-        for model in sorted(consumers.standing_by):
-            if model in decided.serve or consumers.consumers_of(model) == 0:
-                consumers.resume(model)  # given to it, or nobody consumes it
-        for model in sorted(decided.standby):
-            if consumers.consumers_of(model) >= 2:  # another worker consumes it
-                consumers.standby(model)
-        for model in decided.preload:
-            self.placement.ensure(model, asked=True)
-        for model, demand in decided.demand.items():
-            metrics.DEMAND.labels(model).set(demand.rate)
-            metrics.DEMAND_BUSY.labels(model).set(demand.busy)
-            metrics.COPIES.labels(model).set(len(decided.plan.holders(model)))
 
     # --- what the worker's steps and its remote control call ------------------------
 

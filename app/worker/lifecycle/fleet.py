@@ -5,7 +5,8 @@ Every FLEET_TICK_S the pool-state step hands the loop the latest state of each p
 (`app.worker.pool_states`); `decide` turns them and this worker's own snapshot into the
 fleet's picture (`batching.fleet.WorkerView`s and the demand each worker reports), the
 plan every worker computes alike (`batching.fleet.plan_fleet`), and this worker's
-decisions, which the loop applies (`Dispatcher.follow_fleet`):
+decisions, which `FleetRow` applies on the loop (the step's timer stops when a drain
+begins):
 
 - `serve`: the models it consumes (it keeps them, or it is the one that swaps them in);
 - `standby`: the models it stops consuming because the plan gives them to others (only
@@ -26,6 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.worker import metrics
+from app.worker.lifecycle.consumers import Consumers
+from app.worker.lifecycle.placement import Placement
 from batching.fleet import UNASKED_RATE, Demand, Plan, WorkerView, fleet_demand, plan_fleet
 from tasks.pool_state import LOADING, RESIDENT
 
@@ -101,3 +105,30 @@ def decide(me: str, own: Mapping[str, Any], peers: Iterable[Mapping[str, Any]],
                             if m in demand and demand[m].rate > UNASKED_RATE),
                            key=lambda m: (-demand[m].rate, m)))
     return FleetDecisions(plan, demand, serve, standby, preload)
+
+
+class FleetRow:
+    """Applies this worker's row of the plan to its consumers and its placement (loop
+    thread)."""
+
+    def __init__(self, placement: Placement, consumers: Consumers) -> None:
+        self.placement = placement
+        self.consumers = consumers
+
+    def follow(self, me: str, peers: list[dict[str, Any]]) -> None:
+        consumers = self.consumers
+        decided = decide(me, self.placement.snapshot(), peers, self.placement.in_use(),
+                         consumers.standing_by)
+        self.placement.follow(decided.plan, me, decided.demand)
+        for model in sorted(consumers.standing_by):
+            if model in decided.serve or consumers.consumers_of(model) == 0:
+                consumers.resume(model)  # given to it, or nobody consumes it
+        for model in sorted(decided.standby):
+            if consumers.consumers_of(model) >= 2:  # another worker consumes it
+                consumers.standby(model)
+        for model in decided.preload:
+            self.placement.ensure(model, asked=True)
+        for model, demand in decided.demand.items():
+            metrics.DEMAND.labels(model).set(demand.rate)
+            metrics.DEMAND_BUSY.labels(model).set(demand.busy)
+            metrics.COPIES.labels(model).set(len(decided.plan.holders(model)))

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from app.worker import metrics
-from batching.fleet import DecayingRate, Demand, Plan, eviction_value
+from batching.fleet import Demand, DemandMeter, Plan, eviction_value
 from runtimes.base import Runtime
 from runtimes.worker_side.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
 from tasks.pool_state import COLD, LOADING, RESIDENT
@@ -55,6 +55,9 @@ KEPT = 1e12
 # A model evicted this recently is "warm" here (its weights likely in the host-memory
 # tier): the fleet's plan prefers this worker for it.
 WARM_S = 60.0
+# A swapped-in model's turn: after this (or two of its loads, if longer) its waiting
+# requests no longer keep it in, so a saturated worker still swaps the others through.
+TURN_S = 1.0
 
 
 class Placement:
@@ -82,12 +85,13 @@ class Placement:
         self.estimates: dict[str, int] = {}  # key -> bytes the runtime estimated
         self._starting = False
         self.load_s = dict(load_s or {})  # expected seconds per load: profile, then measured
-        self.arrivals = {m: DecayingRate(DEMAND_TAU_S) for m in models}
-        self.busy = {m: DecayingRate(DEMAND_TAU_S) for m in models}
+        self.meter = DemandMeter(models, DEMAND_TAU_S)  # what this worker is asked for
         self.fleet = False  # SHOAL_PLACEMENT=fleet: `follow` gives the plan
         self.keep: frozenset[str] = frozenset()  # what the fleet's plan has it keep
         self.demand: dict[str, Demand] = {}  # the fleet's, by model
         self.evicted_at: dict[str, float] = {}  # model -> when it was last evicted here
+        self.loaded_at: dict[str, float] = {}  # model -> when its last load ended
+        self.running: Callable[[], Collection[str]] = frozenset  # models with a batch running
         now = time.monotonic()
         for model, measured in runtime.resident.items():  # what the runtime started with
             pool.add(model, measured, now, pinned=model in pinned)
@@ -111,15 +115,11 @@ class Placement:
         """A request for `key` arrived (its model's demand counts it)."""
         now = time.monotonic()
         self.pool.touch(key, now)
-        arrivals = self.arrivals.get(key)
-        if arrivals is not None:
-            arrivals.add(now)
+        self.meter.arrived(key, now)
 
     def ran(self, model: str, seconds: float) -> None:
         """A batch of `model` kept the device busy for `seconds`."""
-        busy = self.busy.get(model)
-        if busy is not None:
-            busy.add(time.monotonic(), seconds)
+        self.meter.ran(model, seconds, time.monotonic())
 
     def follow(self, plan: Plan, me: str, demand: dict[str, Demand]) -> None:
         """The fleet's latest plan and demand: what to keep, what eviction costs."""
@@ -127,8 +127,7 @@ class Placement:
 
     def _value(self, key: str) -> float:
         model = key.partition(LORA_SEPARATOR)[0]
-        demand = self.demand.get(model) or Demand(load_s=self.load_seconds(model))
-        return eviction_value(demand) + (KEPT if model in self.keep else 0.0)
+        return eviction_value(self.demand.get(model) or Demand()) + KEPT * (model in self.keep)
 
     def _eviction_rules(self, key: str) -> tuple[dict[str, float] | None, set[str]]:
         """How `pool.admit` orders and protects what it may evict for `key` (LRU, nothing
@@ -153,8 +152,7 @@ class Placement:
                            else None, "loras": loras,
                            "estimate": slot.bytes if slot is not None
                            else self._estimate(model, None),
-                           "rate": round(self.arrivals[model].rate(now), 4),
-                           "busy": round(self.busy[model].rate(now), 4),
+                           **self.meter.report(model, now),
                            "load_s": round(self.load_seconds(model), 4),
                            "warm": now - self.evicted_at.get(model, -WARM_S) < WARM_S})
         return {"budget_bytes": self.pool.budget, "used_bytes": self.pool.used(),
@@ -243,7 +241,8 @@ class Placement:
             order, protect = self._eviction_rules(key)
             try:
                 evicted = self.pool.admit(key, self._estimate(model, lora), now,
-                                          in_use, base=None if lora is None else model,
+                                          self._holding(in_use, now),
+                                          base=None if lora is None else model,
                                           order=order, protect=protect)
             except DoesNotFit:
                 continue  # not now: what is in use or loading must end first
@@ -261,11 +260,25 @@ class Placement:
             future.add_done_callback(
                 lambda f, m=model, lo=lora: self.call_soon(self._loaded, m, lo, f))
             self._gauges()
+            # Evicted at the end of its turn with requests waiting: it queues again.
+            again = [g for g in evicted if LORA_SEPARATOR not in g and in_use.get(g)]
+            self.queued += [(g, None) for g in again]
             # Told last: a callback may come back here (a consumer restarting delivers).
             for gone in evicted:
                 if LORA_SEPARATOR not in gone:
-                    self.on_state(gone, COLD)
+                    self.on_state(gone, LOADING if gone in again else COLD)
             return
+
+    def _holding(self, in_use: Mapping[str, int], now: float) -> Mapping[str, int]:
+        """What keeps its model in: its requests, except a swapped-in model's waiting ones
+        once its turn is over (fleet placement; a batch running always keeps it)."""
+        if not self.fleet:
+            return in_use
+        running = self.running()
+        over = {m for m, at in self.loaded_at.items()
+                if m not in self.keep and m not in running and self.pool.resident(m)
+                and now - at >= max(TURN_S, 2 * self.load_seconds(m))}
+        return {k: n for k, n in in_use.items() if k not in over}
 
     def unload(self, model: str) -> str | None:
         """Drop a model now (operators' `shoal_unload`): None, or why not."""
@@ -333,6 +346,7 @@ class Placement:
         if lora is None:
             metrics.LOAD_SECONDS.labels(model).observe(seconds)
             self.load_s[model] = seconds
+            self.loaded_at[model] = now
             self.on_state(model, RESIDENT)
         else:
             self.on_lora(model, lora, None)

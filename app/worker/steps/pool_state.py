@@ -46,7 +46,7 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         if c.shoal_queues.settings.placement == "fleet":
             # The fleet's plan, from the peers' latest states (app.worker.lifecycle.fleet).
             self.fleet_timer = c.hub.call_repeatedly(
-                FLEET_TICK_S, lambda: dispatcher.follow_fleet(c.hostname,
+                FLEET_TICK_S, lambda: dispatcher.fleet.follow(c.hostname,
                                                               self.pool_states.fresh()))
 
     def stop_publishing(self) -> None:

@@ -124,3 +124,63 @@ def test_a_queued_load_nobody_waits_for_any_more_is_dropped_unless_an_operator_a
     loop.run_one()
     assert placement.state("c") == RESIDENT
     assert [m for op, m in runtime.calls if op == "load"] == ["a", "c"]
+
+
+# --- the fleet's plan (SHOAL_PLACEMENT=fleet) -------------------------------------------------
+
+
+def _follow(placement: Placement, keep: set[str], rates: dict[str, float]) -> None:
+    from batching.fleet import Demand, Plan
+
+    placement.follow(Plan({"me": frozenset(keep)}, {}), "me",
+                     {m: Demand(rate=r, load_s=1.0) for m, r in rates.items()})
+
+
+def test_the_fleet_keeps_its_kept_models_and_evicts_the_cheapest_swapped_one():
+    sizes = {m: 100 * MB for m in "abcd"}
+    runtime = MemoryRuntime(sizes, resident={"a": 100 * MB, "b": 100 * MB, "c": 100 * MB})
+    placement, loop, states, _ = _placement(runtime, 350 * MB, in_use={"d"})
+    _follow(placement, keep={"a"}, rates={"a": 0.1, "b": 5.0, "c": 1.0, "d": 0.5})
+    placement.touch("c")  # c and d are the most recently used: LRU would evict a
+    placement.touch("d")
+    assert placement.ensure("d") is None
+    # a is kept (though the least asked for and the least recent), c's absence is the
+    # cheapest of the rest
+    assert placement.state("a") == RESIDENT and placement.state("b") == RESIDENT
+    assert placement.state("c") == COLD
+    runtime.go.release()
+    loop.run_one()
+    assert placement.state("d") == RESIDENT
+
+
+def test_a_swapped_model_that_is_not_kept_cannot_evict_a_kept_one():
+    sizes = {m: 100 * MB for m in "abc"}
+    runtime = MemoryRuntime(sizes, resident={"a": 100 * MB, "b": 100 * MB})
+    placement, _, _, _ = _placement(runtime, 250 * MB, in_use={"c"})
+    _follow(placement, keep={"a", "b"}, rates={"a": 1.0, "b": 1.0, "c": 50.0})
+    assert placement.ensure("c") is None
+    assert placement.state("c") == LOADING  # queued: it waits for room, evicting nothing
+    assert placement.state("a") == RESIDENT and placement.state("b") == RESIDENT
+    assert runtime.calls == []
+
+
+def test_a_swapped_model_past_its_turn_gives_way_and_queues_again_for_its_waiting_requests():
+    sizes = {m: 100 * MB for m in "abc"}
+    runtime = MemoryRuntime(sizes, resident={"a": 100 * MB})
+    waiting = {"b", "c"}  # both have requests waiting, all the time (a saturated worker)
+    placement, loop, states, _ = _placement(runtime, 250 * MB, in_use=waiting)
+    _follow(placement, keep={"a"}, rates={"a": 5.0, "b": 1.0, "c": 1.0})
+    placement.load_s = {"b": 0.0, "c": 0.0}  # so that a turn is TURN_S
+    assert placement.ensure("b") is None
+    runtime.go.release()
+    loop.run_one()
+    assert placement.state("b") == RESIDENT
+    assert placement.ensure("c") is None
+    assert placement.state("c") == LOADING and placement.state("b") == RESIDENT  # b's turn
+    placement.loaded_at["b"] -= 2.0  # its turn is over
+    placement.kick()
+    assert placement.state("b") == LOADING  # evicted for c, and queued again: requests wait
+    assert ("b", COLD) not in states
+    runtime.go.release()
+    loop.run_one()
+    assert placement.state("c") == RESIDENT
