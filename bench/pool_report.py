@@ -31,7 +31,8 @@ def _line(cells: list[str], r: dict[str, Any]) -> str:
         *cells, f"{r['req_per_s']:.1f}", _pct(r["error_rate"]),
         *(f"{_ms(_get(r, f'{t}.p50_ms'))} / {_ms(_get(r, f'{t}.p99_ms'))} "
           f"({_pct(_get(r, f'{t}.error_rate'))})" for t, _, _ in TIERS),
-        f"{r['loads_per_min']:.1f}", f"{r['evictions_per_min']:.1f}",
+        f"{r['loads_per_min']:.1f} ({r.get('slow_loads_per_min', float('nan')):.1f})",
+        f"{r['evictions_per_min']:.1f}",
         _pct(r["utilisation_mean"])])
 
 
@@ -55,7 +56,7 @@ def table(data: dict[str, Any]) -> str:
     shares, p = data["tier_shares"], data["profile"]
     kind = "SIMULATED" if data.get("simulated", True) else "REAL (tiny models)"
     head = ["req/s", "errors", *(f"{t} p50 / p99 ms (errors)" for t, _, _ in TIERS),
-            "loads/min", "evictions/min", "device util"]
+            "loads/min (from disk)", "evictions/min", "device util"]
     lines = [
         f"{kind}, scenario **{data['scenario']}**: {len(data['models'])} models, Zipf "
         f"{data['zipf_s']:g} (" + ", ".join(f"{t} {shares[t]:.0%}" for t, _, _ in TIERS)

@@ -14,7 +14,11 @@ from typing import Any
 from app.tuning.stats import median, percentile
 from bench.pool_traffic import TIERS
 
-COUNTERS = ("shoal_model_loads_total", "shoal_model_evictions_total")
+COUNTERS = ("shoal_model_loads_total", "shoal_model_evictions_total",
+            "shoal_model_load_seconds_bucket")
+# A load that took longer than this read its model from disk (the sim's 2 s loads); a
+# shorter one was a reload from the host-memory tier (0.2 s).
+SLOW_LOAD_S = "1.0"
 # The deployments a user could pick instead of the pool: the best of them is the bar.
 ROUTERS = ("router", "mux", "mux-host")
 POOLS = ("pool", "pool-lru")
@@ -151,6 +155,10 @@ def summarize(window: Any, worker_names: Sequence[str], weights: Sequence[float]
               for b, a, ok_loads in zip(window.before, window.after, loads, strict=True)]
     evictions = [counter_delta(b, a, "shoal_model_evictions_total")
                  for b, a in zip(window.before, window.after, strict=True)]
+    slow = [counter_delta(b, a, "shoal_model_load_seconds_bucket", le="+Inf")
+            - counter_delta(b, a, "shoal_model_load_seconds_bucket", le=SLOW_LOAD_S)
+            for b, a in zip(window.before, window.after, strict=True)]
+    row["slow_loads_per_min"] = sum(slow) / minutes
     row["loads"] = sum(loads)
     row["loads_per_min"] = sum(loads) / minutes
     row["loads_per_min_by_worker"] = [v / minutes for v in loads]
@@ -276,7 +284,8 @@ def burst_stats(outcomes: Sequence[Any], run_start: float, burst: Any) -> dict[s
 # --- over rounds -----------------------------------------------------------------------------
 
 METRICS = ("req_per_s", "offered_per_s", "client_sent_per_s", "errors", "error_rate",
-           "utilisation_mean", "loads", "loads_per_min", "evictions_per_min", "p50_ms",
+           "utilisation_mean", "loads", "loads_per_min", "slow_loads_per_min",
+           "evictions_per_min", "p50_ms",
            "p99_ms", "burst.head_p99_during_ms", "burst.head_p99_outside_ms", "burst.p50_ms",
            "burst.p99_ms", "burst.error_rate", "cpu.machine", "cpu.client_cores")
 
