@@ -149,3 +149,14 @@ def private_stack(log_dir: Path, label: str, model: str) -> Iterator[PrivateStac
     finally:
         private.stack.stop_all()
         delete_queues(stack.prefix_queues(prefix, [model]))
+
+
+def model_loads(metrics_port: int, model: str) -> float:
+    """A worker's successful loads of `model` (shoal_model_loads_total{outcome="ok"})."""
+    import httpx
+
+    wanted = f'shoal_model_loads_total{{model="{model}",outcome="ok"}} '
+    for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text.splitlines():
+        if line.startswith(wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -21,6 +21,7 @@ from tests.stack import (
     free_port,
     http_status,
     metric_sum,
+    model_loads,
     private_stack,
     queue_counts,
     wait_for,
@@ -30,14 +31,6 @@ pytestmark = pytest.mark.e2e
 E5, GTE = "intfloat/e5-small-v2", "thenlper/gte-small"
 MB = 2**20
 FAST = {"SHOAL_RUNTIME": "sim", "SHOAL_DEVICE": "cpu", "SHOAL_POOL_STATE_INTERVAL_S": "0.5"}
-
-
-def loads(port: int, model: str) -> float:
-    wanted = f'shoal_model_loads_total{{model="{model}",outcome="ok"}} '
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        if line.startswith(wanted):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 async def post_paced(url: str, model: str, n: int, every_s: float,
@@ -79,9 +72,9 @@ def test_one_worker_holds_a_model_until_its_demand_calls_for_a_second_copy(tmp_p
         light = asyncio.run(post_paced(private.url, MINILM, 60, 0.1))
         assert [r.status_code for r in light] == [200] * 60
         # One worker loaded it and served it all; the other stood by.
-        assert sorted(loads(p, MINILM) for p in ports) == [0.0, 1.0]
+        assert sorted(model_loads(p, MINILM) for p in ports) == [0.0, 1.0]
         assert len({r.headers["x-worker"] for r in light[5:]}) == 1
-        idle = ports[[loads(p, MINILM) for p in ports].index(0.0)]
+        idle = ports[[model_loads(p, MINILM) for p in ports].index(0.0)]
         wait_for(lambda: metric_sum(f"http://127.0.0.1:{idle}/metrics",
                                     "shoal_model_standby") == 1, 10, "the other to stand by")
 
@@ -100,7 +93,7 @@ def test_one_worker_holds_a_model_until_its_demand_calls_for_a_second_copy(tmp_p
         for thread in threads:
             thread.start()
         try:
-            wait_for(lambda: loads(idle, MINILM) == 1, 60, "the second copy's load")
+            wait_for(lambda: model_loads(idle, MINILM) == 1, 60, "the second copy's load")
         finally:
             stop.set()
             for thread in threads:
@@ -118,7 +111,7 @@ def test_a_worker_killed_holding_the_only_copy_another_loads_it_and_nothing_is_l
         wait_for(lambda: queue_counts(private.queue)[1] >= 2, 30, "both workers")
         (first,) = asyncio.run(post_paced(private.url, MINILM, 1, 0))
         assert first.status_code == 200
-        holder = next(i for i, p in enumerate(ports) if loads(p, MINILM) == 1)
+        holder = next(i for i, p in enumerate(ports) if model_loads(p, MINILM) == 1)
         other = 1 - holder
         wait_for(lambda: metric_sum(f"http://127.0.0.1:{ports[other]}/metrics",
                                     "shoal_model_standby") == 1, 10, "the other to stand by")
@@ -133,7 +126,7 @@ def test_a_worker_killed_holding_the_only_copy_another_loads_it_and_nothing_is_l
         sender.join(120)
         (responses,) = results
         assert [r.status_code for r in responses] == [200] * 30
-        assert loads(ports[other], MINILM) == 1
+        assert model_loads(ports[other], MINILM) == 1
         assert {r.headers["x-worker"].split("@")[0] for r in responses[-5:]} == {names[other]}
 
 
@@ -158,7 +151,7 @@ def test_a_pinned_model_stays_while_the_others_swap_through_the_rest(tmp_path):
                     (r,) = asyncio.run(post_paced(private.url, MINILM, 1, 0))
                     assert r.status_code == 200
             url = f"http://127.0.0.1:{port}/metrics"
-            assert loads(port, E5) >= 2 and loads(port, GTE) >= 2  # they swapped
+            assert model_loads(port, E5) >= 2 and model_loads(port, GTE) >= 2  # they swapped
             text = httpx.get(url, timeout=5).text
             assert f'shoal_model_evictions_total{{model="{MINILM}"' not in text
         finally:

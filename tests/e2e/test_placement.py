@@ -26,6 +26,7 @@ from tests.stack import (
     delete_queues,
     free_port,
     http_status,
+    model_loads,
     private_stack,
     queue_counts,
     wait_for,
@@ -34,15 +35,6 @@ from tests.stack import (
 pytestmark = pytest.mark.e2e
 E5, GTE = "intfloat/e5-small-v2", "thenlper/gte-small"
 MB = 2**20
-
-
-def _loads(metrics_port: int, model: str) -> float:
-    """The worker's successful loads of `model` (shoal_model_loads_total)."""
-    wanted = f'shoal_model_loads_total{{model="{model}",outcome="ok"}} '
-    for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text.splitlines():
-        if line.startswith(wanted):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 async def _post_all(url: str, model: str, n: int, concurrency: int,
@@ -157,7 +149,7 @@ def test_lazy_loads_evict_the_least_recently_used_and_operators_see_and_steer(tm
                     assert r.status_code == 200, r.text
                     # the load's wait shows in the queue time (sim loads take 1 s)
                     assert float(r.headers["x-queue-time-ms"]) >= 900
-                    assert _loads(metrics_port, model) == 1
+                    assert model_loads(metrics_port, model) == 1
                 wait_for(lambda: _model_state(states, worker, GTE) == RESIDENT, 10, "GTE")
                 latest = _latest(states, worker)
                 by_id = {m["id"]: m for m in latest["models"]}
@@ -167,7 +159,7 @@ def test_lazy_loads_evict_the_least_recently_used_and_operators_see_and_steer(tm
 
                 # A resident model answers without a load.
                 (r,) = asyncio.run(_post_all(private.url, E5, 1, 1))
-                assert r.status_code == 200 and _loads(metrics_port, E5) == 1
+                assert r.status_code == 200 and model_loads(metrics_port, E5) == 1
 
                 # Operators: inspect, unload, load.
                 from app.celery import app as celery_app

@@ -139,7 +139,7 @@ def _follow(placement: Placement, keep: set[str], rates: dict[str, float]) -> No
 def test_the_fleet_keeps_its_kept_models_and_evicts_the_cheapest_swapped_one():
     sizes = {m: 100 * MB for m in "abcd"}
     runtime = MemoryRuntime(sizes, resident={"a": 100 * MB, "b": 100 * MB, "c": 100 * MB})
-    placement, loop, states, _ = _placement(runtime, 350 * MB, in_use={"d"})
+    placement, loop, _, _ = _placement(runtime, 350 * MB, in_use={"d"})
     _follow(placement, keep={"a"}, rates={"a": 0.1, "b": 5.0, "c": 1.0, "d": 0.5})
     placement.touch("c")  # c and d are the most recently used: LRU would evict a
     placement.touch("d")
