@@ -122,7 +122,7 @@ from bench.pool_traffic import (
 __all__ = ["MODELS", "TIERS", "counter_delta", "log_events", "make_plan", "parse_counters",
            "percentile", "schedule", "split_models", "tier_of", "tier_shares", "zipf_weights"]
 
-DEPLOYMENTS = ("pool", "pool-lru", "router", "mux", "mux-host", "partition")
+DEPLOYMENTS = ("pool", "pool-nohost", "pool-lru", "router", "mux", "mux-host", "partition")
 SCENARIOS: dict[str, dict[str, Any]] = {
     "thrash": {"deployments": ("pool", "pool-lru", "router", "mux", "mux-host", "partition"),
                "slots": 4},

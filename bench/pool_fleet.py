@@ -69,6 +69,9 @@ def deployments(models: Sequence[str], halves: tuple[list[int], list[int]], foot
     return {
         "pool": Deployment("pool", f"pool (fleet placement, host tier): any worker may load "
                            f"any of the {n}, budget {slots} models", every("fleet", host_all)),
+        "pool-nohost": Deployment("pool-nohost", f"pool (fleet placement, no host tier): any "
+                                  f"worker may load any of the {n}, budget {slots} models",
+                                  every("fleet", 0)),
         "pool-lru": Deployment("pool-lru", f"pool (lru, no host tier): any worker may load "
                                f"any of the {n}, budget {slots} models", every("lru", 0)),
         "mux": Deployment("mux", f"multiplexing router: {workers} replicas (own queues, lru, "

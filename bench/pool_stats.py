@@ -21,7 +21,7 @@ COUNTERS = ("shoal_model_loads_total", "shoal_model_evictions_total",
 SLOW_LOAD_S = "1.0"
 # The deployments a user could pick instead of the pool: the best of them is the bar.
 ROUTERS = ("router", "mux", "mux-host")
-POOLS = ("pool", "pool-lru")
+POOLS = ("pool", "pool-nohost", "pool-lru")
 
 __all__ = ["percentile"]
 
