@@ -20,7 +20,8 @@ The plan, in order:
 4. the copies kept are the most asked for (a model's k-th copy counts its rate / k) while
    the fleet's room lasts; a copy already held outranks one that is not by `HELD_BONUS`
    (hysteresis: two models of about the same demand do not trade places every time their
-   rates cross). Each is placed on a worker that holds it already if it has room, else
+   rates cross). Each is placed on a worker that holds it already if it has room (and
+   would not be kept busier than TARGET_BUSY while another has room to spare), else
    (those fewest workers may serve first) on the least busy worker with room, ties
    broken by a rendezvous hash, the same on every worker;
 5. each model left out gets one swap worker: the one that holds it already, else the one
@@ -139,21 +140,29 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
         room[best.name] -= need[model].bytes
         busy_of[best.name] += need[model].busy / copies[model]
 
-    # ... where: first on the workers that hold them already, then the models fewest
-    # workers may serve first, each on the least busy worker with room.
+    def fits(model: str) -> list[WorkerView]:
+        return [w for w in servers[model]
+                if model not in keep[w.name] and room[w.name] >= need[model].bytes]
+
+    def overloads(w: WorkerView, model: str) -> bool:
+        return busy_of[w.name] + need[model].busy / copies[model] > TARGET_BUSY
+
+    # ... where: first on the workers that hold them already (unless that would keep a
+    # device busier than TARGET_BUSY while another worker has room to spare: then it
+    # moves), then the models fewest workers may serve first, each on the least busy
+    # worker with room.
     rest = []
     for model, k in chosen:
-        holders = [w for w in servers[model] if model in w.held and model not in keep[w.name]
-                   and room[w.name] >= need[model].bytes]
+        holders = [w for w in fits(model) if model in w.held]
+        spare = any(not overloads(w, model) for w in fits(model) if model not in w.held)
+        holders = [w for w in holders if not (overloads(w, model) and spare)]
         if holders:
             place(model, holders)
         else:
             rest.append((model, k))
     for model, _ in sorted(rest, key=lambda item: (len(servers[item[0]]), rank(item))):
-        fits = [w for w in servers[model]
-                if model not in keep[w.name] and room[w.name] >= need[model].bytes]
-        if fits:
-            place(model, fits)
+        if fits(model):
+            place(model, fits(model))
 
     kept = set().union(*keep.values())
     left_out = sorted((m for m in models if m not in kept),

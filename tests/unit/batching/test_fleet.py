@@ -155,3 +155,16 @@ def test_a_swapped_model_goes_back_to_the_worker_that_held_it_last():
                             warm=frozenset([model]) if w == other else frozenset())
                  for w in "ab"]
         assert plan_fleet(views, zipf()).swap[model] == other
+
+
+def test_a_held_model_moves_off_a_worker_it_would_keep_too_busy():
+    demand = {m: Demand(rate=r, busy=b, bytes=100 * MIB, load_s=2.0)
+              for m, r, b in (("m01", 24, 0.45), ("m02", 11, 0.25), ("m03", 7, 0.1))}
+    views = [WorkerView("a", 410 * MIB, frozenset(demand), frozenset(demand)),
+             WorkerView("b", 410 * MIB, frozenset(demand))]
+    plan = plan_fleet(views, demand)
+    # a holds all three, but m01 and m02 together would keep its device 70% busy
+    assert "m01" in plan.keep["a"] and "m02" in plan.keep["b"]
+    # ... and where no other worker has room to spare, it stays
+    full = [views[0], WorkerView("b", 50 * MIB, frozenset(demand))]
+    assert plan_fleet(full, demand).keep["a"] >= {"m01", "m02"}
