@@ -24,9 +24,10 @@ The plan, in order:
    would not be kept busier than TARGET_BUSY while another has room to spare), else
    (those fewest workers may serve first) on the least busy worker with room, ties
    broken by a rendezvous hash, the same on every worker;
-5. each model left out gets one swap worker: the one that holds it already, else the one
-   that held it last (`warm`: its reload there is likely a copy from host memory), else
-   the one with the least swap traffic.
+5. each model left out gets one swap worker: the one that holds it already or held it
+   last (`warm`: its reload there is likely a copy from host memory), unless that worker
+   already swaps more than the least busy one would with this model too; else the one
+   with the least swap traffic.
 """
 
 from __future__ import annotations
@@ -172,8 +173,17 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
     for model in left_out:
         if not servers[model]:
             continue
-        best = min(servers[model], key=lambda w: (model not in w.held, model not in w.warm,
-                                                  swap_rate[w.name], rendezvous(model, w.name)))
+        rate = max(need[model].rate, UNASKED_RATE)
+        least = min(swap_rate[w.name] for w in servers[model])
+
+        def stays(w: WorkerView, model: str = model, rate: float = rate,
+                  least: float = least) -> bool:
+            # where it is (or was moments ago), unless that worker already swaps more
+            # than the least busy one would with this model too
+            return (model in w.held or model in w.warm) and swap_rate[w.name] <= least + rate
+
+        best = min(servers[model], key=lambda w: (not stays(w), swap_rate[w.name],
+                                                  rendezvous(model, w.name)))
         swap[model] = best.name
         swap_rate[best.name] += max(need[model].rate, UNASKED_RATE)
     return Plan({name: frozenset(ms) for name, ms in keep.items()}, swap, copies)
