@@ -17,13 +17,15 @@ The plan, in order:
 3. if the copies do not all fit the fleet's budgets, every worker keeps room for one
    model (its *swap room*): the models left out are loaded there on demand, each by one
    worker, so a rare model is never starved by the popular ones and never thrashes them;
-4. the copies kept are the most asked for (a model's k-th copy counts its rate / k) while
-   the fleet's room lasts; a copy already held outranks one that is not by `HELD_BONUS`
-   (hysteresis: two models of about the same demand do not trade places every time their
-   rates cross). Each is placed on a worker that holds it already if it has room (and
-   would not be kept busier than TARGET_BUSY while another has room to spare), else
-   (those fewest workers may serve first) on the least busy worker with room, ties
-   broken by a rendezvous hash, the same on every worker;
+4. the copies kept are every model's first copy, then the extra copies, each the most
+   asked for first (a model's k-th copy counts its rate / k), while the fleet's room
+   lasts (an extra copy held is dropped only once its traffic is clearly below its
+   need); a copy already held outranks one that is not by `HELD_BONUS` (hysteresis: two
+   models of about the same demand do not trade places every time their rates cross).
+   Each is placed on a worker that holds it already if it has room (and would not be
+   kept busier than TARGET_BUSY while another has room to spare), else (those fewest
+   workers may serve first) on the least busy worker with room, ties broken by a
+   rendezvous hash, the same on every worker;
 5. each model left out gets one swap worker: the one that holds it already or held it
    last (`warm`: its reload there is likely a copy from host memory), unless that worker
    already swaps more than the least busy one would with this model too; else the one
@@ -110,6 +112,10 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
     room = {w.name: w.budget - sum(need[m].bytes for m in keep[w.name]) for w in workers}
     busy_of = {w.name: sum(need[m].busy for m in keep[w.name]) for w in workers}
     copies = {m: copies_wanted(need[m].busy, len(servers[m])) for m in models}
+    for m in models:  # hysteresis: a copy held goes only once clearly not needed
+        held = sum(m in w.held for w in workers)
+        if held > copies[m] and need[m].busy > (held - 1) * TARGET_BUSY * (1 - HELD_BONUS):
+            copies[m] = min(held, len(servers[m]))
 
     wanted = [(m, k) for m in models
               for k in range(sum(m in keep[w.name] for w in workers) + 1, copies[m] + 1)]
@@ -127,9 +133,10 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
         bonus = 1 + HELD_BONUS if k <= holders else 1.0
         return (-max(need[model].rate, UNASKED_RATE) / k * bonus, model, k)
 
-    # Which copies are kept: the most asked for, as long as the fleet's room lasts ...
+    # Which copies are kept: every model's first copy before any model's second, each
+    # the most asked for first, as long as the fleet's room lasts ...
     chosen, left = [], sum(max(0, r) for r in room.values())
-    for model, k in sorted(wanted, key=rank):
+    for model, k in sorted(wanted, key=lambda item: (item[1] > 1, rank(item))):
         if need[model].bytes <= left:
             chosen.append((model, k))
             left -= need[model].bytes

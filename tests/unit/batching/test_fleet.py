@@ -66,7 +66,7 @@ def test_when_it_does_not_fit_the_hot_models_are_kept_and_the_rest_swapped_in_on
 def test_a_hot_model_gets_a_second_copy_before_its_holder_saturates():
     demand = zipf()
     demand["m01"] = Demand(rate=60, busy=TARGET_BUSY * 1.5, bytes=100 * MIB, load_s=2.0)
-    plan = plan_fleet([worker("a", 6), worker("b", 6)], demand)
+    plan = plan_fleet([worker("a", 7), worker("b", 7)], demand)  # room to spare
     assert plan.holders("m01") == ["a", "b"]
     assert plan.copies["m01"] == 2
 
@@ -176,3 +176,20 @@ def test_the_swapped_models_are_shared_even_when_one_worker_held_them_all():
     plan = plan_fleet(views, zipf())
     swapped = [plan.swap[m] for m in MODELS[6:]]
     assert swapped.count("a") == swapped.count("b") == 3
+
+
+def test_an_extra_copy_never_pushes_a_models_only_copy_out():
+    demand = zipf()
+    demand["m01"] = Demand(rate=60, busy=TARGET_BUSY * 1.5, bytes=100 * MIB, load_s=2.0)
+    plan = plan_fleet([worker("a", 6), worker("b", 6)], demand)  # 12 slots, 12 models
+    assert plan.swap == {}
+    assert plan.holders("m01") == ["a"] or plan.holders("m01") == ["b"]
+
+
+def test_a_second_copy_held_stays_while_its_traffic_hovers_at_the_threshold():
+    demand = zipf()
+    demand["m01"] = Demand(rate=60, busy=TARGET_BUSY * 0.9, bytes=100 * MIB, load_s=2.0)
+    views = [worker("a", 8, held=["m01"]), worker("b", 8, held=["m01"])]
+    assert plan_fleet(views, demand).holders("m01") == ["a", "b"]
+    demand["m01"] = Demand(rate=60, busy=TARGET_BUSY * 0.5, bytes=100 * MIB, load_s=2.0)
+    assert len(plan_fleet(views, demand).holders("m01")) == 1
