@@ -23,7 +23,8 @@ The plan, in order:
    need); a copy already held outranks one that is not by `HELD_BONUS` (hysteresis: two
    models of about the same demand do not trade places every time their rates cross).
    Each is placed on a worker that holds it already if it has room (and would not be
-   kept busier than TARGET_BUSY while another has room to spare), else (those fewest
+   kept busier than TARGET_BUSY, or well over its fair share of the device time, while
+   another has room and would stay under both), else (those fewest
    workers may serve first) on the least busy worker with room, ties broken by a
    rendezvous hash, the same on every worker;
 5. each model left out gets one swap worker: the one that holds it already or held it
@@ -152,17 +153,25 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
         return [w for w in servers[model]
                 if model not in keep[w.name] and room[w.name] >= need[model].bytes]
 
+    # A worker's fair share of the kept copies' device time.
+    fair = (sum(busy_of.values()) + sum(need[m].busy / copies[m] for m, _ in chosen)) \
+        / len(workers)
+
     def overloads(w: WorkerView, model: str) -> bool:
-        return busy_of[w.name] + need[model].busy / copies[model] > TARGET_BUSY
+        after = busy_of[w.name] + need[model].busy / copies[model]
+        return after > TARGET_BUSY or after - fair > need[model].busy / copies[model] / 2
+
+    def under(w: WorkerView, model: str) -> bool:
+        return busy_of[w.name] + need[model].busy / copies[model] <= min(fair, TARGET_BUSY)
 
     # ... where: first on the workers that hold them already (unless that would keep a
-    # device busier than TARGET_BUSY while another worker has room to spare: then it
-    # moves), then the models fewest workers may serve first, each on the least busy
-    # worker with room.
+    # device busier than TARGET_BUSY, or well over its fair share, while another worker
+    # with room would stay under both: then it moves), then the models fewest workers
+    # may serve first, each on the least busy worker with room.
     rest = []
     for model, k in chosen:
         holders = [w for w in fits(model) if model in w.held]
-        spare = any(not overloads(w, model) for w in fits(model) if model not in w.held)
+        spare = any(under(w, model) for w in fits(model) if model not in w.held)
         holders = [w for w in holders if not (overloads(w, model) and spare)]
         if holders:
             place(model, holders)

@@ -193,3 +193,18 @@ def test_a_second_copy_held_stays_while_its_traffic_hovers_at_the_threshold():
     assert plan_fleet(views, demand).holders("m01") == ["a", "b"]
     demand["m01"] = Demand(rate=60, busy=TARGET_BUSY * 0.5, bytes=100 * MIB, load_s=2.0)
     assert len(plan_fleet(views, demand).holders("m01")) == 1
+
+
+def test_held_models_are_moved_to_balance_the_device_time():
+    # one worker holds ranks 1-3 (a warm-up's luck): 0.35 + 0.17 + 0.11 of a device
+    demand = zipf()
+    for m, busy in (("m01", 0.35), ("m02", 0.17), ("m03", 0.11)):
+        demand[m] = Demand(demand[m].rate, busy, 100 * MIB, 2.0)
+    views = [worker("a", 4, held=["m01", "m02", "m03"]), worker("b", 4)]
+    plan = plan_fleet(views, demand)
+    busy = {w: sum(demand[m].busy for m in plan.keep[w]) for w in "ab"}
+    assert "m01" in plan.keep["a"]  # the biggest stays where it is
+    assert max(busy.values()) < 0.45 and min(busy.values()) > 0.25, busy
+    # and once moved, they stay
+    moved = [worker(w, 4, held=plan.keep[w]) for w in "ab"]
+    assert plan_fleet(moved, demand).keep == plan.keep
