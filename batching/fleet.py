@@ -201,7 +201,7 @@ def plan_fleet(workers: Sequence[WorkerView], demand: Mapping[str, Demand]) -> P
         best = min(servers[model], key=lambda w: (not stays(w), swap_rate[w.name],
                                                   rendezvous(model, w.name)))
         swap[model] = best.name
-        swap_rate[best.name] += max(need[model].rate, UNASKED_RATE)
+        swap_rate[best.name] += rate
     return Plan({name: frozenset(ms) for name, ms in keep.items()}, swap, copies)
 
 

@@ -17,7 +17,8 @@ begins):
   saturates).
 
 A model it stands by for whose queue has no consumer at all (its holder died, or the
-pictures disagree for a moment) is consumed again at the next tick: `Dispatcher` checks.
+pictures disagree for a moment) is consumed again at the next tick: `FleetRow.follow`
+counts the queue's consumers.
 """
 
 from __future__ import annotations
@@ -95,13 +96,11 @@ def decide(me: str, own: Mapping[str, Any], peers: Iterable[Mapping[str, Any]],
     demand = fleet_demand(reports, sizes, load_s)
     plan = plan_fleet(views, demand)
     serve = plan.serves(me)
-    mine = next(v for v in views if v.name == me) if any(v.name == me for v in views) else None
-    served = mine.serves if mine is not None else frozenset()
-    standby = frozenset(m for m in served - serve
+    mine = next((v for v in views if v.name == me), WorkerView(me, 0, frozenset()))
+    standby = frozenset(m for m in mine.serves - serve
                         if m not in standing_by and not in_use.get(m))
-    held = mine.held if mine is not None else frozenset()
     # Only what is asked for: a model nobody asked for is placed, not loaded.
-    preload = tuple(sorted((m for m in plan.keep.get(me, frozenset()) - held
+    preload = tuple(sorted((m for m in plan.keep.get(me, frozenset()) - mine.held
                             if m in demand and demand[m].rate > UNASKED_RATE),
                            key=lambda m: (-demand[m].rate, m)))
     return FleetDecisions(plan, demand, serve, standby, preload)
