@@ -68,16 +68,32 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
     check_model_allowed(request, model)  # 403 before anything says whether it exists
     entry = request.app.state.served.get(model)
     if entry is None:
-        served = models_visible(request, sorted(request.app.state.served))
         why = ("is in the catalog but not among this gateway's SHOAL_GATEWAY_MODELS"
                if request.app.state.catalog.get(model) is not None else "is not served here")
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND,
-                       f"model {shown(model)} {why}; served models: {served}")
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {shown(model)} {why}; "
+                       f"{served_listing(request)}")
     if entry.operation != op:
         raise ApiError(ErrorCode.UNSUPPORTED_OPERATION,
                        f"{model} does not {op}: it serves '{entry.operation}' "
                        f"({ROUTE_OF_OPERATION[entry.operation]})")
     return entry
+
+
+def models_served_now(request: Request) -> list[str]:
+    """The gateway's models some worker serves now (its fresh pool states say so), that
+    the caller's key may use, sorted."""
+    pool, now = request.app.state.broker.pool, time.monotonic()
+    return models_visible(request, sorted(m for m in request.app.state.served
+                                          if pool.serves(m, now)))
+
+
+def served_listing(request: Request) -> str:
+    """What an unknown model's 404 lists: the models workers serve now, not every catalog
+    entry the gateway would accept (33 with the default SHOAL_GATEWAY_MODELS), and where
+    those are listed."""
+    accepted = len(models_visible(request, list(request.app.state.served)))
+    return (f"models served now: {models_served_now(request)} (GET /v1/models; "
+            f"/v1/models?all=true lists all {accepted} this gateway accepts)")
 
 
 def check_items(request: Request, parsed: ParsedRequest) -> None:

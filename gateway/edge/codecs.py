@@ -62,7 +62,19 @@ async def read_body(request: Request, max_bytes: int) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {exc}") from None
+        raise ApiError(ErrorCode.INVALID_REQUEST, _not_json(raw, exc)) from None
+
+
+def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why a body is not JSON, in the caller's terms: orjson reports any byte that is not
+    UTF-8 as "surrogates not allowed ... (char 0)", wherever it is."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return (f"body is not UTF-8 text: the byte at offset {bad.start} "
+                f"(0x{raw[bad.start]:02x}) is not valid UTF-8; JSON must be sent as UTF-8 "
+                "(send text in another encoding converted, or binary as application/msgpack)")
+    return f"body is not valid JSON: {exc}"
 
 
 def check_body_size(request: Request, max_bytes: int) -> None:

@@ -9,9 +9,10 @@ middleware's 500), comes in that shape, with x-should-retry and Retry-After:
   message three times. Cohere's API and SDK carry `message`; Jina's clients (LangChain's
   and LlamaIndex's JinaRerank, Haystack's JinaRanker) raise `resp["detail"]` when a body
   has no `results`; `error` is shoal's own body, its `code` to branch on, and where
-  OpenAI-style readers find `error.message`. A field's wrong value (shoal's 422) is 400,
-  the status Cohere's API gives a bad request (its SDK's BadRequestError); every other
-  status is shoal's.
+  OpenAI-style readers find `error.message`. A field's wrong value (shoal's 422) and too
+  many documents (shoal's 413) are 400, the status Cohere's API gives a bad request (its
+  SDK's BadRequestError; a 413 it raises as an untyped ApiError); every other status is
+  shoal's (`bad_request_status`).
 - TEI (`tei_error`): TEI's `{"error": "...", "error_type": "..."}`, the type one of
   Validation, Empty, Backend, Overloaded, Unhealthy (TEI's names, serialised as TEI does),
   with TEI's status where TEI has the case: the wrong kind of model is 424 Backend (TEI's
@@ -43,8 +44,20 @@ def empty_batch(field: str) -> ShoalError:
     return error
 
 
+def bad_request_status(error: ShoalError) -> int:
+    """The status the OpenAI, Cohere and Jina APIs answer: 400 for a field's wrong value
+    (shoal's 422) and for too many or too long inputs (shoal's 413 naming the field; those
+    clients type 400 as their BadRequestError and leave 413 untyped); a body over the byte
+    limit stays 413, and every other status is shoal's."""
+    status = error.status
+    if status == 422 or (status == 413 and (error.code == ErrorCode.INPUT_TOO_LONG
+                                            or error.param is not None)):
+        return 400
+    return status
+
+
 def rerank_error(error: ShoalError) -> tuple[int, dict[str, Any]]:
-    status = 400 if error.status == 422 else error.status
+    status = bad_request_status(error)
     return status, {"message": error.message, "detail": error.message,
                     "error": {"code": str(error.code), "message": error.message}}
 

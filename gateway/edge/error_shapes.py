@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.edge.codecs import encode_response
+from gateway.edge.compat_errors import bad_request_status
 from tasks.errors import ErrorCode, ShoalError
 
 # The routes that speak OpenAI's API, each with the body field that carries its items
@@ -62,14 +63,9 @@ def is_openai_path(path: str) -> bool:
 
 
 def openai_status(error: ShoalError) -> int:
-    """The status OpenAI would answer: 400 for a field's wrong value (shoal's 422) and for
-    too many or too long inputs (413; OpenAI answers 400 for both); a body over the byte
-    limit stays 413, and every other status is shoal's."""
-    status = error.status
-    if status == 422 or (status == 413 and (error.code == ErrorCode.INPUT_TOO_LONG
-                                            or error.param is not None)):
-        return 400
-    return status
+    """The status OpenAI would answer (`bad_request_status`: 400 for a field's wrong value
+    and for too many or too long inputs)."""
+    return bad_request_status(error)
 
 
 def openai_type(error: ShoalError, status: int) -> str:

@@ -159,7 +159,8 @@ RERANK_ERRORS = [
      "VALIDATION_ERROR", "'return_documents'"),
     ({"model": RERANKER, "query": QUERY, "documents": [{"a": "x"}], "rank_fields": ["b"]},
      400, "VALIDATION_ERROR", "rank_fields"),
-    ({"model": RERANKER, "query": QUERY, "documents": ["d"] * (MAX_ITEMS + 1)}, 413,
+    # 400, not 413: Cohere's SDK types 400 as its BadRequestError, 413 as a bare ApiError
+    ({"model": RERANKER, "query": QUERY, "documents": ["d"] * (MAX_ITEMS + 1)}, 400,
      "PAYLOAD_TOO_LARGE", f"limit of {MAX_ITEMS}"),
     ([QUERY], 400, "VALIDATION_ERROR", "object"),
 ]

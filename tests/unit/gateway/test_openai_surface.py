@@ -405,3 +405,43 @@ def test_a_route_of_another_api_registers_its_own_shape(client, monkeypatch):
     r = client.post("/v1/embeddings", json={"model": GEN, "input": "x"})
     assert r.status_code == 424 and r.json()["error_type"] == "Backend"
     assert r.headers["x-should-retry"] == "false"  # the headers stay every shape's
+
+
+# --- issue 52's error fixes -------------------------------------------------------------------
+
+def test_an_unknown_model_lists_what_workers_serve_not_the_whole_catalog(catalog):
+    app = _app(catalog)
+    client = TestClient(app, raise_server_exceptions=False)
+    app.state.broker.pool.update(encode_state({
+        "worker": "w1@host", "at": time.time(), "interval_s": 60, "budget_bytes": 10**9,
+        "used_bytes": 0, "models": [{"id": DENSE, "state": "resident", "pinned": False,
+                                     "bytes": None}]}), time.monotonic())
+    for path, body in (("/v1/encode/no/such", {"items": [{"text": "x"}]}),
+                       ("/v1/embeddings", {"model": "no/such", "input": "x"})):
+        message = client.post(path, json=body).json()["error"]["message"]
+        assert f"models served now: ['{DENSE}']" in message, message
+        assert OTHER not in message and GEN not in message, message
+        assert "/v1/models?all=true lists all 3" in message, message
+
+
+def test_too_many_documents_to_rerank_is_the_400_cohere_types(catalog, tmp_path):
+    folder = _catalog(tmp_path)
+    (folder / "ranker.yaml").write_text(yaml.safe_dump(
+        {"id": "test/ranker", "adapter": "cross-encoder", "source": {"path": str(folder)}}))
+    client = TestClient(_app(folder, max_items=4), raise_server_exceptions=False)
+    for path in ("/v1/rerank", "/v2/rerank"):
+        r = client.post(path, json={"model": "test/ranker", "query": "q",
+                                    "documents": ["d"] * 5})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
+        assert "limit of 4" in r.json()["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", f"/v1/encode/{DENSE}", "/v1/rerank"])
+def test_a_body_that_is_not_utf8_says_so_and_where(client, path):
+    body = b'{"model": "' + DENSE.encode() + b'", "input": "caf\xe9"}'
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    text = r.text
+    assert "not UTF-8" in text and f"offset {body.index(0xe9)} (0xe9)" in text, text
+    assert "surrogates" not in text
