@@ -1,4 +1,5 @@
-"""Dense vectors as results: Matryoshka truncation, normalisation, output dtypes."""
+"""Dense vectors as results: Matryoshka truncation, normalisation, output dtypes (the
+quantiser is `tasks.quantize`'s, which the gateway shares)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,13 @@ from typing import Any
 import numpy as np
 
 from tasks.options import EncodeOptions
+from tasks.quantize import quantize
 from tasks.schema import ParsedRequest
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return vectors / np.maximum(norms, 1e-12)
-
-
-def quantize(rows: np.ndarray, dtype: str) -> bytes:
-    """Row-major bytes of `rows` in `dtype` (see tasks.results for reading them back).
-
-    int8 scales each row so its largest |component| is 127: the direction (what
-    cosine similarity compares) is kept, the length is not. binary is one bit per
-    component (1 where > 0), packed 8 to a byte, first component in the high bit,
-    the layout of Hamming-distance indexes (faiss, usearch).
-    """
-    if dtype == "float32":
-        return np.ascontiguousarray(rows, dtype="<f4").tobytes()
-    if dtype == "float16":
-        return np.ascontiguousarray(rows, dtype="<f2").tobytes()
-    if dtype == "int8":
-        scale = 127.0 / np.maximum(np.abs(rows).max(axis=1, keepdims=True), 1e-12)
-        return np.clip(np.rint(rows * scale), -127, 127).astype(np.int8).tobytes()
-    if dtype == "binary":
-        return np.packbits(rows > 0, axis=1).tobytes()
-    raise ValueError(f"unknown dtype {dtype!r}")
 
 
 def dense_result(rows: np.ndarray, options: EncodeOptions, normalize_default: bool,
