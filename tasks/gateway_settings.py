@@ -46,6 +46,11 @@ class GatewaySettings(BaseSettings):
         "comma-separated ('https://app.example.com,http://localhost:3000'), or '*' for any; "
         "empty (the default): no CORS headers, preflights are refused as before")
     max_text_chars: int = Field(100_000, ge=1, description="characters per text item")
+    image_url_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="gateway: the hosts whose http(s) image URLs "
+        "/v1/embeddings and /v2/embed may fetch, comma-separated ('images.example.com,"
+        "cdn.example.com'; exact names, no wildcards); empty (the default): no fetching, only "
+        "data URIs (a URL would let any caller make the gateway fetch from any host: SSRF)")
     retry_after_s: int = Field(1, ge=0)
     coalesce: bool = Field(
         True, description="publish requests for one model that wait together as one message"
@@ -90,7 +95,7 @@ class GatewaySettings(BaseSettings):
         15.0, gt=0, allow_inf_nan=False, description="a job's splitter lease: a gateway that "
         "dies holding it is replaced after this")
 
-    @field_validator("gateway_models", "cors_origins", mode="before")
+    @field_validator("gateway_models", "cors_origins", "image_url_hosts", mode="before")
     @classmethod
     def _split_lists(cls, value: object) -> object:
         return comma_list(value)
