@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from gateway.auth.access import check_model_allowed, models_visible
 from gateway.calls.blob_offload import check_out, submit_claimed
 from gateway.calls.request_trace import TRACE_HEADER, hop_trace
+from gateway.calls.work_deadline import default_budget_ms
 from gateway.edge.api_errors import ApiError, invalid
 from gateway.edge.raw_headers import header, header_values
 from tasks.catalog import ModelEntry
@@ -34,10 +35,17 @@ _MAX_TIMEOUT_DIGITS = 18  # longer is out of range anyway; int() is not fed unbo
 
 
 def timeout_ms(request: Request) -> int:
+    """The request's X-Timeout-Ms, or SHOAL_DEFAULT_TIMEOUT_MS."""
+    sent = sent_timeout_ms(request)
+    return request.app.state.settings.default_timeout_ms if sent is None else sent
+
+
+def sent_timeout_ms(request: Request) -> int | None:
+    """The request's X-Timeout-Ms, checked; None when it sent none."""
     settings = request.app.state.settings
     values = header_values(request, b"x-timeout-ms")
     if not values:
-        return settings.default_timeout_ms
+        return None
     if len(values) > 1:
         # Which one would win depends on the server and any proxy: refuse rather than guess.
         raise invalid(f"X-Timeout-Ms was sent {len(values)} times; send it once")
@@ -146,13 +154,20 @@ def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:
 async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]) -> Reply:
     """Publish the entry's operation with `kwargs` (already checked) and await the result."""
     started = time.perf_counter()
-    budget_ms = timeout_ms(request)
+    sent_ms = sent_timeout_ms(request)
     broker = request.app.state.broker
     settings = request.app.state.settings
     # Images over SHOAL_CLAIM_CHECK_BYTES travel as claims; their bytes go to the blob
     # store while the message is already queued (gateway.calls.blob_offload).
     kwargs, uploads = await check_out(kwargs, settings.claim_check_bytes)
+    budget_ms = settings.default_timeout_ms if sent_ms is None else sent_ms
     part = task_part(entry, kwargs, budget_ms, claims=len(uploads))
+    if sent_ms is None:  # a large request's default is as long as its work (see the module)
+        work_ms = default_budget_ms(entry, part.annotations, settings)
+        if work_ms != budget_ms:
+            budget_ms = work_ms
+            part = replace(part, annotations=replace(
+                part.annotations, deadline_ms=int(part.annotations.sent_ms or 0) + work_ms))
     if uploads:
         reply = await submit_claimed(broker, entry.id, part, budget_ms / 1000, uploads,
                                      settings.blob_url, settings.claim_upload_timeout_s)

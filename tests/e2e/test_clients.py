@@ -57,7 +57,8 @@ PROBES = {
                    "finish=reply.choices[0].finish_reason)",
     "langchain": "dict(texts=texts, vectors=vectors, query=query, answer=answer, "
                  "query_text=query_text, best=[[d.page_content, d.metadata['relevance_score']]"
-                 " for d in best])",
+                 " for d in best], indexed=len(index), chunks=[chunks[i] for i in (0, 999)], "
+                 "index=[index[i] for i in (0, 999)])",
     "llamaindex": "dict(texts=texts, vectors=vectors, query=query, answer=answer, "
                   "query_text=query_text, best=[[n.node.get_content(), n.score] for n in best])",
     "haystack": "dict(texts=texts, vectors=vectors, query=query, query_text=query_text, "
@@ -244,6 +245,9 @@ def test_framework(runs, minilm, framework):
     assert_same_vectors([got["query"]], minilm.encode([got["query_text"]]))
     if framework != "haystack":
         assert got["answer"] == chat_reference(runs.url)
+    if framework == "langchain":  # an indexing call of 1,000 long chunks, deadline unset
+        assert got["indexed"] == 1000
+        assert_same_vectors(got["index"], minilm.encode(got["chunks"]))
     assert_ranked(runs.url, got["query_text"], got["texts"],
                   by_text(got["texts"], got["best"]), top_n=2)
 

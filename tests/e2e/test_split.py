@@ -47,6 +47,12 @@ def test_small_requests_go_between_the_parts_of_a_big_one(stack):
 
         big, small, finished = asyncio.run(main())
         alone = httpx.post(url, json={"items": [{"text": texts[37]}]}, timeout=60)
+        # Its 8 parts take 2.4 s: with a 1.5 s deadline it is refused before any part runs
+        # (measured batches back the prediction by now), naming the deadline that would do.
+        batches = metric_sum(metrics, "shoal_batch_requests_count")
+        short = httpx.post(url, json={"items": [{"text": t} for t in texts]},
+                           headers={"X-Timeout-Ms": "1500"}, timeout=60)
+        batches_after = metric_sum(metrics, "shoal_batch_requests_count")
         split = metric_sum(metrics, "shoal_split_requests_total")
         # A Celery client skips the gateway's checks: a bad item fails the request, and
         # the error says which part and items it came from.
@@ -66,6 +72,11 @@ def test_small_requests_go_between_the_parts_of_a_big_one(stack):
     assert len(body["embeddings"]) == 64 and body["usage"]["tokens"] > 0
     # The parts' results joined in order: item 37 is the vector of its own text.
     assert body["embeddings"][37] == alone.json()["embeddings"][0]
-    assert split == 1
+    assert short.status_code == 422, short.text
+    assert short.json()["error"]["code"] == "DEADLINE_TOO_SHORT"
+    assert "run as 8 parts" in short.text and "X-Timeout-Ms: " in short.text, short.text
+    assert short.headers["x-should-retry"] == "false"
+    assert batches_after == batches  # none of its parts ran
+    assert split == 2
     assert error.value.code == "VALIDATION_ERROR"
     assert error.value.message.startswith("items 48-55 (part 7 of 8): "), error.value.message

@@ -142,15 +142,15 @@ class Dispatcher:
     def _place(self, model: str, held: Held, deliveries: int) -> None:
         """A held request, its inputs at hand, joins its model's feeder or scheduler, or is
         parked until its LoRA adapter is loaded; what it needs starts loading."""
-        # Used recently = asked for recently: a popular model stays the most recent even
-        # while its requests wait (or were handed to a peer), and so is evicted last.
+        # Asked for = used: a popular model stays recent while its requests wait.
         self.placement.touch(model)
         if model in self.continuous:
             self.feeder.add(model, self.intake.waiting(held, deliveries))
             if self.placement.state(model) != RESIDENT:
                 self._ensure(model)
             return
-        held = self.intake.first_part(model, held)
+        if (held := self.intake.first_part(model, held)) is None:
+            return  # refused: it cannot finish within its whole deadline
         lora = held.annotations.lora
         if lora is not None and not self.placement.lora_resident(model, lora):
             self.holdings.park(model, lora, held, deliveries)

@@ -59,6 +59,7 @@ class Split:
     part's `Held` points at it and it makes each part's `Held`."""
 
     parts: list[tuple[Annotations, bytes]]  # each part's annotations and Celery body
+    alone_s: float = 0.0  # all its parts, run one after another, as a refusal may rely on
     results: list[dict[str, Any]] = field(default_factory=list)  # of the parts done
     inference_ms: float = 0.0  # summed over the parts' batches
     answered: bool = False

@@ -44,7 +44,7 @@ from app.worker.lifecycle.answers import Answers
 from app.worker.lifecycle.claims import ClaimFetcher, Fetched
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.replies import Delivery, Replier
-from app.worker.lifecycle.splits import split_request
+from app.worker.lifecycle.splits import split_request, too_long_for
 from batching.feeder import Waiting
 from batching.lanes import Lane
 from batching.shapes import Pending
@@ -184,13 +184,21 @@ class Intake:
 
     # --- where a request waits: decisions the loop applies ------------------------------
 
-    def first_part(self, model: str, held: Held) -> Held:
-        """The request itself, or, if it is too big for one batch, its first part."""
+    def first_part(self, model: str, held: Held) -> Held | None:
+        """The request itself, or, if it is too big for one batch, its first part; None:
+        a split request that cannot finish within its whole deadline, answered
+        DEADLINE_TOO_SHORT here (`too_long_for`)."""
         split = split_request(held, self.lanes[model], self.entries.get(model),
                               self.part_target_s)
         if split is None:
             return held
         metrics.SPLIT.labels(model).inc()
+        a = held.annotations
+        why = too_long_for(split, None if a.deadline_ms is None or a.sent_ms is None
+                           else (a.deadline_ms - a.sent_ms) / 1000)
+        if why is not None:
+            self.answers.refuse(model, held, why, ErrorCode.DEADLINE_TOO_SHORT)
+            return None
         return split.part_held(held, 0)
 
     def pending(self, held: Held, deliveries: int) -> Pending:

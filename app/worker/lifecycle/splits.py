@@ -10,16 +10,22 @@ the first part's error). The record of a split request (`Split`) lives beside `H
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from app.worker.lifecycle.held import Held, Split
 from batching.lanes import Lane
 from batching.parts import items_per_part
+from batching.shapes import BatchShape
 from runtimes.base import Outcome
 from tasks.envelope import Annotations, EstimatingEntry, decode_body, task_body
 from tasks.served import read_served, stamp_parts
 from tasks.split import SPLITTABLE, merge_results, split_kwargs
+
+# The deadline a refused split request is told to send: its predicted time with room for
+# the batches of other callers its parts interleave with.
+ENOUGH_MARGIN = 1.5
 
 
 def split_request(held: Held, lane: Lane, entry: EstimatingEntry | None,
@@ -40,11 +46,28 @@ def split_request(held: Held, lane: Lane, entry: EstimatingEntry | None,
     except ValueError:
         return None  # runs whole, and is answered INVALID_REQUEST
     parts = []
+    alone_s = 0.0
     for part in split_kwargs(kwargs, per_part):
         items, cost, longest = entry.estimate(part)
         parts.append((Annotations(a.model, a.op, items, cost, longest, a.deadline_ms,
                                   a.sent_ms, a.lora, bulk=a.bulk), task_body(part)))
-    return Split(parts)
+        alone_s += lane.cost.admission(BatchShape(items, longest, cost)).seconds
+    return Split(parts, alone_s=alone_s)
+
+
+def too_long_for(split: Split, budget_s: float | None) -> str | None:
+    """Why a split request cannot finish within its whole deadline, or None: its parts
+    alone are predicted to take longer than all of it, so it is refused before any part
+    runs (sent again with the same deadline, it would be refused again), with the
+    deadline that would do."""
+    if budget_s is None or split.alone_s <= budget_s:
+        return None
+    enough_s = math.ceil(split.alone_s * ENOUGH_MARGIN)
+    items = sum(a.items for a, _ in split.parts)
+    return (f"its {items} items, run as {len(split.parts)} parts, are predicted to take "
+            f"{split.alone_s:.1f} s alone, more than its whole {budget_s:.1f} s deadline: "
+            f"not started; send it with X-Timeout-Ms: {enough_s * 1000} (or more), or "
+            "fewer items per request")
 
 
 def next_parts(helds: list[Held], outcomes: list[Outcome]) -> list[Held]:
