@@ -19,6 +19,7 @@ from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import encode_response, read_body
 from gateway.routes.lora_names import openai_model
 from tasks.adapters import DENSE, ENCODE
+from tasks.catalog import ModelEntry
 
 ENCODING_FORMATS = ("float", "base64")
 
@@ -27,6 +28,16 @@ async def create_embeddings(request: Request) -> Response:
     body = await read_body(request, request.app.state.settings.max_body_bytes)
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
+    entry, kwargs = embeddings_task(request, body)
+    reply = await call_model(request, entry, kwargs)
+    return encode_response(request, embeddings_payload(body, reply.result),
+                           headers=reply.headers)
+
+
+def embeddings_task(request: Request, body: dict[str, Any]
+                    ) -> tuple[ModelEntry, dict[str, Any]]:
+    """The model's entry and the encode task's kwargs for a body, checked as this route
+    checks it (an OpenAI batch line's body too: `gateway.routes.batch_endpoints`)."""
     entry, lora = openai_model(request, body, ENCODE)
     if entry.contract.outputs[0] != DENSE:
         raise invalid(f"{entry.id} gives {entry.contract.outputs[0]} embeddings; "
@@ -46,8 +57,12 @@ async def create_embeddings(request: Request) -> Response:
     # 422 (404 for an unknown LoRA) before anything is published; the entry's defaults
     # (prompts, dims) apply.
     check_items(request, entry.parse(kwargs))
-    reply = await call_model(request, entry, kwargs)
-    result = reply.result
+    return entry, kwargs
+
+
+def embeddings_payload(body: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """This route's response body for a body checked by `embeddings_task` and its result."""
+    encoding_format = body.get("encoding_format") or "float"
     data = []
     for index, row in enumerate(dense_array(result)):
         # float: the row itself (`encode_response` writes arrays); base64: its float32 bytes
@@ -55,10 +70,9 @@ async def create_embeddings(request: Request) -> Response:
                           if encoding_format == "base64" else row)
         data.append({"object": "embedding", "index": index, "embedding": embedding})
     tokens = result["usage"]["tokens"]
-    payload = {
+    return {
         "object": "list",
         "data": data,
         "model": body["model"],  # as the caller named it, "base:lora" included
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    return encode_response(request, payload, headers=reply.headers)
