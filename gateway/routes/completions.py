@@ -100,20 +100,23 @@ def _task(request: Request, body: Any, items: list[dict[str, Any]], allowed: set
     return entry, kwargs
 
 
-async def _generate(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
-                    ) -> tuple[dict[str, Any], Reply]:
+async def _generate(request: Request, entry: ModelEntry, kwargs: dict[str, Any]) -> Reply:
     reply = await call_model(request, entry, kwargs)
-    usage = reply.result["usage"]
     first = time_to_first_token_ms(reply.result)
     if first is not None:
         TIME_TO_FIRST_TOKEN.labels(entry.id, "false").observe(first / 1000)
         for latency in reply.result.get("latency") or ():
             INTER_TOKEN.labels(entry.id, "false").observe(latency["itl_ms"] / 1000)
+    return reply
+
+
+def _usage(result: dict[str, Any]) -> dict[str, int]:
+    usage = result["usage"]
     return {
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-    }, reply
+    }
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -123,8 +126,7 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-async def create_completion(request: Request) -> Response:
-    body = await _body(request)
+def _prompt_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         items = [{"text": prompt}]
@@ -134,6 +136,33 @@ async def create_completion(request: Request) -> Response:
         # Token ids of the model's own vocabulary (one prompt, or one list per prompt), as
         # OpenAI's API takes them; anything else is refused there with what to send.
         items = openai_input_items(prompt, "prompt")
+    return items
+
+
+def completion_task(request: Request, body: dict[str, Any]
+                    ) -> tuple[ModelEntry, dict[str, Any]]:
+    """The entry and generate kwargs of a /v1/completions body that does not stream (an
+    OpenAI batch line's body too: `gateway.routes.batch_endpoints`)."""
+    return _task(request, body, _prompt_items(body), {"model", "prompt"})
+
+
+def completion_payload(body: dict[str, Any], result: dict[str, Any],
+                       completion_id: str) -> dict[str, Any]:
+    """/v1/completions' response body for a body and its result."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body["model"],  # as the caller named it, "base:lora" included
+        "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
+                     "finish_reason": c["finish_reason"]} for c in result["choices"]],
+        "usage": _usage(result),
+    }
+
+
+async def create_completion(request: Request) -> Response:
+    body = await _body(request)
+    items = _prompt_items(body)
     stream, include_usage = _streaming(body)
     entry, kwargs = _task(request, body, items, {"model", "prompt"})
     completion_id = f"cmpl-{uuid.uuid4().hex}"
@@ -141,21 +170,12 @@ async def create_completion(request: Request) -> Response:
         form = ChunkFormat("text_completion", completion_id, body["model"], chat=False,
                            include_usage=include_usage)
         return await stream_generation(request, entry, kwargs, form, len(items))
-    usage, reply = await _generate(request, entry, kwargs)
-    payload = {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body["model"],  # as the caller named it, "base:lora" included
-        "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
-                     "finish_reason": c["finish_reason"]} for c in reply.result["choices"]],
-        "usage": usage,
-    }
-    return encode_response(request, payload, headers=reply.headers)
+    reply = await _generate(request, entry, kwargs)
+    return encode_response(request, completion_payload(body, reply.result, completion_id),
+                           headers=reply.headers)
 
 
-async def create_chat_completion(request: Request) -> Response:
-    body = await _body(request)
+def _chat_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
         isinstance(m, dict) for m in messages
@@ -164,22 +184,40 @@ async def create_chat_completion(request: Request) -> Response:
     # OpenAI's newer name for the system role.
     wire = [{"role": "system" if m.get("role") == "developer" else m.get("role"),
              "content": _message_text(m.get("content"), i)} for i, m in enumerate(messages)]
-    stream, include_usage = _streaming(body)
-    entry, kwargs = _task(request, body, [{"messages": wire}], {"model", "messages"})
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    if stream:
-        form = ChunkFormat("chat.completion.chunk", completion_id, body["model"], chat=True,
-                           include_usage=include_usage)
-        return await stream_generation(request, entry, kwargs, form, 1)
-    usage, reply = await _generate(request, entry, kwargs)
-    payload = {
+    return [{"messages": wire}]
+
+
+def chat_task(request: Request, body: dict[str, Any]) -> tuple[ModelEntry, dict[str, Any]]:
+    """The entry and generate kwargs of a /v1/chat/completions body that does not stream
+    (an OpenAI batch line's body too)."""
+    return _task(request, body, _chat_items(body), {"model", "messages"})
+
+
+def chat_payload(body: dict[str, Any], result: dict[str, Any],
+                 completion_id: str) -> dict[str, Any]:
+    """/v1/chat/completions' response body for a body and its result."""
+    return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body["model"],  # as the caller named it, "base:lora" included
         "choices": [{"index": 0, "message": {"role": "assistant", "content": c["text"]},
                      "logprobs": None, "finish_reason": c["finish_reason"]}
-                    for c in reply.result["choices"]],
-        "usage": usage,
+                    for c in result["choices"]],
+        "usage": _usage(result),
     }
-    return encode_response(request, payload, headers=reply.headers)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    body = await _body(request)
+    items = _chat_items(body)
+    stream, include_usage = _streaming(body)
+    entry, kwargs = _task(request, body, items, {"model", "messages"})
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if stream:
+        form = ChunkFormat("chat.completion.chunk", completion_id, body["model"], chat=True,
+                           include_usage=include_usage)
+        return await stream_generation(request, entry, kwargs, form, 1)
+    reply = await _generate(request, entry, kwargs)
+    return encode_response(request, chat_payload(body, reply.result, completion_id),
+                           headers=reply.headers)

@@ -40,6 +40,7 @@ from gateway.edge.codecs import encode_response, read_body
 from gateway.edge.compat_errors import rerank_error
 from gateway.edge.error_shapes import ROUTE_SHAPES
 from tasks.adapters import SCORE
+from tasks.catalog import ModelEntry
 from tasks.render import names, shown
 from tasks.results import ranked
 
@@ -67,14 +68,29 @@ async def rerank(request: Request) -> Response:
 
 async def cohere_rerank(request: Request, body: dict[str, Any]) -> Response:
     """A body in Cohere's and Jina's shape, answered in that shape (see the module doc)."""
+    entry, kwargs, texts = _task(request, body)
+    reply = await call_model(request, entry, kwargs)
+    payload = rerank_payload(body, reply.result, getattr(request.state, "request_id", None),
+                             entry.id, texts)
+    return encode_response(request, payload, headers=reply.headers)
+
+
+def rerank_task(request: Request, body: dict[str, Any]) -> tuple[ModelEntry, dict[str, Any]]:
+    """The reranker's entry and the score task's kwargs for a body, checked as this route
+    checks it (an OpenAI batch line's body too: `gateway.routes.batch_endpoints`)."""
+    entry, kwargs, _ = _task(request, body)
+    return entry, kwargs
+
+
+def _task(request: Request, body: dict[str, Any]
+          ) -> tuple[ModelEntry, dict[str, Any], list[str]]:
     entry = chosen_model(request, body.get("model"), RERANKERS)
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise invalid("'query' must be a non-empty string: the query to rank the documents by")
     top_n = top_n_of(body.get("top_n"))
-    return_documents = _flag(body, "return_documents")
-    documents = body.get("documents")
-    texts = _texts(documents, _rank_fields(body.get("rank_fields")))
+    _flag(body, "return_documents")
+    texts = _texts(body.get("documents"), _rank_fields(body.get("rank_fields")))
     kwargs: dict[str, Any] = {"model": entry.id, "query": query,
                               "items": [{"text": text} for text in texts]}
     if top_n is not None:
@@ -82,8 +98,18 @@ async def cohere_rerank(request: Request, body: dict[str, Any]) -> Response:
     parsed = entry.parse(kwargs)
     check_items(request, parsed)
     kwargs["items"] = wire_items(parsed)
-    reply = await call_model(request, entry, kwargs)
-    result = reply.result
+    return entry, kwargs, texts
+
+
+def rerank_payload(body: dict[str, Any], result: dict[str, Any], request_id: str | None,
+                   model: str, texts: list[str] | None = None) -> dict[str, Any]:
+    """This route's response body for a body checked by `rerank_task` and its result
+    (`texts`: what each document was ranked on, found again when not given)."""
+    documents = body["documents"]
+    if texts is None:
+        texts = _texts(documents, _rank_fields(body.get("rank_fields")))
+    top_n = top_n_of(body.get("top_n"))
+    return_documents = _flag(body, "return_documents")
     results = []
     for row in ranked(result, top_n):
         out: dict[str, Any] = {"index": row["index"], "relevance_score": row["score"]}
@@ -95,9 +121,8 @@ async def cohere_rerank(request: Request, body: dict[str, Any]) -> Response:
     warnings = _warnings(body)
     if warnings:
         meta["warnings"] = warnings
-    payload = {"id": getattr(request.state, "request_id", None), "results": results,
-               "meta": meta, "model": entry.id, "usage": {"total_tokens": tokens}}
-    return encode_response(request, payload, headers=reply.headers)
+    return {"id": request_id, "results": results, "meta": meta, "model": model,
+            "usage": {"total_tokens": tokens}}
 
 
 def top_n_of(value: Any) -> int | None:
