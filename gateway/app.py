@@ -26,6 +26,8 @@ from gateway.edge.sigterm_drain import Drain
 from gateway.jobs.driver import JobDriver
 from gateway.jobs.part_replies import JobReplies
 from gateway.jobs.store import JobStore, warn_if_jobs_are_volatile
+from gateway.routes.cohere_embed import embed_v1 as cohere_embed_v1
+from gateway.routes.cohere_embed import embed_v2 as cohere_embed_v2
 from gateway.routes.completions import create_chat_completion, create_completion
 from gateway.routes.embeddings import create_embeddings
 from gateway.routes.hot_path import HotRoutes, error_response, http_error_response
@@ -111,6 +113,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/v1/classify/{model:path}", classify, methods=["POST"]),
             Route("/v1/rerank", rerank, methods=["POST"]),  # Cohere's and Jina's shape
             Route("/v2/rerank", rerank, methods=["POST"]),  # Cohere's v2 client posts here
+            Route("/v2/embed", cohere_embed_v2, methods=["POST"]),  # Cohere's embed
+            Route("/v1/embed", cohere_embed_v1, methods=["POST"]),
             Route("/embed", tei_embed, methods=["POST"]),  # TEI's routes
             Route("/rerank", tei_rerank, methods=["POST"]),
             Route("/predict", tei_predict, methods=["POST"]),

@@ -2,7 +2,10 @@
 
 `model` may name a LoRA adapter ("base:lora", or a `lora` field: `gateway.routes.lora_names`);
 the response's `model` is the caller's. `input` may be token ids of the model's own
-vocabulary (`gateway.calls.openai_input`)."""
+vocabulary (`gateway.calls.openai_input`), and, for a model that takes images (CLIP), images:
+data URIs and `image_url` parts, or vLLM's `messages` (`gateway.calls.image_inputs`). Bodies
+may be as large as SHOAL_MAX_CLAIM_BODY_BYTES for such a model, SHOAL_MAX_BODY_BYTES for
+the others."""
 
 from __future__ import annotations
 
@@ -12,11 +15,19 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.calls.image_inputs import (
+    fetch_images,
+    has_images,
+    image_rules,
+    openai_image_items,
+    with_stand_ins,
+)
 from gateway.calls.model_call import call_model, check_items
+from gateway.calls.native_api import body_limit
 from gateway.calls.openai_input import openai_input_items
 from gateway.calls.vectors import dense_array
 from gateway.edge.api_errors import invalid
-from gateway.edge.codecs import encode_response, read_body
+from gateway.edge.codecs import check_body_size, encode_response, read_body
 from gateway.routes.lora_names import openai_model
 from tasks.adapters import DENSE, ENCODE
 from tasks.catalog import ModelEntry
@@ -25,25 +36,36 @@ ENCODING_FORMATS = ("float", "base64")
 
 
 async def create_embeddings(request: Request) -> Response:
-    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    settings = request.app.state.settings
+    body = await read_body(request, max(settings.max_body_bytes, settings.max_claim_body_bytes))
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
-    entry, kwargs = embeddings_task(request, body)
+    urls: list[dict[str, Any]] = []
+    entry, kwargs = embeddings_task(request, body, urls)
+    if urls:  # image URLs on a listed host (SHOAL_IMAGE_URL_HOSTS)
+        await fetch_images(urls, image_rules(request, entry))
     reply = await call_model(request, entry, kwargs)
     return encode_response(request, embeddings_payload(body, reply.result),
                            headers=reply.headers)
 
 
-def embeddings_task(request: Request, body: dict[str, Any]
+def embeddings_task(request: Request, body: dict[str, Any],
+                    urls: list[dict[str, Any]] | None = None
                     ) -> tuple[ModelEntry, dict[str, Any]]:
     """The model's entry and the encode task's kwargs for a body, checked as this route
-    checks it (an OpenAI batch line's body too: `gateway.routes.batch_endpoints`)."""
+    checks it (an OpenAI batch line's body too: `gateway.routes.batch_endpoints`). The items
+    whose image URL is still to fetch go to `urls` (None: a URL is refused)."""
     entry, lora = openai_model(request, body, ENCODE)
+    check_body_size(request, body_limit(request, entry))  # the wide limit: images only
     if entry.contract.outputs[0] != DENSE:
         raise invalid(f"{entry.id} gives {entry.contract.outputs[0]} embeddings; "
                       f"use POST /v1/encode/{entry.id}")
     # Strings and token ids (the model's own: `gateway.calls.openai_input`); empty refused.
-    items = openai_input_items(body.get("input"))
+    value = body.get("input")
+    if has_images(value) or body.get("messages") is not None:  # a prefix test per string
+        items = openai_image_items(request, entry, body, urls)
+    else:
+        items = openai_input_items(value)
     encoding_format = body.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
         raise invalid(f"'encoding_format' must be one of {list(ENCODING_FORMATS)}")
@@ -56,7 +78,7 @@ def embeddings_task(request: Request, body: dict[str, Any]
     kwargs = {"model": entry.id, "items": items, "options": options}
     # 422 (404 for an unknown LoRA) before anything is published; the entry's defaults
     # (prompts, dims) apply.
-    check_items(request, entry.parse(kwargs))
+    check_items(request, entry.parse(with_stand_ins(kwargs) if urls else kwargs))
     return entry, kwargs
 
 
