@@ -25,6 +25,11 @@ class GatewaySettings(BaseSettings):
     gateway_models: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["*"], description="the catalog models the gateway accepts "
         "requests for: ids or globs (default: all)")
+    default_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="the models a request that names none gets, in "
+        "order: on each route whose body may leave `model` out (TEI's, /v1/rerank, "
+        "/v1/tokenize), the first of these ids of the kind the route needs; without one, the "
+        "gateway's only model of that kind, else the only one workers serve now")
     gateway_unserved: Literal["refuse", "wait"] = Field(
         "refuse", description="a request for a model no worker consumes: refuse it at once "
         "(503), or queue it until its deadline (scale-to-zero deployments)")
@@ -95,7 +100,8 @@ class GatewaySettings(BaseSettings):
         15.0, gt=0, allow_inf_nan=False, description="a job's splitter lease: a gateway that "
         "dies holding it is replaced after this")
 
-    @field_validator("gateway_models", "cors_origins", "image_url_hosts", mode="before")
+    @field_validator("gateway_models", "default_models", "cors_origins", "image_url_hosts",
+                     mode="before")
     @classmethod
     def _split_lists(cls, value: object) -> object:
         return comma_list(value)

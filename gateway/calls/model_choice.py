@@ -1,16 +1,29 @@
 """The model of a request whose route has no `{model}` in its path.
 
-The rerank routes (`gateway.routes.rerank`: Cohere's and Jina's `model` field) and TEI's
-routes (`gateway.routes.tei`: TEI serves one model and names none, so there `model` is
-shoal's extension) name their model in the body, if at all. Without one, the gateway's
-only model of the route's kind is the one, so a gateway that serves a single reranker
-answers TEI's `/rerank` as TEI would; with several, the caller must name one. The choice
-is made from the gateway's own models (SHOAL_GATEWAY_MODELS), never from which workers are
-up at the moment: the same request always goes to the same model.
+The rerank routes (`gateway.routes.rerank`: Cohere's and Jina's `model` field), TEI's routes
+(`gateway.routes.tei` and its siblings: TEI serves one model and names none, so there
+`model` is shoal's extension) and the token routes (`gateway.routes.vllm_tokens`) name their
+model in the body, if at all. Without one, the route's default model of its kind:
+
+1. the first of SHOAL_DEFAULT_MODELS that is of the route's kind (and that the caller's key
+   may use): what a deployment names, it gets;
+2. else the gateway's only model of that kind (SHOAL_GATEWAY_MODELS), so a gateway that
+   accepts a single reranker answers TEI's `/rerank` as TEI would;
+3. else the only one of them that workers serve now (the gateway's pool view, as
+   `GET /v1/models` lists them).
+
+Rule 3 reads which workers are up, so the same request may go to another model once a
+second one of its kind is served; it is there because a gateway's default accepts every
+catalog model (14 dense embedders) while its workers serve one (`make run`: MiniLM), and
+clients written for a one-model server (TEI's, huggingface_hub's InferenceClient, litellm's
+`huggingface/` provider) send no model name. A deployment that wants the choice fixed names
+it in SHOAL_DEFAULT_MODELS. Otherwise the caller must name one: the error lists the models
+of the kind and which of them are served now.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +54,7 @@ def candidates(request: Request, kind: ModelKind) -> list[str]:
 
 
 def chosen_model(request: Request, model: Any, kind: ModelKind) -> ModelEntry:
-    """The entry `model` names (None: the gateway's only model of `kind`). 404 for a model
+    """The entry `model` names (None: the route's default of `kind`). 404 for a model
     not served here, UNSUPPORTED_OPERATION for one of another kind, 400 INVALID_REQUEST
     when `model` is left out and several fit; each message lists the ones that fit."""
     if model is None:
@@ -62,13 +75,37 @@ def chosen_model(request: Request, model: Any, kind: ModelKind) -> ModelEntry:
     return entry
 
 
-def _the_only(request: Request, kind: ModelKind) -> ModelEntry:
+def default_model(request: Request, kind: ModelKind) -> ModelEntry | None:
+    """The route's default model of `kind` (the module's rules), or None: none fits, or
+    several do and none is named or alone in being served."""
     fitting = candidates(request, kind)
+    served = request.app.state.served
+    for model in request.app.state.settings.default_models:
+        if model in fitting:
+            return served[model]
     if len(fitting) == 1:
-        return request.app.state.served[fitting[0]]
+        return served[fitting[0]]
+    up = served_now(request, fitting)
+    return served[up[0]] if len(up) == 1 else None
+
+
+def served_now(request: Request, models: list[str]) -> list[str]:
+    """Those of `models` that a worker serves now (its latest pool state says so)."""
+    pool, now = request.app.state.broker.pool, time.monotonic()
+    return [model for model in models if pool.serves(model, now)]
+
+
+def _the_only(request: Request, kind: ModelKind) -> ModelEntry:
+    entry = default_model(request, kind)
+    if entry is not None:
+        return entry
+    fitting = candidates(request, kind)
     if not fitting:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,
                        f"this gateway serves no {kind.name} model (SHOAL_GATEWAY_MODELS)")
+    up = served_now(request, fitting)
+    now = (f"workers serve {up} now" if up else "no worker serves one now")
     raise ApiError(ErrorCode.INVALID_REQUEST,
-                   f"'model' is missing and this gateway serves several {kind.name} models: "
-                   f"{fitting}; name one in 'model'")
+                   f"'model' is missing and this gateway serves several {kind.name} models "
+                   f"({now}; all it accepts: {fitting}); name one in 'model', or set "
+                   "SHOAL_DEFAULT_MODELS")

@@ -40,10 +40,15 @@ from gateway.edge.codecs import encode_response, read_body
 from gateway.edge.compat_errors import empty_batch, tei_error
 from gateway.edge.error_shapes import ROUTE_SHAPES
 from gateway.routes.rerank import RERANKERS, cohere_rerank, top_n_of
-from gateway.routes.tei_shapes import embed_items, flag, predict_texts, truncation_options
+from gateway.routes.tei_shapes import (
+    embed_items,
+    flag,
+    predict_texts,
+    prompt_options,
+    truncation_options,
+)
 from tasks.adapters import CLASSIFY, DENSE, ENCODE, TEXT
 from tasks.catalog import ModelEntry
-from tasks.render import shown
 from tasks.results import ranked
 
 EMBEDDERS = ModelKind("dense text embedding", lambda e: e.operation == ENCODE
@@ -51,14 +56,13 @@ EMBEDDERS = ModelKind("dense text embedding", lambda e: e.operation == ENCODE
 # Zero-shot models classify too, but need labels that TEI's /predict has no field for.
 CLASSIFIERS = ModelKind("sequence classification",
                         lambda e: e.operation == CLASSIFY and e.adapter != "zero-shot")
-_PROMPTS = {"query": True, "document": False}  # prompt_name -> options.is_query
 PATHS = ("/embed", "/rerank", "/predict")
 ROUTE_SHAPES.update(dict.fromkeys(PATHS, tei_error))  # errors as TEI sends them
 
 Handler = Callable[[Request, dict[str, Any]], Awaitable[Response]]
 
 
-def _tei_route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+def tei_route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         body = await read_body(request, request.app.state.settings.max_body_bytes)
         if not isinstance(body, dict):
@@ -69,7 +73,7 @@ def _tei_route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     return endpoint
 
 
-async def _run(request: Request, entry: ModelEntry, kwargs: dict[str, Any]) -> Reply:
+async def run_checked(request: Request, entry: ModelEntry, kwargs: dict[str, Any]) -> Reply:
     """Check `kwargs` as /v1/{op}/{model} checks its body, and call the model."""
     parsed = entry.parse(kwargs)
     check_items(request, parsed)
@@ -84,13 +88,9 @@ async def _embed(request: Request, body: dict[str, Any]) -> Response:
                **truncation_options(body)}
     if body.get("dimensions") is not None:
         options["dimensions"] = body["dimensions"]
-    prompt_name = body.get("prompt_name")
-    if prompt_name is not None:
-        if type(prompt_name) is not str or prompt_name not in _PROMPTS:
-            raise invalid(f"'prompt_name' must be one of {list(_PROMPTS)} (the model entry's "
-                          f"prompts), got {shown(prompt_name)}")
-        options["is_query"] = _PROMPTS[prompt_name]
-    reply = await _run(request, entry, {"model": entry.id, "items": items, "options": options})
+    options.update(prompt_options(body.get("prompt_name")))
+    reply = await run_checked(request, entry,
+                              {"model": entry.id, "items": items, "options": options})
     return encode_response(request, dense_array(reply.result), headers=reply.headers)
 
 
@@ -119,7 +119,7 @@ async def _rerank(request: Request, body: dict[str, Any]) -> Response:
                               "items": [{"text": text} for text in texts]}
     if options:
         kwargs["options"] = options
-    reply = await _run(request, entry, kwargs)
+    reply = await run_checked(request, entry, kwargs)
     ranks = []
     for row in ranked(reply.result, top_n):
         rank: dict[str, Any] = {"index": row["index"]}
@@ -141,12 +141,14 @@ async def _predict(request: Request, body: dict[str, Any]) -> Response:
     options = truncation_options(body)
     if options:
         kwargs["options"] = options
-    reply = await _run(request, entry, kwargs)
+    reply = await run_checked(request, entry, kwargs)
     labels = [[{"score": p["score"], "label": p["label"]} for p in row]
               for row in reply.result["labels"]]
     return encode_response(request, labels if batch else labels[0], headers=reply.headers)
 
 
-embed = _tei_route(_embed)
-rerank = _tei_route(_rerank)
-predict = _tei_route(_predict)
+embed = tei_route(_embed)
+rerank = tei_route(_rerank)
+predict = tei_route(_predict)
+# The handlers of a body already read, for TEI's `/` (`gateway.routes.tei_root`).
+BODY_HANDLERS: dict[str, Handler] = {"embed": _embed, "rerank": _rerank, "predict": _predict}

@@ -33,6 +33,20 @@ def truncation_options(body: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+PROMPTS = {"query": True, "document": False}  # prompt_name -> options.is_query
+
+
+def prompt_options(prompt_name: Any) -> dict[str, Any]:
+    """TEI's `prompt_name` as the task's `is_query` (left out: nothing, the entry's document
+    prompt)."""
+    if prompt_name is None:
+        return {}
+    if type(prompt_name) is not str or prompt_name not in PROMPTS:
+        raise invalid(f"'prompt_name' must be one of {list(PROMPTS)} (the model entry's "
+                      f"prompts), got {shown(prompt_name)}")
+    return {"is_query": PROMPTS[prompt_name]}
+
+
 def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
     """A boolean field; left out or null: `default`."""
     value = body.get(name)
