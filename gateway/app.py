@@ -38,6 +38,15 @@ from gateway.routes.status import created_times, healthz, list_models, readyz, r
 from gateway.routes.tei import embed as tei_embed
 from gateway.routes.tei import predict as tei_predict
 from gateway.routes.tei import rerank as tei_rerank
+from gateway.routes.tei_root import health as tei_health
+from gateway.routes.tei_root import info as tei_info
+from gateway.routes.tei_root import root as tei_root
+from gateway.routes.tei_tokens import decode as tei_decode
+from gateway.routes.tei_tokens import tokenize as tei_tokenize
+from gateway.routes.tei_vectors import embed_all as tei_embed_all
+from gateway.routes.tei_vectors import embed_sparse as tei_embed_sparse
+from gateway.routes.tei_vectors import similarity as tei_similarity
+from gateway.routes.vllm_tokens import create_detokenize, create_tokenize
 from tasks.catalog import load_catalog
 from tasks.errors import ShoalError
 from tasks.settings import Settings, get_settings
@@ -118,6 +127,18 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/embed", tei_embed, methods=["POST"]),  # TEI's routes
             Route("/rerank", tei_rerank, methods=["POST"]),
             Route("/predict", tei_predict, methods=["POST"]),
+            Route("/embed_sparse", tei_embed_sparse, methods=["POST"]),
+            Route("/embed_all", tei_embed_all, methods=["POST"]),
+            Route("/similarity", tei_similarity, methods=["POST"]),
+            Route("/tokenize", tei_tokenize, methods=["POST"]),
+            Route("/decode", tei_decode, methods=["POST"]),
+            Route("/info", tei_info, methods=["GET"]),
+            Route("/health", tei_health, methods=["GET"]),
+            Route("/", tei_health, methods=["GET"]),  # TEI's Inference API probe
+            Route("/", tei_root, methods=["POST"]),  # by the body's shape and model's kind
+            Route("/invocations", tei_root, methods=["POST"]),  # SageMaker's path for it
+            Route("/v1/tokenize", create_tokenize, methods=["POST"]),  # vLLM's token routes
+            Route("/v1/detokenize", create_detokenize, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/v1/jobs", create_job, methods=["POST"]),
