@@ -33,6 +33,19 @@ from gateway.routes.embeddings import create_embeddings
 from gateway.routes.hot_path import HotRoutes, error_response, http_error_response
 from gateway.routes.job_routes import cancel_job, create_job, get_job, get_result
 from gateway.routes.native import classify, encode, extract, score
+from gateway.routes.openai_batches import (
+    cancel_batch,
+    create_batch,
+    list_batches,
+    retrieve_batch,
+)
+from gateway.routes.openai_files import (
+    create_file,
+    delete_file,
+    file_content,
+    list_files,
+    retrieve_file,
+)
 from gateway.routes.rerank import rerank
 from gateway.routes.status import created_times, healthz, list_models, readyz, retrieve_model
 from gateway.routes.tei import embed as tei_embed
@@ -145,6 +158,16 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
             Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
             Route("/v1/jobs/{job_id}/result", get_result, methods=["GET"]),
+            # OpenAI's files and Batch API, over the jobs (gateway.routes.openai_batches)
+            Route("/v1/files", create_file, methods=["POST"]),
+            Route("/v1/files", list_files, methods=["GET"]),
+            Route("/v1/files/{file_id}", retrieve_file, methods=["GET"]),
+            Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+            Route("/v1/batches", create_batch, methods=["POST"]),
+            Route("/v1/batches", list_batches, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             # ids contain "/" (the openai SDK sends it as %2F; the path arrives decoded)
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),

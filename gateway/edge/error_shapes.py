@@ -43,9 +43,11 @@ OPENAI_ROUTES: dict[str, str | None] = {
     "/v1/completions": "prompt",
     "/v1/chat/completions": "messages",
     "/v1/models": None,
+    "/v1/files": None,  # the Batch API's (gateway.routes.openai_files, openai_batches)
+    "/v1/batches": None,
 }
 # Paths under these prefixes are OpenAI routes too (GET /v1/models/{id}).
-OPENAI_PREFIXES: tuple[str, ...] = ("/v1/models/",)
+OPENAI_PREFIXES: tuple[str, ...] = ("/v1/models/", "/v1/files/", "/v1/batches/")
 # Routes that speak yet another API (e.g. TEI's /rerank), each with the function that
 # gives an error's (status, body) in that API's shape: looked up before the rest.
 ROUTE_SHAPES: dict[str, Callable[[ShoalError], tuple[int, Any]]] = {}

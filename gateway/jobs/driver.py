@@ -36,6 +36,7 @@ from typing import Any
 import msgpack
 
 from gateway.calls.native_api import payload  # the sync route's response shape
+from gateway.jobs.batch_output import finish_batch
 from gateway.jobs.bulk_files import gather
 from gateway.jobs.orphans import Orphans
 from gateway.jobs.part_publisher import PartPublisher
@@ -214,8 +215,11 @@ class JobDriver:
     # --- gathering -----------------------------------------------------------------------
 
     async def _gather(self, job: Job, entry: ModelEntry) -> None:
-        parts = await self.store.parts(job.id)
         blobs = self.blobs()
+        if job.batch:  # an OpenAI batch: its lines' answers are read in chunks there
+            await finish_batch(self.store, blobs, job)
+            return
+        parts = await self.store.parts(job.id)
         if job.bulk:
             metas = [msgpack.unpackb(parts[i], raw=False) for i in range(job.parts_total)]
             key, kind = await asyncio.to_thread(gather, blobs, job.folder, metas)

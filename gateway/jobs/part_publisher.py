@@ -27,6 +27,8 @@ import msgpack
 
 from gateway.calls.blob_offload import check_out, upload_first
 from gateway.edge.api_errors import ApiError
+from gateway.jobs.batch_lines import RecordReader
+from gateway.jobs.batch_output import lines_key
 from gateway.jobs.bulk_files import PartReader
 from gateway.jobs.orphans import Orphans
 from gateway.jobs.part_replies import part_id, replies_queue
@@ -38,6 +40,7 @@ from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
 
+LINE_PART_ITEMS = 32  # batch lines in flight per SHOAL_JOB_PARTS_IN_FLIGHT
 POLL_S = 0.5  # how often a waiting driver re-reads counts another gateway may have moved
 RETRY_CODES = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.BROKER_UNAVAILABLE,
                          ErrorCode.MODEL_UNAVAILABLE})  # a part waits and tries again
@@ -84,8 +87,10 @@ class PartPublisher:
                 return False
             return True
         blobs = self.blobs()
-        reader = await asyncio.to_thread(
-            lambda: PartReader(blobs.open_read(job.input), job.offset, job.part_items))
+        reader: PartReader | RecordReader = await asyncio.to_thread(
+            lambda: RecordReader(blobs.open_read(lines_key(job.folder)), job.offset)
+            if job.batch else PartReader(blobs.open_read(job.input), job.offset,
+                                         job.part_items))
         try:
             index, first = job.published, job.next_item
             while index < job.parts_total:
@@ -95,8 +100,9 @@ class PartPublisher:
                 if not items:
                     raise RuntimeError(f"the input {job.input} ended before part {index}: "
                                        "it changed after it was checked")
-                kwargs: dict[str, Any] = {"model": entry.id, "items": items,
-                                          "options": job.options}
+                # An OpenAI batch's part is one line's own request, made at acceptance.
+                kwargs: dict[str, Any] = items[0] if job.batch else {
+                    "model": entry.id, "items": items, "options": job.options}
                 if job.query is not None:
                     kwargs["query"] = job.query
                 if not await self._publish(job, entry, index, kwargs):
@@ -166,9 +172,16 @@ class PartPublisher:
             if state not in ("queued", "running"):
                 await self.revoke(job.id, published)
                 return False
-            if published - done < self.settings.job_parts_in_flight:
+            if published - done < self._in_flight(job):
                 return True
             await self._sleep(job.id)
+
+    def _in_flight(self, job: Job) -> int:
+        """Parts out at once: SHOAL_JOB_PARTS_IN_FLIGHT; for an OpenAI batch, whose parts
+        are single requests, as many lines as that many parts of LINE_PART_ITEMS would
+        hold (they are marked bulk: callers who wait still go first)."""
+        parts = self.settings.job_parts_in_flight
+        return parts * LINE_PART_ITEMS if job.batch else parts
 
     async def _counts(self, job_id: str) -> tuple[str, int]:
         state, done = await self.store.redis.hmget(self.store.key(job_id), "state",

@@ -112,11 +112,17 @@ class JobReplies:
             return  # a late result of a cancelled, failed or expired job
         if status == SUCCESS:
             await self._succeeded(job, index, result["result"])
+        elif job.batch:
+            await self._line_failed(job, index, result.get("result"))
         else:
             await self._failed(job, index, ShoalError.from_celery_failure(result.get("result")))
         self.on_recorded(job_id)
 
     async def _succeeded(self, job: Job, index: int, result: dict[str, Any]) -> None:
+        if job.batch:  # an OpenAI batch's line: its result kept whole, counted as done
+            value = msgpack.packb([1, result], use_bin_type=True)
+            await self.store.record(job.id, index, value, 1)
+            return
         if not job.bulk:
             value = msgpack.packb(result, use_bin_type=True)
             await self.store.record(job.id, index, value, job.items_total)
@@ -131,6 +137,14 @@ class JobReplies:
         meta = msgpack.packb({"kind": kind, "items": items, "dims": dims, "file": key},
                              use_bin_type=True)
         await self.store.record(job.id, index, meta, items)
+
+    async def _line_failed(self, job: Job, index: int, failure: Any) -> None:
+        """A batch line the model refused is that line's answer (an error line), not the
+        batch's end; counted as a part, not as an item done."""
+        if ShoalError.from_celery_failure(failure).code == ErrorCode.CANCELLED:
+            return  # revoked: only a cancelled batch's lines are
+        value = msgpack.packb([0, failure], use_bin_type=True)
+        await self.store.record(job.id, index, value, 0)
 
     async def _failed(self, job: Job, index: int, error: ShoalError) -> None:
         if error.code == ErrorCode.CANCELLED:

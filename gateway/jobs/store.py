@@ -113,6 +113,8 @@ class Job:
     result_file: str = ""  # bulk: blob key of the gathered result
     result_type: str = ""  # bulk: "npy" or "jsonl"
     owner: str | None = None  # the name of the API key that created it (None: keys off)
+    # The OpenAI batch whose lines it runs, one part per line (`gateway.jobs.batch_output`)
+    batch: str = ""
 
     def to_redis(self) -> dict[str, bytes | str | int | float]:
         out: dict[str, Any] = {}
@@ -153,7 +155,7 @@ _INTS = {"part_items", "parts_total", "items_total", "parts_done", "items_done",
          "offset", "next_item"}
 _FLOATS = {"created_at", "started_at", "finished_at"}
 _STRS = {"id", "operation", "model", "state", "query", "folder", "input", "result_file",
-         "result_type", "owner"}
+         "result_type", "owner", "batch"}
 
 
 class JobStore:
