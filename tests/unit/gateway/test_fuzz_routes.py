@@ -49,6 +49,7 @@ ROUTES = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
     "jobs": "/v1/jobs",
+    "batches": "/v1/batches",
     "rerank": "/v1/rerank",
     "rerank-v2": "/v2/rerank",
     "tei-embed": "/embed",
@@ -82,6 +83,7 @@ MAIN_FIELDS = {
     "completions": ("prompt", "max_tokens", "stop"),
     "chat": ("messages", "temperature", "stream"),
     "jobs": ("items", "options", "operation"),
+    "batches": ("input_file_id", "endpoint", "metadata"),
     "rerank": ("documents", "query", "rank_fields"),
     "rerank-v2": ("documents", "top_n", "return_documents"),
     "tei-embed": ("inputs", "dimensions", "prompt_name"),
@@ -106,8 +108,8 @@ FIELD_NAMES = [
     # OpenAI bodies
     "model", "input", "prompt", "encoding_format", "user", "stream", "stream_options", "n",
     "logprobs", "echo", "response_format", "max_completion_tokens", "include_usage", "type",
-    # jobs
-    "operation",
+    # jobs, and OpenAI's batches
+    "operation", "input_file_id", "endpoint", "completion_window", "metadata",
     # rerank (Cohere's and Jina's shape) and TEI's routes
     "documents", "return_documents", "rank_fields", "max_chunks_per_doc", "texts", "inputs",
     "raw_scores", "return_text", "prompt_name", "truncation_direction",
@@ -132,6 +134,8 @@ VALID = {
     "completions": {"model": LLAMA, "prompt": "a"},
     "chat": {"model": LLAMA, "messages": [{"role": "user", "content": "a"}]},
     "jobs": {"operation": "encode", "model": MINILM, "items": [{"text": "a"}]},
+    "batches": {"input_file_id": "file-x", "endpoint": "/v1/embeddings",
+                "completion_window": "24h"},
     "rerank": {"model": RERANKER, "query": "q", "documents": ["a", {"text": "b"}]},
     "rerank-v2": {"model": RERANKER, "query": "q", "documents": ["a"], "top_n": 1},
     "tei-embed": {"model": MINILM, "inputs": ["a", [101, 102]]},
