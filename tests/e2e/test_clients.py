@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import LLAMA, MINILM, RERANKER, SENTIMENT
-from tests.stack import REPO
+from tests.stack import REPO, free_port, wait_for
 from tests.tiny_models import MINILM_DIR
 
 pytestmark = pytest.mark.e2e
@@ -74,7 +74,17 @@ PROBES = {
     "http": "dict(texts=texts, query_text=query_text, ranked=ranked, "
             "tei_vectors=tei_vectors, tei_ranked=tei_ranked, tei_labels=tei_labels)",
     "celery": "dict(texts=texts, vectors=vectors, query_text=query_text, best=best)",
+    "huggingface-hub": "dict(texts=texts, vectors=vectors.tolist(), query_text=query_text, "
+                       "similarity=similarity, top=[top.label, top.score])",
+    "litellm-huggingface": "dict(texts=texts, vectors=vectors, query_text=query_text, "
+                           "ranked=[[r['index'], r['relevance_score']] for r in ranked.results])",
 }
+# Clients written for a one-model server (TEI's): they name no model, so they run against a
+# gateway of the module's own over the same workers, with MiniLM in SHOAL_DEFAULT_MODELS (its
+# reranker and classifier: the only ones workers serve). huggingface_hub refuses every URL
+# while HF_HUB_OFFLINE is set, a local one too.
+DEFAULT_MODEL_SNIPPETS = {"huggingface-hub", "litellm-huggingface"}
+SNIPPET_ENV = {"huggingface-hub": {"HF_HUB_OFFLINE": "0"}}
 IN_PROCESS = {"celery"}  # needs shoal itself (tasks.client): runs in this venv, in this process
 CHAT_PROMPT = "Name a colour."
 
@@ -100,10 +110,11 @@ class Runs:
 
     LANES = 2  # this machine's cores: more at once only makes each slower
 
-    def __init__(self, url: str, work: Path) -> None:
+    def __init__(self, url: str, work: Path, urls: dict[str, str] | None = None) -> None:
         if not CLIENTS_PYTHON.exists():
             raise AssertionError(f"{CLIENTS_PYTHON} is missing: `make clients` builds it")
         self.url, self.work = url, work
+        self.urls = urls or {}  # a snippet's own gateway, where it has one
         self.env = {**os.environ, **QUIET}
         self.procs: list[subprocess.Popen[str]] = []
         self.closed = False
@@ -113,12 +124,14 @@ class Runs:
 
     def _run(self, name: str) -> tuple[int, str, str]:
         spec = self.work / f"{name}.json"
-        spec.write_text(json.dumps([{"name": name, "code": as_tested(snippets()[name], self.url),
+        spec.write_text(json.dumps([{"name": name, "code": as_tested(snippets()[name],
+                                                               self.urls.get(name, self.url)),
                                      "probe": PROBES[name]}]))
         # cwd: a folder of its own, where nothing of the repository shadows a client.
         proc = subprocess.Popen([str(CLIENTS_PYTHON), str(RUNNER), str(spec)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=self.env, cwd=str(self.work))
+                                env={**self.env, **SNIPPET_ENV.get(name, {})},
+                                cwd=str(self.work))
         self.procs.append(proc)
         if self.closed:
             proc.kill()
@@ -156,9 +169,25 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(families, tmp_path_factory):
-    runs = Runs(families.url, tmp_path_factory.mktemp("client-snippets"))
+    port = free_port()
+    default = families.stack.gateway("gateway-clients-default", port, None,
+                                     SHOAL_DEFAULT_MODELS=MINILM)
+    url = f"http://127.0.0.1:{port}"
+    # Its reranker is the only one workers serve: known once their pool states arrived.
+    wait_for(lambda: _answers(f"{url}/rerank", {"query": "q", "texts": ["a"]}), 60,
+             "the default-model gateway to hear which models the workers serve")
+    runs = Runs(families.url, tmp_path_factory.mktemp("client-snippets"),
+                urls=dict.fromkeys(DEFAULT_MODEL_SNIPPETS, url))
     yield runs
     runs.close()
+    default.stop()
+
+
+def _answers(url: str, body: dict[str, Any]) -> bool:
+    try:
+        return httpx.post(url, json=body, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +332,25 @@ def test_celery(runs, minilm):
     assert_ranked(runs.url, got["query_text"], got["texts"],
                   [(r["index"], r["score"]) for r in got["best"]], top_n=len(got["texts"]))
     assert run["printed"].startswith("VALIDATION_ERROR "), run["printed"]
+
+
+def test_huggingface_hub_inference_client(runs, minilm):
+    got = runs.result("huggingface-hub")["probe"]
+    want = minilm.encode(got["texts"])
+    assert_same_vectors(got["vectors"], want)
+    query = minilm.encode([got["query_text"]])[0]
+    cosine = want @ query / (np.linalg.norm(want, axis=1) * np.linalg.norm(query))
+    assert np.allclose(got["similarity"], cosine, atol=1e-5)
+    r = httpx.post(f"{runs.url}/v1/classify/{SENTIMENT}", timeout=60,
+                   json={"items": [{"text": "What a lovely day!"}]})
+    assert r.status_code == 200, r.text
+    best = max(r.json()["labels"][0], key=lambda entry: entry["score"])
+    assert got["top"][0] == best["label"]
+    assert got["top"][1] == pytest.approx(best["score"], abs=1e-6)
+
+
+def test_litellm_huggingface_provider(runs, minilm):
+    got = runs.result("litellm-huggingface")["probe"]
+    assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
+    assert_ranked(runs.url, got["query_text"], got["texts"],
+                  [tuple(pair) for pair in got["ranked"]], top_n=len(got["texts"]))
