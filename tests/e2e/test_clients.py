@@ -11,6 +11,7 @@ start together (their imports take seconds each) and each test waits for its own
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import itertools
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 
-from tests.conftest import LLAMA, MINILM, RERANKER, SENTIMENT
+from tests.conftest import CLIP, LLAMA, MINILM, RERANKER, SENTIMENT
 from tests.stack import REPO, free_port, wait_for
 from tests.tiny_models import MINILM_DIR
 
@@ -40,7 +42,8 @@ DOC_URL = 'SHOAL_URL = "http://localhost:8080"'
 # The docs' models, and what the test stack serves in their place (tests/conftest.py).
 DOC_MODELS = {"cross-encoder/ms-marco-MiniLM-L6-v2": RERANKER,
               "HuggingFaceTB/SmolLM2-135M-Instruct": LLAMA,
-              "distilbert/distilbert-base-uncased-finetuned-sst-2-english": SENTIMENT}
+              "distilbert/distilbert-base-uncased-finetuned-sst-2-english": SENTIMENT,
+              "openai/clip-vit-base-patch32": CLIP}
 SNIPPET = re.compile(r"<!-- test: ([\w-]+) -->\n```python\n(.*?)```", re.S)
 # What the clients would otherwise send off this machine (telemetry, litellm's price list)
 # is switched off; anything left goes to a closed local port instead of the network.
@@ -78,6 +81,11 @@ PROBES = {
                        "similarity=similarity, top=[top.label, top.score])",
     "litellm-huggingface": "dict(texts=texts, vectors=vectors, query_text=query_text, "
                            "ranked=[[r['index'], r['relevance_score']] for r in ranked.results])",
+    "images": "dict(png=base64.b64encode(png).decode(), vectors=vectors, "
+              "from_messages=from_messages)",
+    "cohere-embed": "dict(texts=texts, vectors=vectors, int8=int8, ubinary=ubinary, "
+                    "lc_vectors=lc_vectors, query_text=query_text, lc_query=lc_query, "
+                    "litellm_vectors=litellm_vectors)",
 }
 # Clients written for a one-model server (TEI's): they name no model, so they run against a
 # gateway of the module's own over the same workers, with MiniLM in SHOAL_DEFAULT_MODELS (its
@@ -354,3 +362,32 @@ def test_litellm_huggingface_provider(runs, minilm):
     assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
     assert_ranked(runs.url, got["query_text"], got["texts"],
                   [tuple(pair) for pair in got["ranked"]], top_n=len(got["texts"]))
+
+
+def test_images_on_v1_embeddings(runs):
+    """A data URI and vLLM's messages embed the image as /v1/encode does its bytes."""
+    got = runs.result("images")["probe"]
+    png = base64.b64decode(got["png"])
+    r = httpx.post(f"{runs.url}/v1/encode/{CLIP}", timeout=60,
+                   content=msgpack.packb({"items": [{"image": png}, {"text": "a red square"}]}),
+                   headers={"content-type": "application/msgpack"})
+    assert r.status_code == 200, r.text
+    want = msgpack.unpackb(r.content)["embeddings"]
+    assert_same_vectors(got["vectors"], want)
+    assert_same_vectors([got["from_messages"]], want[:1])
+
+
+def test_cohere_embed(runs, minilm):
+    """Cohere's SDK, LangChain's CohereEmbeddings and litellm's cohere/ provider get
+    sentence-transformers' vectors, and Cohere's int8 and ubinary of them."""
+    run = runs.result("cohere-embed")
+    got, printed = run["probe"], run["printed"]
+    want = minilm.encode(got["texts"])
+    for vectors in (got["vectors"], got["lc_vectors"], got["litellm_vectors"]):
+        assert_same_vectors(vectors, want)
+    assert_same_vectors([got["lc_query"]], minilm.encode([got["query_text"]]))
+    rows = np.asarray(got["vectors"], dtype=np.float32)
+    scale = 127 / np.abs(rows).max(axis=1, keepdims=True)
+    assert (np.asarray(got["int8"]) == np.clip(np.rint(rows * scale), -127, 127)).all()
+    assert (np.asarray(got["ubinary"]) == np.packbits(rows > 0, axis=1)).all()
+    assert printed.startswith("400 ") and "END" in printed, printed
