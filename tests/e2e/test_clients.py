@@ -58,6 +58,9 @@ PROBES = {
               "served=served, retrieved=minilm.id)",
     "openai-chat": "dict(content=reply.choices[0].message.content, streamed=streamed, "
                    "finish=reply.choices[0].finish_reason)",
+    "openai-batches": "dict(texts=texts, vectors=vectors, status=batch.status, "
+                      "counts=batch.request_counts.model_dump(), "
+                      "lines=len(file_response.text.splitlines()))",
     "langchain": "dict(texts=texts, vectors=vectors, query=query, answer=answer, "
                  "query_text=query_text, best=[[d.page_content, d.metadata['relevance_score']]"
                  " for d in best], indexed=len(index), chunks=[chunks[i] for i in (0, 999)], "
@@ -271,6 +274,17 @@ def test_openai_chat(runs):
     got = runs.result("openai-chat")["probe"]
     assert got["content"] == got["streamed"] == chat_reference(runs.url)
     assert got["finish"] in ("stop", "length")
+
+
+def test_openai_batches(runs, minilm):
+    """The openai SDK's own batch example: its output file holds one answer per line, each
+    the vector /v1/embeddings gives."""
+    got = runs.result("openai-batches")["probe"]
+    assert got["status"] == "completed"
+    count = len(got["texts"])
+    assert got["counts"] == {"total": count, "completed": count, "failed": 0}
+    assert got["lines"] == count
+    assert_same_vectors(got["vectors"], minilm.encode(got["texts"]))
 
 
 @pytest.mark.parametrize("framework", ["langchain", "llamaindex", "haystack"])
