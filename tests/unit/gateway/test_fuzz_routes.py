@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from gateway.edge.error_shapes import is_openai_path
 from tasks.errors import ErrorCode
 from tasks.settings import Settings
-from tests.conftest import COLBERT, LLAMA, MINILM, NER, NLI, RERANKER, SENTIMENT, SPLADE
+from tests.conftest import CLIP, COLBERT, LLAMA, MINILM, NER, NLI, RERANKER, SENTIMENT, SPLADE
 
 # Generating a nested body costs hypothesis ~10 ms, posting it ~2 ms: each example is
-# posted in 5 variants (`_variants`), 22 routes x 2 codecs x 600 = 26,400 bodies.
+# posted in 5 variants (`_variants`), 25 routes x 2 codecs x 600 = 30,000 bodies.
 EXAMPLES_PER_CASE = 120
 BODIES_PER_CASE = 600
 
@@ -63,6 +63,9 @@ ROUTES = {
     "tei-root": "/",
     "vllm-tokenize": "/v1/tokenize",
     "vllm-detokenize": "/v1/detokenize",
+    "embeddings-image": "/v1/embeddings",
+    "cohere-embed": "/v2/embed",
+    "cohere-embed-v1": "/v1/embed",
 }
 # Routes the gateway answers itself (its tokenizers): a valid body gets 200, not the
 # unstarted broker's 503; a model whose files are not on this host gets 503 MODEL_UNAVAILABLE.
@@ -71,6 +74,7 @@ ANSWERED_HERE = {"tei-tokenize", "tei-decode", "vllm-tokenize", "vllm-detokenize
 RERANK_SHAPE = {"message", "detail", "error"}
 TEI_SHAPE = {"error", "error_type"}
 SHAPE_OF_ROUTE = {"/v1/rerank": RERANK_SHAPE, "/v2/rerank": RERANK_SHAPE,
+                  "/v2/embed": RERANK_SHAPE, "/v1/embed": RERANK_SHAPE,  # Cohere's
                   "/embed": TEI_SHAPE, "/rerank": TEI_SHAPE, "/predict": TEI_SHAPE,
                   **{path: TEI_SHAPE for path in ("/embed_sparse", "/embed_all", "/similarity",
                                                    "/tokenize", "/decode", "/")}}
@@ -97,6 +101,9 @@ MAIN_FIELDS = {
     "tei-root": ("inputs", "parameters", "query"),
     "vllm-tokenize": ("prompt", "messages", "add_special_tokens"),
     "vllm-detokenize": ("tokens", "model", "prompt"),
+    "embeddings-image": ("input", "messages", "encoding_format"),
+    "cohere-embed": ("inputs", "images", "embedding_types"),
+    "cohere-embed-v1": ("texts", "input_type", "truncate"),
 }
 FIELD_NAMES = [
     # native bodies and items
@@ -117,13 +124,19 @@ FIELD_NAMES = [
     "ids", "skip_special_tokens", "add_special_tokens", "parameters", "source_sentence",
     "sentences", "tokens", "add_generation_prompt", "continue_final_message",
     "return_token_strs",
+    # images (/v1/embeddings, vLLM's messages) and Cohere's embed
+    "image_url", "url", "images", "input_type", "embedding_types", "output_dimension",
 ]
-MODELS = [MINILM, RERANKER, NER, SENTIMENT, NLI, LLAMA, f"{LLAMA}:nope", "nope", ""]
+MODELS = [MINILM, RERANKER, NER, SENTIMENT, NLI, LLAMA, CLIP, f"{LLAMA}:nope", "nope", ""]
 WORDS = ["encode", "score", "extract", "classify", "generate", "float32", "binary", "dense",
          "sparse", "simple", "sigmoid", "user", "system", "assistant", "base64", "float",
-         "This example is {}.", "data:image/png;base64,iVBORw0KGgo=", "aGVsbG8=", *MODELS]
+         "This example is {}.", "data:image/png;base64,iVBORw0KGgo=", "aGVsbG8=", "image_url",
+         "text", "search_query", "ubinary", "int8", "NONE", "START", "http://127.0.0.1:9/a.png",
+         "data:image/bmp;base64,AA==", "data:image/png;base64,%", *MODELS]
 
 
+PNG_URI = "data:image/png;base64,iVBORw0KGgo="  # bytes the gateway passes on, unopened
+IMAGE_PART = {"type": "image_url", "image_url": {"url": PNG_URI}}
 VALID = {
     "encode": {"items": [{"text": "a"}]},
     "score": {"query": "q", "items": [{"text": "a"}]},
@@ -131,6 +144,11 @@ VALID = {
     "classify": {"items": [{"text": "a"}]},
     "zero-shot": {"items": [{"text": "a"}], "options": {"labels": ["x", "y"]}},
     "embeddings": {"model": MINILM, "input": "a"},
+    "embeddings-image": {"model": CLIP, "input": ["a", PNG_URI, IMAGE_PART]},
+    "cohere-embed": {"model": CLIP, "input_type": "image", "embedding_types": ["float", "int8"],
+                     "inputs": [{"content": [IMAGE_PART]}, {"content": [{"type": "text",
+                                                                          "text": "a"}]}]},
+    "cohere-embed-v1": {"model": MINILM, "texts": ["a"], "input_type": "search_query"},
     "completions": {"model": LLAMA, "prompt": "a"},
     "chat": {"model": LLAMA, "messages": [{"role": "user", "content": "a"}]},
     "jobs": {"operation": "encode", "model": MINILM, "items": [{"text": "a"}]},
