@@ -40,6 +40,8 @@ async def create_embeddings(request: Request) -> Response:
     body = await read_body(request, max(settings.max_body_bytes, settings.max_claim_body_bytes))
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
+    if request.state.body_bytes > settings.max_body_bytes:  # allowed for images only
+        check_body_size(request, body_limit(request, openai_model(request, body, ENCODE)[0]))
     urls: list[dict[str, Any]] = []
     entry, kwargs = embeddings_task(request, body, urls)
     if urls:  # image URLs on a listed host (SHOAL_IMAGE_URL_HOSTS)
@@ -56,7 +58,6 @@ def embeddings_task(request: Request, body: dict[str, Any],
     checks it (an OpenAI batch line's body too: `gateway.routes.batch_endpoints`). The items
     whose image URL is still to fetch go to `urls` (None: a URL is refused)."""
     entry, lora = openai_model(request, body, ENCODE)
-    check_body_size(request, body_limit(request, entry))  # the wide limit: images only
     if entry.contract.outputs[0] != DENSE:
         raise invalid(f"{entry.id} gives {entry.contract.outputs[0]} embeddings; "
                       f"use POST /v1/encode/{entry.id}")

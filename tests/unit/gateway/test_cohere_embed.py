@@ -137,3 +137,21 @@ def test_embedding_types_are_the_float_vectors_quantised():
     decoded = np.asarray([np.frombuffer(base64.b64decode(b), "<f4") for b in got["base64"]])
     assert np.array_equal(decoded, rows)
     assert list(typed_embeddings(rows, ["ubinary", "float"])) == ["ubinary", "float"]
+
+
+def test_only_a_model_that_takes_images_gets_the_wider_body_limit(app):
+    """SHOAL_MAX_CLAIM_BODY_BYTES for an image model's body, SHOAL_MAX_BODY_BYTES for the
+    others', on /v1/embeddings and /v2/embed alike."""
+    size = app.state.settings.max_body_bytes + 1000
+    image = "data:image/png;base64," + "A" * size
+
+    async def post(path: str, body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://limits") as client:
+            return await client.post(path, json=body)
+
+    for path, field in (("/v1/embeddings", "input"), ("/v2/embed", "images")):
+        too_large = asyncio.run(post(path, {"model": TEXT, field: [image]}))
+        assert too_large.status_code == 413, too_large.text
+        taken = asyncio.run(post(path, {"model": CLIP, field: [image]}))
+        assert taken.status_code == 503, taken.text  # past every check; no broker here
