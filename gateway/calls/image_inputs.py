@@ -87,7 +87,7 @@ def has_images(value: Any) -> bool:
     if type(value) is str:
         return value.startswith(DATA_IMAGE)
     if type(value) is not list:
-        return False
+        return type(value) is dict  # one content part
     for v in value:
         if type(v) is not str:
             return type(v) is dict  # else token ids: no images (a mix is refused as before)

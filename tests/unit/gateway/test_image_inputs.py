@@ -44,6 +44,7 @@ def test_which_inputs_may_hold_images():
     assert not has_images([[101, 102]]) and not has_images([1, 2]) and not has_images(None)
     assert has_images(URI) and has_images(["a", URI])
     assert has_images([{"type": "image_url"}]) and has_images(["a", {"type": "text"}])
+    assert has_images({"type": "image_url"})
 
 
 def test_strings_and_parts_become_items():
@@ -52,7 +53,7 @@ def test_strings_and_parts_become_items():
                          {"type": "text", "text": "a dog"}], CLIP)
     assert items == [{"text": "a cat"}, {"image": PNG}, {"image": PNG}, {"image": PNG},
                      {"text": "a dog"}]
-    assert input_items(URI, CLIP) == [{"image": PNG}]
+    assert input_items(URI, CLIP) == [{"image": PNG}] == input_items(part, CLIP)
     refused(lambda: input_items(["a", 3], CLIP), "input[1]")
     refused(lambda: input_items(["a", ""], CLIP), "input[1]", "empty")
     refused(lambda: input_items([{"type": "audio"}], CLIP), "input[0]", "image_url")
