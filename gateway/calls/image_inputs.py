@@ -8,7 +8,8 @@ data URI, `data:image/<type>;base64,<data>`, the type one of png, jpeg (jpg), we
 string is text. A text that really starts with those 11 characters is no text on these
 routes: send it to /v1/encode/{model} as `{"text": ...}`. An image object is a chat content
 part, `{"type": "image_url", "image_url": {"url": ...}}` (or the URL string as
-`image_url`); `{"type": "text", "text": ...}` is a text.
+`image_url`); `{"type": "text", "text": ...}` is a text. A list of plain texts pays one
+prefix test per string for all this (`has_images`), nothing more.
 
 Images are decoded here and travel to the worker as raw bytes (msgpack bin; those over
 SHOAL_CLAIM_CHECK_BYTES through the blob store, `gateway.calls.blob_offload`), never as
