@@ -286,6 +286,8 @@ def coalesce(model: str, op: str, parts: list[Part], origin: str,
     }
     if deadlines and None not in deadlines:
         headers[H_DEADLINE] = max(d for d in deadlines if d is not None)
+    if parts and all(p.annotations.bulk for p in parts):
+        headers[H_BULK] = 1  # bulk job parts together (an OpenAI batch's lines): all bulk
     if reply_batch:
         headers[H_REPLY_BATCH] = 1
     body = msgpack.packb(
@@ -300,9 +302,11 @@ def read_coalesced(headers: dict[str, Any], body: bytes) -> list[Part]:
     model, op = headers.get(H_MODEL), headers.get(H_OP)
     if not isinstance(model, str) or not isinstance(op, str):
         raise ValueError("a coalesced message needs shoal_model and shoal_op headers")
+    bulk = bool(headers.get(H_BULK))
     try:
         parts = [Part(task_id, Annotations(model, op, int(items), int(cost), int(longest),
-                                           deadline, sent, lora), bytes(part_body), int(returns))
+                                           deadline, sent, lora, bulk=bulk), bytes(part_body),
+                      int(returns))
                  for task_id, items, cost, longest, deadline, sent, lora, returns, part_body
                  in msgpack.unpackb(body, raw=False)]
     except Exception as exc:  # msgpack and unpacking raise several unrelated types

@@ -52,7 +52,7 @@ from gateway.broker.served_models import ServedModels
 from gateway.broker.streams import ReplyStreams
 from tasks.broker_metrics import gateway_link
 from tasks.broker_urls import split_urls
-from tasks.envelope import Part, single_message
+from tasks.envelope import Part, coalesce, single_message
 from tasks.settings import Settings
 from tasks.topology import QueueType, dead_letter_exchange, task_exchange
 
@@ -246,6 +246,18 @@ class Broker:
             raise unavailable("the message broker is not connected")
         await self.queues.declare(model)
         message = single_message(part, self.origin)
+        await self.outbox.publish(model, message.task_id, message.body, message.headers,
+                                  timeout_s, reply_to=reply_to)
+
+    async def publish_parts(self, model: str, parts: list[Part], timeout_s: float,
+                            reply_to: str) -> None:
+        """Publish several requests of one model in one message (coalesced: each keeps its
+        id, result and Flower task), their results to `reply_to`: an OpenAI batch's lines,
+        so that a few messages, not hundreds, stand in the queue before a caller's."""
+        if not self._connected():
+            raise unavailable("the message broker is not connected")
+        await self.queues.declare(model)
+        message = coalesce(model, parts[0].annotations.op, parts, self.origin)
         await self.outbox.publish(model, message.task_id, message.body, message.headers,
                                   timeout_s, reply_to=reply_to)
 

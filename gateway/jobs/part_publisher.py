@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
 
 from gateway.calls.blob_offload import check_out, upload_first
 from gateway.edge.api_errors import ApiError
-from gateway.jobs.batch_lines import RecordReader
+from gateway.jobs.batch_lines import Record, RecordReader
 from gateway.jobs.batch_output import lines_key
 from gateway.jobs.bulk_files import PartReader
 from gateway.jobs.orphans import Orphans
@@ -41,6 +41,7 @@ from tasks.settings import Settings
 log = logging.getLogger(__name__)
 
 LINE_PART_ITEMS = 32  # batch lines in flight per SHOAL_JOB_PARTS_IN_FLIGHT
+LINES_PER_MESSAGE = LINE_PART_ITEMS  # batch lines coalesced into one task message
 POLL_S = 0.5  # how often a waiting driver re-reads counts another gateway may have moved
 RETRY_CODES = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.BROKER_UNAVAILABLE,
                          ErrorCode.MODEL_UNAVAILABLE})  # a part waits and tries again
@@ -86,11 +87,11 @@ class PartPublisher:
                 await self.revoke(job.id, 1)
                 return False
             return True
+        if job.batch:
+            return await self._publish_lines(job, entry)
         blobs = self.blobs()
-        reader: PartReader | RecordReader = await asyncio.to_thread(
-            lambda: RecordReader(blobs.open_read(lines_key(job.folder)), job.offset)
-            if job.batch else PartReader(blobs.open_read(job.input), job.offset,
-                                         job.part_items))
+        reader = await asyncio.to_thread(
+            lambda: PartReader(blobs.open_read(job.input), job.offset, job.part_items))
         try:
             index, first = job.published, job.next_item
             while index < job.parts_total:
@@ -100,9 +101,8 @@ class PartPublisher:
                 if not items:
                     raise RuntimeError(f"the input {job.input} ended before part {index}: "
                                        "it changed after it was checked")
-                # An OpenAI batch's part is one line's own request, made at acceptance.
-                kwargs: dict[str, Any] = items[0] if job.batch else {
-                    "model": entry.id, "items": items, "options": job.options}
+                kwargs: dict[str, Any] = {"model": entry.id, "items": items,
+                                          "options": job.options}
                 if job.query is not None:
                     kwargs["query"] = job.query
                 if not await self._publish(job, entry, index, kwargs):
@@ -114,6 +114,55 @@ class PartPublisher:
                     await self.revoke(job.id, index)  # stopped, or gone from Redis
                     return False
                 first += len(items)
+            return True
+        finally:
+            await asyncio.to_thread(reader.close)
+
+    async def _publish_lines(self, job: Job, entry: ModelEntry) -> bool:
+        """An OpenAI batch's lines (its parts: one request each, made at acceptance, id
+        `<job>.<line>`), LINES_PER_MESSAGE to a coalesced message, so that a few messages
+        stand in the model's queue before a caller's request, not hundreds; a line whose
+        images go as claim checks goes alone. False if the job stopped meanwhile."""
+        blobs = self.blobs()
+        reader = await asyncio.to_thread(
+            lambda: RecordReader(blobs.open_read(lines_key(job.folder)), job.offset))
+        timeout_ms = int(self.settings.job_part_timeout_s * 1000)
+
+        def read(count: int) -> list[Record]:
+            records = [r for r in (reader.next() for _ in range(count)) if r is not None]
+            if len(records) < count:
+                raise RuntimeError(f"the lines of batch {job.batch} ended early: they "
+                                   "changed after they were checked")
+            return records
+
+        try:
+            index = job.published
+            while index < job.parts_total:
+                if not await self._room(job, index):
+                    return False
+                records = await asyncio.to_thread(
+                    read, min(LINES_PER_MESSAGE, job.parts_total - index))
+                together = []
+                for offset, record in enumerate(records):
+                    kwargs, uploads = await check_out(record.kwargs,
+                                                      self.settings.claim_check_bytes)
+                    if uploads:  # a claim-checked request is a message of its own
+                        if not await self._publish(job, entry, index + offset, record.kwargs):
+                            return False
+                        continue
+                    together.append(dataclasses.replace(
+                        task_part(entry, kwargs, timeout_ms, bulk=True),
+                        task_id=part_id(job.id, index + offset)))
+                if together and not await self._send(
+                        job, index, lambda parts=together: self.broker.publish_parts(
+                            entry.id, parts, timeout_ms / 1000, self.reply_to)):
+                    return False
+                first, index = index, index + len(records)
+                self.orphans.published(job.id, index)
+                if not await self.store.published(job.id, index, reader.offset, first,
+                                                  len(records)):
+                    await self.revoke(job.id, index)  # stopped, or gone from Redis
+                    return False
             return True
         finally:
             await asyncio.to_thread(reader.close)
@@ -150,10 +199,15 @@ class PartPublisher:
         part = dataclasses.replace(task_part(entry, kwargs, timeout_ms, claims=len(uploads),
                                              bulk=True),
                                    task_id=part_id(job.id, index))
+        return await self._send(job, index, lambda: self.broker.publish_part(
+            entry.id, part, timeout_ms / 1000, self.reply_to))
+
+    async def _send(self, job: Job, index: int, publish: Callable[[], Awaitable[None]]
+                    ) -> bool:
+        """Publish (`publish()`) until the broker takes it; False if the job stopped."""
         while True:
             try:
-                await self.broker.publish_part(entry.id, part, timeout_ms / 1000,
-                                               self.reply_to)
+                await publish()
                 return True
             except ApiError as exc:
                 if exc.code not in RETRY_CODES:
