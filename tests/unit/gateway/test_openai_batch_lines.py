@@ -162,3 +162,18 @@ def test_a_running_batch_shows_its_job_s_counts_and_then_its_end():
     assert (end["completed"], end["failed"]) == (9, 3)
     lost = final_fields(batch, None)
     assert lost is not None and lost["status"] == "failed"
+
+
+def test_a_batch_s_lines_coalesced_stay_bulk_for_the_worker():
+    from tasks.envelope import H_BULK, Annotations, Part, coalesce, read_coalesced
+
+    def part(task_id: str, bulk: bool) -> Part:
+        return Part(task_id, Annotations("m", "encode", 1, 5, 5, None, None, bulk=bulk), b"x")
+
+    message = coalesce("m", "encode", [part("j.0", True), part("j.1", True)], "gw")
+    assert message.headers[H_BULK] == 1
+    assert [p.annotations.bulk for p in read_coalesced(message.headers, message.body)] == \
+        [True, True]
+    mixed = coalesce("m", "encode", [part("a", True), part("b", False)], "gw")
+    assert H_BULK not in mixed.headers
+    assert not any(p.annotations.bulk for p in read_coalesced(mixed.headers, mixed.body))
