@@ -52,6 +52,7 @@ from tasks.render import names, shown
 _FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata"})
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 MAX_KEY, MAX_VALUE = 64, 512
+STUCK_S = 60.0  # a cancel whose files are not written after this is finished by a reader
 
 
 def _jobs(request: Request) -> JobStore:
@@ -144,14 +145,28 @@ async def _own_batch(request: Request) -> Batch:
 
 async def _current(request: Request, batch: Batch) -> tuple[Batch, Job | None]:
     """The batch and its job, with what the record lacks of a job that ended written
-    into it (see `final_fields`)."""
+    into it (see `final_fields`); a batch whose job was cancelled and whose cancel did not
+    finish (its gateway died, or the job was cancelled through DELETE /v1/jobs/{id}) is
+    finished here."""
     job = await _jobs(request).get(batch.job_id) if batch.job_id else None
     update = final_fields(batch, job)
+    store = BatchStore(_jobs(request))
     if update:
-        store = BatchStore(_jobs(request))
         await store.update(batch.id, **update)
         batch = await store.get(batch.id) or batch
+    elif job is not None and job.state == CANCELLED and not batch.final and (
+            batch.cancelling_at is None or time.time() - batch.cancelling_at > STUCK_S):
+        await _finish_cancel(request, batch, job)
+        batch = await store.get(batch.id) or batch
     return batch, job
+
+
+async def _finish_cancel(request: Request, batch: Batch, job: Job | None) -> None:
+    """Write a cancelled batch's files, once: whoever holds its lock (for STUCK_S)."""
+    jobs = _jobs(request)
+    if await jobs.redis.set(f"{BatchStore(jobs).key(batch.id)}:finishing", 1, nx=True,
+                            ex=int(STUCK_S)):
+        await finish_cancelled(jobs, blobs_of(request), batch, job)
 
 
 async def _answer(request: Request, batch_id: str) -> Response:
@@ -191,5 +206,5 @@ async def cancel_batch(request: Request) -> Response:
         job = await store.get(job.id)
         if job is not None:
             await request.app.state.job_driver.revoke(job.id, job.published)
-        await finish_cancelled(store, blobs_of(request), batch, job)
+        await _finish_cancel(request, batch, job)
     return await _answer(request, batch.id)
