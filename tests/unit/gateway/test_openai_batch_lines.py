@@ -177,3 +177,40 @@ def test_a_batch_s_lines_coalesced_stay_bulk_for_the_worker():
     mixed = coalesce("m", "encode", [part("a", True), part("b", False)], "gw")
     assert H_BULK not in mixed.headers
     assert not any(p.annotations.bulk for p in read_coalesced(mixed.headers, mixed.body))
+
+
+def test_every_endpoint_answers_with_its_sync_route_s_body():
+    from gateway.jobs.batch_output import RENDERERS
+    from gateway.routes.batch_endpoints import ENDPOINTS, TASKS
+
+    assert set(RENDERERS) == set(TASKS) == set(ENDPOINTS)
+    vectors = np.array([[1.0, 2.0]], dtype="<f4")
+    embedded = RENDERERS[EMBED]({"model": "m:lora", "input": "x"}, {
+        "output": "dense", "dims": 2, "count": 1, "dtype": "float32",
+        "embeddings": vectors.tobytes(), "usage": {"tokens": 3}}, "req_1", "m")
+    assert json.loads(answered("c", 200, embedded, "req_1"))["response"]["body"] == {
+        "object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [1.0, 2.0]}],
+        "model": "m:lora", "usage": {"prompt_tokens": 3, "total_tokens": 3}}
+    generated = {"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    chat = RENDERERS["/v1/chat/completions"]({"model": "g", "messages": []}, generated, "r", "g")
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    completion = RENDERERS["/v1/completions"]({"model": "g", "prompt": "x"}, generated, "r", "g")
+    assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == "hi"
+    ranked = RENDERERS["/v1/rerank"](
+        {"model": "r", "query": "q", "documents": ["a", "b"], "top_n": 1,
+         "return_documents": True}, {"scores": [0.1, 0.9], "usage": {"tokens": 7}}, "req_7", "r")
+    assert ranked == {"id": "req_7", "results": [{"index": 1, "relevance_score": 0.9,
+                                                  "document": {"text": "b"}}],
+                      "meta": {"tokens": {"input_tokens": 7, "output_tokens": 0}},
+                      "model": "r", "usage": {"total_tokens": 7}}
+
+
+def test_a_generate_line_that_streams_is_refused():
+    from gateway.routes.batch_endpoints import TASKS
+
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        with pytest.raises(ShoalError, match="'stream' is not supported in a batch"):
+            TASKS[endpoint](None, {"model": "g", "prompt": "x", "stream": True})
