@@ -18,8 +18,9 @@ Everything here blocks (file I/O, parsing); the gateway runs it in threads.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import IO, Any
 
 import orjson
@@ -241,3 +242,14 @@ def read_chunks(file: IO[bytes]) -> Iterator[bytes]:
             yield chunk
     finally:
         file.close()
+
+
+async def stream_file(file: IO[bytes]) -> AsyncIterator[bytes]:
+    """A blob's chunks for a streamed response, each read on a thread (a blob store read
+    may be a network call); the file is closed at the end or when the client leaves."""
+    chunks = read_chunks(file)
+    try:
+        while chunk := await asyncio.to_thread(next, chunks, b""):
+            yield chunk
+    finally:
+        await asyncio.to_thread(chunks.close)

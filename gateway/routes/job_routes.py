@@ -36,7 +36,14 @@ from gateway.calls.native_api import body_limit, checked_kwargs, read_native
 from gateway.edge.api_errors import ApiError, invalid
 from gateway.edge.codecs import check_body_size, encode_response, media_type, read_body
 from gateway.edge.raw_headers import header
-from gateway.jobs.bulk_files import BULK_OPERATIONS, NPY, InputCheck, part_items, read_chunks
+from gateway.jobs.bulk_files import (
+    BULK_OPERATIONS,
+    NPY,
+    InputCheck,
+    part_items,
+    read_chunks,
+    stream_file,
+)
 from gateway.jobs.store import CANCELLED, Job, JobStore, view
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
@@ -308,17 +315,9 @@ async def get_result(request: Request) -> Response:
     size = await asyncio.to_thread(blobs.size, job.result_file)
     file = await asyncio.to_thread(blobs.open_read, job.result_file)
 
-    async def body() -> Any:
-        chunks = read_chunks(file)
-        try:
-            while chunk := await asyncio.to_thread(next, chunks, b""):
-                yield chunk
-        finally:
-            await asyncio.to_thread(chunks.close)
-
     kind = "application/x-npy" if job.result_type == NPY else "application/x-ndjson"
     name = f"{job.id}.{job.result_type}"
-    return StreamingResponse(body(), media_type=kind, headers={
+    return StreamingResponse(stream_file(file), media_type=kind, headers={
         "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{name}"'})
 
 

@@ -21,7 +21,7 @@ from gateway.auth.access import caller_key
 from gateway.edge.api_errors import ApiError, invalid
 from gateway.edge.codecs import encode_response
 from gateway.edge.multipart_form import End, FormReader, Part, boundary_of
-from gateway.jobs.bulk_files import read_chunks
+from gateway.jobs.bulk_files import stream_file
 from gateway.jobs.openai_files import (
     BATCH,
     NO_OWNER,
@@ -184,16 +184,8 @@ async def file_content(request: Request) -> Response:
         raise ApiError(ErrorCode.NOT_FOUND, f"the content of file {record.id} is gone from "
                        "the blob store") from None
 
-    async def body() -> Any:
-        chunks = read_chunks(source)
-        try:
-            while chunk := await asyncio.to_thread(next, chunks, b""):
-                yield chunk
-        finally:
-            await asyncio.to_thread(chunks.close)
-
     # The name as the uploader gave it, made safe for a header (ASCII, no quotes).
     name = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in record.filename)
-    return StreamingResponse(body(), media_type="application/octet-stream", headers={
+    return StreamingResponse(stream_file(source), media_type="application/octet-stream", headers={
         "Content-Length": str(record.bytes),
         "Content-Disposition": f'attachment; filename="{name}"'})

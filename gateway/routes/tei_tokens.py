@@ -29,8 +29,8 @@ from gateway.edge.codecs import encode_response
 from gateway.edge.compat_errors import tei_error
 from gateway.edge.error_shapes import ROUTE_SHAPES
 from gateway.routes.tei import tei_route
-from gateway.routes.tei_shapes import prompt_options
-from gateway.routes.token_shapes import Sequence, decode_ids, flag, tokenize_inputs
+from gateway.routes.tei_shapes import flag, prompt_options
+from gateway.routes.token_shapes import Sequence, decode_ids, tokenize_inputs
 from tasks.adapters import TEXT
 from tasks.catalog import ModelEntry
 

@@ -72,15 +72,6 @@ def decode_ids(value: Any, limit: int) -> list[list[int]]:
     return [_ids(value, "ids")]  # [] too: TEI reads it as one empty sequence, ""
 
 
-def flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"'{name}' must be true or false, got {shown(value)}")
-    return value
-
-
 def _content(value: Any, where: str) -> str:
     """A message's content: a string, or OpenAI's list of text parts (joined)."""
     if isinstance(value, str):

@@ -29,8 +29,9 @@ from gateway.calls.model_tokenizers import ModelTokenizer, run_tokenizer
 from gateway.edge.api_errors import invalid
 from gateway.edge.codecs import encode_response, read_body
 from gateway.edge.error_shapes import OPENAI_ROUTES
+from gateway.routes.tei_shapes import flag
 from gateway.routes.tei_tokens import TEXT_MODELS, check_vocabulary
-from gateway.routes.token_shapes import chat_messages, flag, vllm_prompt, vllm_tokens
+from gateway.routes.token_shapes import chat_messages, vllm_prompt, vllm_tokens
 
 OPENAI_ROUTES.update({"/v1/tokenize": "prompt", "/v1/detokenize": "tokens"})
 
