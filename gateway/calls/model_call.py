@@ -78,8 +78,9 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
     if entry is None:
         why = ("is in the catalog but not among this gateway's SHOAL_GATEWAY_MODELS"
                if request.app.state.catalog.get(model) is not None else "is not served here")
+        accepted = models_visible(request, sorted(request.app.state.served))
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {shown(model)} {why}; "
-                       f"{served_listing(request)}")
+                       f"{served_listing(request, accepted)}")
     if entry.operation != op:
         raise ApiError(ErrorCode.UNSUPPORTED_OPERATION,
                        f"{model} does not {op}: it serves '{entry.operation}' "
@@ -87,21 +88,18 @@ def served_model(request: Request, model: Any, op: str) -> ModelEntry:
     return entry
 
 
-def models_served_now(request: Request) -> list[str]:
-    """The gateway's models some worker serves now (its fresh pool states say so), that
-    the caller's key may use, sorted."""
+def served_now(request: Request, models: list[str]) -> list[str]:
+    """Those of `models` that a worker serves now (its latest pool state says so)."""
     pool, now = request.app.state.broker.pool, time.monotonic()
-    return models_visible(request, sorted(m for m in request.app.state.served
-                                          if pool.serves(m, now)))
+    return [model for model in models if pool.serves(model, now)]
 
 
-def served_listing(request: Request) -> str:
-    """What an unknown model's 404 lists: the models workers serve now, not every catalog
-    entry the gateway would accept (33 with the default SHOAL_GATEWAY_MODELS), and where
-    those are listed."""
-    accepted = len(models_visible(request, list(request.app.state.served)))
-    return (f"models served now: {models_served_now(request)} (GET /v1/models; "
-            f"/v1/models?all=true lists all {accepted} this gateway accepts)")
+def served_listing(request: Request, accepted: list[str], what: str = "models") -> str:
+    """What an unknown model's 404 lists: of the `accepted` models (those the caller's
+    key may use), the ones workers serve now, not every catalog entry the gateway would
+    accept (33 with the default SHOAL_GATEWAY_MODELS), and where all are listed."""
+    return (f"{what} served now: {served_now(request, accepted)} (GET /v1/models; "
+            f"/v1/models?all=true lists all {len(accepted)} this gateway accepts)")
 
 
 def check_items(request: Request, parsed: ParsedRequest) -> None:

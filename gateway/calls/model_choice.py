@@ -23,7 +23,6 @@ of the kind and which of them are served now.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway.auth.access import check_model_allowed, models_visible
-from gateway.calls.model_call import ROUTE_OF_OPERATION
+from gateway.calls.model_call import ROUTE_OF_OPERATION, served_listing, served_now
 from gateway.edge.api_errors import ApiError, invalid
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
@@ -66,7 +65,8 @@ def chosen_model(request: Request, model: Any, kind: ModelKind) -> ModelEntry:
     entry = request.app.state.served.get(model)
     if entry is None:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {shown(model)} is not served here; "
-                       f"{kind.name} models served: {candidates(request, kind)}")
+                       + served_listing(request, candidates(request, kind),
+                                        f"{kind.name} models"))
     if not kind.fits(entry):
         raise ApiError(ErrorCode.UNSUPPORTED_OPERATION,
                        f"{model} is not a {kind.name} model: it is a '{entry.adapter}' model "
@@ -87,12 +87,6 @@ def default_model(request: Request, kind: ModelKind) -> ModelEntry | None:
         return served[fitting[0]]
     up = served_now(request, fitting)
     return served[up[0]] if len(up) == 1 else None
-
-
-def served_now(request: Request, models: list[str]) -> list[str]:
-    """Those of `models` that a worker serves now (its latest pool state says so)."""
-    pool, now = request.app.state.broker.pool, time.monotonic()
-    return [model for model in models if pool.serves(model, now)]
 
 
 def _the_only(request: Request, kind: ModelKind) -> ModelEntry:
