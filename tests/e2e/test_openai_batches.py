@@ -1,7 +1,7 @@
 """OpenAI's Batch API end to end, with the official openai client: a file uploaded, a batch
 of /v1/embeddings lines run on the session worker, its output equal to the sync route's
-answers line for line, bad lines in its error file, a batch cancelled, a file deleted,
-and another API key that sees none of it.
+answers line for line (and chat and rerank lines equal to theirs), bad lines in its error
+file, a batch cancelled, a file deleted, and another API key that sees none of it.
 
 A gateway of its own on the session stack, with API keys (two tenants).
 """
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from gateway.auth.key_file import hash_key, new_key
-from tests.conftest import MINILM
+from tests.conftest import LLAMA, MINILM, RERANKER
 from tests.stack import free_port, http_status, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -194,3 +194,40 @@ def test_another_key_sees_nothing_and_a_deleted_file_is_gone(tenants):
     with pytest.raises(openai.NotFoundError):
         alice.files.content(upload.id)
     assert upload.id not in {f.id for f in alice.files.list()}
+
+
+def test_chat_and_rerank_lines_answer_as_their_sync_routes(families):
+    """The other endpoints a batch takes, on the session gateway (no keys): a chat batch
+    (greedy, so the text is the sync route's) and a rerank batch, each line's body equal
+    to what its sync route answers, but for the ids and timestamps each answer makes."""
+    client = openai.OpenAI(base_url=f"{families.url}/v1", api_key="unused", max_retries=0)
+    chats = {f"c{i}": {"model": LLAMA, "max_tokens": 6, "temperature": 0,
+                       "messages": [{"role": "user", "content": f"Count to {i}."}]}
+             for i in range(3)}
+    reranks = {f"r{i}": {"model": RERANKER, "query": f"query {i}", "top_n": 2,
+                         "documents": ["a cat", "a dog", f"number {i}"]} for i in range(3)}
+    for endpoint, bodies in (("/v1/chat/completions", chats), ("/v1/rerank", reranks)):
+        upload = _upload(client, [_line(cid, body, url=endpoint) for cid, body in
+                                  bodies.items()])
+        batch = client.batches.create(input_file_id=upload.id, endpoint=endpoint,
+                                      completion_window="24h")
+        done = _finished(client, batch.id)
+        assert done.request_counts.completed == len(bodies) and done.error_file_id is None
+        output = _lines(client, done.output_file_id)
+        assert sorted(line["custom_id"] for line in output) == sorted(bodies)
+        for line in output:
+            got = line["response"]["body"]
+            want = httpx.post(f"{families.url}{endpoint}", json=bodies[line["custom_id"]],
+                              timeout=60)
+            assert line["response"]["status_code"] == want.status_code == 200, want.text
+            want_body = want.json()
+            if endpoint == "/v1/rerank":
+                assert [r["index"] for r in got["results"]] == \
+                    [r["index"] for r in want_body["results"]]
+                np.testing.assert_allclose([r["relevance_score"] for r in got["results"]],
+                                           [r["relevance_score"] for r in want_body["results"]],
+                                           atol=1e-5)
+                assert got["meta"] == want_body["meta"] and got["model"] == want_body["model"]
+            else:
+                same = ("object", "model", "choices", "usage")
+                assert {k: got[k] for k in same} == {k: want_body[k] for k in same}
