@@ -171,10 +171,10 @@ def onnx_graph(precision: str) -> Path:
     """MiniLM's ONNX graph at `precision`, exported first (not timed) if it is missing."""
     import subprocess
 
-    from runtimes.model_files.sources import resolve_source
     from runtimes.onnx.graphs import graph_of
     from tasks.catalog import load_catalog
     from tasks.settings import PACKAGED_CATALOG_DIR
+    from tasks.sources import resolve_source
 
     entry = load_catalog(PACKAGED_CATALOG_DIR).get(MINILM)
     assert entry is not None

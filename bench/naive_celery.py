@@ -40,8 +40,8 @@ _encoders: dict[str, Any] = {}
 @worker_process_init.connect
 def _load_models(**_: Any) -> None:
     """Each prefork child loads the models itself (after the fork, as CUDA would need)."""
-    from runtimes.model_files.sources import resolve_source
     from runtimes.pytorch.dense import DenseEncoder
+    from tasks.sources import resolve_source
 
     for entry in load_catalog(settings.catalog_dir).require(settings.models):
         _encoders[entry.id] = DenseEncoder(resolve_source(entry.source),

@@ -172,9 +172,9 @@ def body_for(op: str, query: str, options: dict[str, Any] | None) -> BodyFn:
 
 def dense_model_ref(model: str, env: dict[str, str]) -> str:
     """The local directory of a dense catalog model; ValueError if not dense or not local."""
-    from runtimes.model_files.sources import resolve_source
     from tasks.catalog import load_catalog
     from tasks.settings import get_settings
+    from tasks.sources import resolve_source
 
     directory = Path(env.get("SHOAL_CATALOG_DIR") or get_settings().catalog_dir)
     entry = load_catalog(directory).get(model)

@@ -16,8 +16,8 @@ from tasks.engines import engine
 def export(args: argparse.Namespace) -> int:
     from runtimes.families.splade import read_splade_config
     from runtimes.model_files.files import encoder_ref
-    from runtimes.model_files.sources import resolve_source
     from runtimes.onnx.export import export_graph
+    from tasks.sources import resolve_source
 
     entry = load_catalog(catalog_dir(args)).get(args.model)
     if entry is None:

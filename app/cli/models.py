@@ -74,7 +74,7 @@ def validate(args: argparse.Namespace) -> int:
                 raise CatalogError(f"{path}: id '{entry.id}' is also defined in {seen[entry.id]}")
             seen[entry.id] = path
             if args.sources and not entry.source.hub:
-                from runtimes.model_files.sources import SourceError, resolve_source
+                from tasks.sources import SourceError, resolve_source
 
                 try:
                     resolve_source(entry.source)

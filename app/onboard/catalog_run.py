@@ -70,9 +70,9 @@ def run_catalog(catalog_dir: Path, out_dir: Path, *, tune_it: bool = True,
 
     from app.onboard.tuning import profile_key
     from app.tuning.tune import write_profile
-    from runtimes.model_files.sources import SourceError, resolve_source
     from runtimes.onnx.graphs import hash_weights
     from tasks.catalog import Catalog
+    from tasks.sources import SourceError, resolve_source
 
     catalog = Catalog.from_dir(catalog_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

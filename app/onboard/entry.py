@@ -45,7 +45,7 @@ def locate(source: str) -> tuple[Path, dict[str, str]]:
         if source.startswith("package:"):
             raise OnboardError(f"package {package} is not installed")
     if _HUB_ID.fullmatch(source):
-        from runtimes.model_files.sources import SourceError, download
+        from tasks.sources import SourceError, download
 
         try:
             return Path(download(source, None)), {"hub": source}

@@ -17,7 +17,6 @@ long batch of texts does not stall the gateway's other requests.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import threading
@@ -28,8 +27,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gateway.edge.api_errors import ApiError
-from tasks.catalog import ModelEntry, Source
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
+from tasks.sources import SourceError, resolve_source
 
 T = TypeVar("T")
 
@@ -75,35 +75,18 @@ def _unavailable(model: str, why: str) -> ApiError:
                     f"the tokenizer of {model} cannot be loaded by this gateway: {why}")
 
 
-def _model_dir(model: str, source: Source) -> Path | None:
-    """The local folder of a path or package source (None for a hub source)."""
-    if source.path:
-        folder = Path(source.path).expanduser() / source.subdir
-        if not folder.is_dir():
-            raise _unavailable(model, f"its folder {folder} does not exist on this host")
-        return folder
-    if source.package:
-        spec = importlib.util.find_spec(source.package)
-        if spec is None or not spec.submodule_search_locations:
-            raise _unavailable(model, f"the package '{source.package}' that ships it is not "
-                               "installed where the gateway runs")
-        return Path(next(iter(spec.submodule_search_locations))) / source.subdir
-    return None
-
-
-def _hub_file(model: str, source: Source, name: str) -> Path | None:
-    """`name` of a hub repository from the local cache only (never downloaded here)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    path = try_to_load_from_cache(source.hub or "", f"{source.subdir}/{name}".lstrip("/"),
-                                  revision=source.revision)
-    return Path(path) if isinstance(path, str) else None
-
-
 def _files(entry: ModelEntry) -> Callable[[str], Path | None]:
-    folder = _model_dir(entry.id, entry.source)
-    if folder is None:
-        return lambda name: _hub_file(entry.id, entry.source, name)
+    """The model's files by name (None: not there), from its folder: a path, an installed
+    package, or a hub repository's snapshot in the local cache (`tasks.sources`, as the
+    workers find their weights, here never downloading)."""
+    try:
+        folder = Path(resolve_source(entry.source, local_only=True))
+    except SourceError as exc:
+        hub = entry.source.hub
+        raise _unavailable(entry.id, str(exc) if not hub else (
+            f"the hub repository {hub} is not in this host's Hugging Face cache (the gateway "
+            f"downloads nothing: fetch it once, e.g. `hf download {hub}`, or run the gateway "
+            "where a worker has it)")) from None
     return lambda name: (folder / name) if (folder / name).is_file() else None
 
 
@@ -123,12 +106,8 @@ def _load(entry: ModelEntry) -> ModelTokenizer:
     files = _files(entry)
     path = files("tokenizer.json")
     if path is None:
-        where = (f"the hub repository {entry.source.hub} is not in this host's Hugging Face "
-                 "cache (the gateway downloads nothing: fetch it once, e.g. `hf download "
-                 f"{entry.source.hub}`, or run the gateway where a worker has it)"
-                 if entry.source.hub else "its files have no tokenizer.json (a fast "
-                 "tokenizer's file, which `tokenizer.save_pretrained` writes)")
-        raise _unavailable(entry.id, where)
+        raise _unavailable(entry.id, "its files have no tokenizer.json (a fast tokenizer's "
+                           "file, which `tokenizer.save_pretrained` writes)")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception on a bad file

@@ -68,7 +68,7 @@ class Adapter(ABC):
 
     def __init__(self, entry: ModelEntry, ref: str, *, device: str = "cpu",
                  chunk_tokens: int = 16_384, precision: str = "fp32") -> None:
-        """`ref` is the model's local directory (`runtimes.model_files.sources.resolve_source`);
+        """`ref` is the model's local directory (`tasks.sources.resolve_source`);
         `precision` the forward pass's number format (`runtimes.model_files.precision`)."""
         self.entry = entry
         self.contract = entry.contract

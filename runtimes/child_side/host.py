@@ -31,12 +31,12 @@ from typing import Any, Protocol
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.child_side.adapter import Adapter, Stream
 from runtimes.child_side.host_tier import HostTier
-from runtimes.model_files.sources import resolve_source
 from runtimes.worker_side.pool import keys_of, lora_key
 from tasks import engines
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
 from tasks.served import stamp_batch
+from tasks.sources import resolve_source
 
 log = logging.getLogger(__name__)
 

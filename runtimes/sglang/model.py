@@ -18,9 +18,9 @@ from typing import Any
 from batching.feeder import Load
 from runtimes.families.prompts import bos_id
 from runtimes.families.token_ids import Vocabulary, vocabulary
-from runtimes.model_files.sources import resolve_source
 from runtimes.sglang.server import PortTaken, ServerConfig, SGLangServer
 from tasks.catalog import ModelEntry, load_catalog
+from tasks.sources import resolve_source
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,6 @@ from typing import Any
 from batching.feeder import Load
 from runtimes.base import LoadFailed, OnDeltas, Outcome, Request, failed
 from runtimes.model_files.footprint import UNKNOWN_BYTES, estimate_bytes
-from runtimes.model_files.sources import resolve_source
 from runtimes.sglang.client import SGLangClient
 from runtimes.sglang.live import Live, LiveRequests
 from runtimes.sglang.loads import load_of
@@ -69,6 +68,7 @@ from runtimes.sglang.server import ServerStartError, SGLangServer
 from tasks.catalog import load_catalog
 from tasks.errors import ErrorCode, ShoalError
 from tasks.served import stamp_batch
+from tasks.sources import resolve_source
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,6 @@ from pathlib import Path
 
 from runtimes.base import LoadFailed, OnDeltas, Outcome, Request
 from runtimes.model_files.footprint import UNKNOWN_BYTES, estimate_bytes
-from runtimes.model_files.sources import resolve_source
 from runtimes.wire.frames import Failed, Load, Loaded, Rejected, Unload
 from runtimes.worker_side.batch_channel import Ahead, BatchCall, BatchChannel, unavailable
 from runtimes.worker_side.bisection import Failure, bisect
@@ -68,6 +67,7 @@ from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.supervisor import RestartPending, Supervisor
 from tasks import engines
 from tasks.catalog import load_catalog
+from tasks.sources import resolve_source
 
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 

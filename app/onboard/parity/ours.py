@@ -141,7 +141,7 @@ def _graph_folder(entry: ModelEntry) -> Path:
     """Where the graph's transformer sits: a SparseEncoder save keeps it in a subfolder."""
     from runtimes.families.splade import read_splade_config
     from runtimes.model_files.files import encoder_ref
-    from runtimes.model_files.sources import resolve_source
+    from tasks.sources import resolve_source
 
     ref = resolve_source(entry.source)
     if entry.adapter == "sparse":

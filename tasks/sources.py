@@ -1,4 +1,5 @@
-"""Turn a catalog `source` into a local directory of weights."""
+"""Turn a catalog `source` into a local directory of its files: the workers load weights
+from it, the gateway reads tokenizers from it (`gateway.calls.model_tokenizers`)."""
 
 from __future__ import annotations
 
