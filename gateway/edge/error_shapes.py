@@ -64,10 +64,9 @@ def is_openai_path(path: str) -> bool:
     return path in OPENAI_ROUTES or path.startswith(OPENAI_PREFIXES)
 
 
-def openai_status(error: ShoalError) -> int:
-    """The status OpenAI would answer (`bad_request_status`: 400 for a field's wrong value
-    and for too many or too long inputs)."""
-    return bad_request_status(error)
+# The status OpenAI would answer: the rule Cohere's and Jina's APIs follow too (400 for a
+# field's wrong value and for too many or too long inputs).
+openai_status = bad_request_status
 
 
 def openai_type(error: ShoalError, status: int) -> str:

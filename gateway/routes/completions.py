@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -162,17 +164,8 @@ def completion_payload(body: dict[str, Any], result: dict[str, Any],
 
 async def create_completion(request: Request) -> Response:
     body = await _body(request)
-    items = _prompt_items(body)
-    stream, include_usage = _streaming(body)
-    entry, kwargs = _task(request, body, items, {"model", "prompt"})
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
-    if stream:
-        form = ChunkFormat("text_completion", completion_id, body["model"], chat=False,
-                           include_usage=include_usage)
-        return await stream_generation(request, entry, kwargs, form, len(items))
-    reply = await _generate(request, entry, kwargs)
-    return encode_response(request, completion_payload(body, reply.result, completion_id),
-                           headers=reply.headers)
+    return await _complete(request, body, _prompt_items(body), {"model", "prompt"},
+                           _COMPLETION)
 
 
 def _chat_items(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -210,14 +203,33 @@ def chat_payload(body: dict[str, Any], result: dict[str, Any],
 
 async def create_chat_completion(request: Request) -> Response:
     body = await _body(request)
-    items = _chat_items(body)
+    return await _complete(request, body, _chat_items(body), {"model", "messages"}, _CHAT)
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What sets /v1/completions and /v1/chat/completions apart once their items are read."""
+
+    id_prefix: str
+    chunk_object: str  # a streamed chunk's `object`
+    chat: bool
+    payload: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]]
+
+
+_COMPLETION = _Route("cmpl", "text_completion", False, completion_payload)
+_CHAT = _Route("chatcmpl", "chat.completion.chunk", True, chat_payload)
+
+
+async def _complete(request: Request, body: dict[str, Any], items: list[dict[str, Any]],
+                    allowed: set[str], route: _Route) -> Response:
+    """Generate for a body's items: streamed, or answered whole in the route's shape."""
     stream, include_usage = _streaming(body)
-    entry, kwargs = _task(request, body, items, {"model", "messages"})
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    entry, kwargs = _task(request, body, items, allowed)
+    completion_id = f"{route.id_prefix}-{uuid.uuid4().hex}"
     if stream:
-        form = ChunkFormat("chat.completion.chunk", completion_id, body["model"], chat=True,
+        form = ChunkFormat(route.chunk_object, completion_id, body["model"], chat=route.chat,
                            include_usage=include_usage)
-        return await stream_generation(request, entry, kwargs, form, 1)
+        return await stream_generation(request, entry, kwargs, form, len(items))
     reply = await _generate(request, entry, kwargs)
-    return encode_response(request, chat_payload(body, reply.result, completion_id),
+    return encode_response(request, route.payload(body, reply.result, completion_id),
                            headers=reply.headers)
