@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.edge.caller_left import caller_left
 from gateway.edge.gateway_metrics import EDGE_REFUSALS
 from gateway.edge.one_write import HeldHeaders
 from gateway.edge.outer_middleware import EDGE_ANSWERED
@@ -52,11 +53,13 @@ from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
 # A refused client still sending gets this long, and this many bytes, to finish before the
 # close (see the module doc). 1 s: several round trips even on a slow link, for a client
 # to finish a write in progress and read the answer, and short enough that a refused
-# connection gives back its socket soon. 64 KiB: more than the rest of an oversized header
-# (SHOAL_GATEWAY_MAX_HEADER_BYTES is 16 KiB by default) or of a small body in flight, yet
-# little for a hostile client to push (the bytes are discarded as they come: no memory).
+# connection gives back its socket soon. 4 MiB: the rest of any header a client really
+# sends (clients with a cookie jar or a token gone wrong send 1 MB ones, and write all of
+# it before reading: stopping at 64 KiB reset them after their 431) or of a small body in
+# flight; the bytes are discarded as they come (no memory), so a hostile client pushing
+# them costs only the reads, and DRAIN_MAX_S still bounds the time.
 DRAIN_MAX_S = 1.0
-DRAIN_MAX_BYTES = 64 * 1024
+DRAIN_MAX_BYTES = 4 * 1024 * 1024
 # Under a flood of refusals, each draining connection holds a socket for up to DRAIN_MAX_S:
 # past this many at once in a process, a refusal closes at once as it used to (as it does
 # with DRAIN_MAX_S at 0).
@@ -158,6 +161,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._cancel_body_timer()
         self._stop_draining()
         super().connection_lost(exc)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The caller hung up before its answer: what waits for it releases the request
+            # (gateway.edge.caller_left); uvicorn alone only tells a handler reading the body.
+            caller_left(cycle.scope)
 
     def _refuse(self, reason: str, answer: bool = True) -> None:
         EDGE_REFUSALS.labels(reason).inc()

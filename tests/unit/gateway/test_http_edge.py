@@ -348,6 +348,22 @@ def test_a_64_kb_header_sent_slowly_reads_its_431_before_the_close(
         assert _eof(sock)
 
 
+def test_a_1_mb_header_still_being_sent_gets_its_431_not_a_reset(
+        server: tuple[int, _Server], long_drain: None) -> None:
+    # A client that goes on writing its request after the answer came, as clients that
+    # write the whole request before reading do. The edge
+    # stops parsing at its limit but must read (and discard) the rest, or the close with
+    # unread bytes resets the connection and the client never sees the 431.
+    port, _ = server
+    request = _get("/echo", b"X-Big: " + b"a" * (1024 * 1024) + b"\r\n")
+    with _connect(port) as sock:
+        _send_slowly(sock, request, until_answered=False, piece=16 * 1024)
+        status, headers, body = _read_response(sock)
+        assert (status, headers["connection"]) == (431, "close")
+        assert orjson.loads(body)["error"]["code"] == "HEADERS_TOO_LARGE"
+        assert _eof(sock)
+
+
 def test_a_request_at_the_connection_cap_reads_its_503_before_the_close(
         server: tuple[int, _Server], long_drain: None) -> None:
     port, _ = server
@@ -387,8 +403,9 @@ def test_a_slow_body_reads_its_408_while_still_sending(server: tuple[int, _Serve
         assert _eof(sock)
 
 
-def test_the_drain_ends_at_its_byte_bound(server: tuple[int, _Server],
-                                         long_drain: None) -> None:
+def test_the_drain_ends_at_its_byte_bound(server: tuple[int, _Server], long_drain: None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(edge, "DRAIN_MAX_BYTES", 64 * 1024)  # the bound, not its size
     port, _ = server
     with _connect(port) as sock:
         sock.sendall(_get("/echo", b"X-Big: " + b"a" * 4096 + b"\r\n"))
