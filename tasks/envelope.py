@@ -53,6 +53,16 @@ H_COALESCED = "shoal_coalesced"
 H_CLAIMS = "shoal_claims"
 # A bulk job's part (1): a worker runs it after the requests callers wait for.
 H_BULK = "shoal_bulk"
+# The request's W3C trace context (`tasks.tracing`), under the names OpenTelemetry's Celery
+# instrumentation writes, so a traced Celery client's trace goes on in the worker.
+H_TRACEPARENT = "traceparent"
+H_TRACESTATE = "tracestate"
+# A coalesced message's members' trace contexts, in member order: `[traceparent,
+# tracestate]` or None each. A header, not a column of the body's rows, so that a worker
+# that predates it reads the message as before (its rows keep their arity).
+H_TRACES = "shoal_traces"
+# Longer is no W3C trace context (traceparent is 55 characters, tracestate at most 512).
+_MAX_TRACE_CHARS = 512
 
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
@@ -81,6 +91,8 @@ class Annotations:
     lora: str | None = None
     claims: int = 0  # binary parts carried as claim checks (H_CLAIMS)
     bulk: bool = False  # a bulk job's part (H_BULK)
+    traceparent: str | None = None  # its W3C trace context (H_TRACEPARENT, H_TRACES)
+    tracestate: str | None = None
 
     def as_headers(self) -> dict[str, Any]:
         headers: dict[str, Any] = {
@@ -100,6 +112,10 @@ class Annotations:
             headers[H_CLAIMS] = self.claims
         if self.bulk:
             headers[H_BULK] = 1
+        if self.traceparent:
+            headers[H_TRACEPARENT] = self.traceparent
+            if self.tracestate:
+                headers[H_TRACESTATE] = self.tracestate
         return headers
 
 
@@ -155,9 +171,27 @@ def read_annotations(headers: dict[str, Any]) -> Annotations | None:
             lora=headers.get(H_LORA),
             claims=int(headers.get(H_CLAIMS) or 0),
             bulk=bool(headers.get(H_BULK)),
+            traceparent=trace_field(headers.get(H_TRACEPARENT)),
+            tracestate=trace_field(headers.get(H_TRACESTATE)),
         )
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def trace_field(value: Any) -> str | None:
+    """A trace context string as received, or None for anything that cannot be one (it is
+    parsed only where tracing is on: `tasks.tracing.context_of`)."""
+    return value if isinstance(value, str) and 0 < len(value) <= _MAX_TRACE_CHARS else None
+
+
+def with_trace(annotations: Annotations, headers: dict[str, Any]) -> Annotations:
+    """`annotations` made without the headers (a Celery client's that wrote no shoal
+    annotations) with the trace context the headers carry."""
+    traceparent = trace_field(headers.get(H_TRACEPARENT))
+    if traceparent is None:
+        return annotations
+    return replace(annotations, traceparent=traceparent,
+                   tracestate=trace_field(headers.get(H_TRACESTATE)))
 
 
 def expires_iso(deadline_ms: int) -> str:
@@ -290,6 +324,9 @@ def coalesce(model: str, op: str, parts: list[Part], origin: str,
         headers[H_BULK] = 1  # bulk job parts together (an OpenAI batch's lines): all bulk
     if reply_batch:
         headers[H_REPLY_BATCH] = 1
+    if any(p.annotations.traceparent for p in parts):
+        headers[H_TRACES] = [[a.traceparent, a.tracestate] if a.traceparent else None
+                             for a in (p.annotations for p in parts)]
     body = msgpack.packb(
         [[p.task_id, a.items, a.cost, a.longest, a.deadline_ms, a.sent_ms, a.lora,
           p.returns, p.body] for p in parts for a in (p.annotations,)],
@@ -313,5 +350,20 @@ def read_coalesced(headers: dict[str, Any], body: bytes) -> list[Part]:
         raise ValueError(f"malformed coalesced message: {exc}") from exc
     if not all(isinstance(p.task_id, str) and p.task_id for p in parts):
         raise ValueError("malformed coalesced message: every request needs a task id")
+    traces = headers.get(H_TRACES)
+    if isinstance(traces, list | tuple) and len(traces) == len(parts):
+        parts = [_traced(part, trace) for part, trace in zip(parts, traces, strict=True)]
     return parts
+
+
+def _traced(part: Part, trace: Any) -> Part:
+    """A member with its entry of H_TRACES (ignored unless well formed: a trace context
+    is no reason to refuse a request)."""
+    if not isinstance(trace, list | tuple) or len(trace) != 2:
+        return part
+    traceparent = trace_field(trace[0])
+    if traceparent is None:
+        return part
+    return replace(part, annotations=replace(part.annotations, traceparent=traceparent,
+                                             tracestate=trace_field(trace[1])))
 
