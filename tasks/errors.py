@@ -58,6 +58,8 @@ class ErrorCode(StrEnum):
     JOB_NOT_FOUND = "JOB_NOT_FOUND"
     JOB_NOT_FINISHED = "JOB_NOT_FINISHED"  # its result was asked for before it succeeded
     JOB_STORE_UNAVAILABLE = "JOB_STORE_UNAVAILABLE"  # Redis (SHOAL_REDIS_URL) not reachable
+    # A key's jobs at once or their queued texts over SHOAL_JOBS_PER_KEY/_JOB_TEXTS_PER_KEY
+    TOO_MANY_JOBS = "TOO_MANY_JOBS"
     # API keys (gateway.auth): no key or a wrong one; a key not allowed this model;
     # a key over its requests or tokens per minute.
     UNAUTHORIZED = "UNAUTHORIZED"
@@ -101,6 +103,7 @@ STATUS_OF_CODE: dict[str, int] = {
     ErrorCode.JOB_NOT_FOUND: 404,
     ErrorCode.JOB_NOT_FINISHED: 409,
     ErrorCode.JOB_STORE_UNAVAILABLE: 503,
+    ErrorCode.TOO_MANY_JOBS: 429,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.RATE_LIMITED: 429,
@@ -121,7 +124,7 @@ RETRY_HELPS: frozenset[str] = frozenset({
     ErrorCode.BROKER_UNAVAILABLE, ErrorCode.SHUTTING_DOWN, ErrorCode.TOO_MANY_CONNECTIONS,
     ErrorCode.STREAM_INTERRUPTED, ErrorCode.BLOB_MISSING, ErrorCode.BLOB_CORRUPT,
     ErrorCode.BLOB_STORE_UNAVAILABLE, ErrorCode.JOB_STORE_UNAVAILABLE,
-    ErrorCode.JOB_NOT_FINISHED, ErrorCode.REQUEST_TIMEOUT,
+    ErrorCode.JOB_NOT_FINISHED, ErrorCode.REQUEST_TIMEOUT, ErrorCode.TOO_MANY_JOBS,
 })
 
 

@@ -92,8 +92,18 @@ class GatewaySettings(BaseSettings):
         0, ge=0, description="items per task message of a bulk job (0: 8 batches of the "
         "model's tuned max_items, clamped to 256..4096)")
     job_parts_in_flight: int = Field(
-        8, ge=1, description="a bulk job's parts published and not yet answered; the rest "
-        "wait (backpressure: a big job never floods its model's queue)")
+        8, ge=1, description="a bulk job's parts published and not yet answered, and as "
+        "many for all of an API key's jobs on one model together; the rest wait "
+        "(backpressure: a big job never floods its model's queue, nor do many jobs of one key)")
+    jobs_per_key: int = Field(
+        10, ge=0, description="jobs and OpenAI batches an API key may have queued or running "
+        "at once (all callers together when keys are off; 0: no limit); more: 429 with "
+        "Retry-After. A key's `concurrent_jobs` in the keys file overrides it")
+    job_texts_per_key: int = Field(
+        10_000_000, ge=0, description="items (texts, images, batch lines) an API key's "
+        "queued and running jobs may hold not yet done (0: no limit); more: 429 with "
+        "Retry-After, or 413 for one job over it alone. A key's `queued_job_texts` "
+        "overrides it")
     job_part_timeout_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False, description="deadline of one job part")
     job_lease_s: float = Field(
