@@ -22,15 +22,24 @@ from collections import deque
 
 
 class Deadline:
-    """One request's deadline: `expired` once the timer cancelled its task for it."""
+    """One request's deadline: `expired` once the timer cancelled its task for it; `left`
+    once its caller hung up and `hang_up` cancelled its task for that (the wait's other
+    end: `gateway.edge.caller_left`, one object per request for both)."""
 
-    __slots__ = ("expired", "finished", "task", "when")
+    __slots__ = ("expired", "finished", "left", "task", "when")
 
     def __init__(self, when: float, task: asyncio.Task) -> None:
         self.when = when
         self.task = task
         self.finished = False
         self.expired = False
+        self.left = False
+
+    def hang_up(self) -> None:
+        """The caller left: stop waiting (the task sees CancelledError, `left` says why)."""
+        if not self.finished and not self.left:
+            self.left = True
+            self.task.cancel()
 
 
 class Deadlines:

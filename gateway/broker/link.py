@@ -37,7 +37,8 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
 
 import aio_pika
 
@@ -48,11 +49,15 @@ from gateway.broker.outbox import Outbox, _Outgoing
 from gateway.broker.pool_view import PoolView
 from gateway.broker.queue_declarations import ModelQueues
 from gateway.broker.reply_futures import AwaitedReplies
+from gateway.broker.revokes import Revokes
 from gateway.broker.served_models import ServedModels
 from gateway.broker.streams import ReplyStreams
+from gateway.edge.caller_left import forget_caller, on_caller_left
+from gateway.edge.gateway_metrics import CALLERS_LEFT
 from tasks.broker_metrics import gateway_link
 from tasks.broker_urls import split_urls
 from tasks.envelope import Part, coalesce, single_message
+from tasks.errors import ErrorCode, ShoalError
 from tasks.settings import Settings
 from tasks.topology import QueueType, dead_letter_exchange, task_exchange
 
@@ -78,6 +83,7 @@ class Broker:
         self.deadlines = Deadlines()  # of the requests awaited (`submit`)
         self.streams = ReplyStreams(self.replies, self.pool, self._connected, self._send,
                                     lambda: self._connection)
+        self.revokes = Revokes(self.streams.cancel)  # of requests whose callers hung up
         self._connection: FailoverConnection | None = None
         self.urls = split_urls(settings.broker_url)
         self.link = gateway_link()
@@ -202,10 +208,16 @@ class Broker:
 
     # --- requests ------------------------------------------------------------------------
 
-    async def submit(self, model: str, part: Part, timeout_s: float) -> dict:
+    async def submit(self, model: str, part: Part, timeout_s: float,
+                     caller: MutableMapping[str, Any] | None = None) -> dict:
         """Publish a request (alone or coalesced with others waiting for the same model)
         and wait for its result until `timeout_s` runs out. 503 MODEL_UNAVAILABLE at once
-        for a model no worker serves, unless SHOAL_GATEWAY_UNSERVED=wait."""
+        for a model no worker serves, unless SHOAL_GATEWAY_UNSERVED=wait.
+
+        `caller`: the ASGI scope of the HTTP request that waits. If its caller hangs up
+        first (`gateway.edge.caller_left`), the request is released: withdrawn from the
+        outbox if not yet published, else revoked on every worker (`Revokes`); the wait
+        ends with CANCELLED (499), which nobody reads."""
         if not self._connected():
             raise unavailable("the message broker is not connected")
         loop = asyncio.get_running_loop()
@@ -214,19 +226,41 @@ class Broker:
         self.replies.pending[task_id] = future
         self.replies.unanswered[task_id] = (model, loop.time())
         deadline = self.deadlines.add(timeout_s)
+        if caller is not None:
+            on_caller_left(caller, deadline.hang_up)
+        outgoing = None
         try:
-            await self._send(model, part, timeout_s)
+            await self.served.admit(model)
+            outgoing = self.outbox.enqueue(model, part, timeout_s)
+            await outgoing.confirmed
             self.replies.confirmed(model, part, loop.time() + timeout_s)
             return await future
         except asyncio.CancelledError:
-            # Cancelled for its deadline, and by nothing else (a client that left, a
-            # shutdown): as `asyncio.timeout` tells the two apart.
-            if deadline.expired and deadline.task.uncancel() == 0:
+            # Cancelled for its deadline or its caller's hang-up, and by nothing else (a
+            # shutdown): as `asyncio.timeout` tells them apart.
+            ours = deadline.expired + deadline.left
+            if ours and deadline.task.cancelling() == ours:
+                for _ in range(ours):
+                    deadline.task.uncancel()
+                if deadline.left:
+                    raise self._released(part, outgoing) from None
                 raise late(timeout_s) from None
             raise
         finally:
             deadline.finished = True
+            if caller is not None:
+                forget_caller(caller)
             self.replies.forget(task_id)
+
+    def _released(self, part: Part, outgoing: _Outgoing | None) -> ShoalError:
+        """A request whose caller hung up: revoked if it may have been published (a request
+        still in the outbox is never published: its wait was cancelled)."""
+        published = outgoing is not None and outgoing.taken
+        CALLERS_LEFT.labels("published" if published else "outbox").inc()
+        if published:
+            self.revokes.revoke(part.task_id)
+        return ShoalError(ErrorCode.CANCELLED, "the caller closed its connection before the "
+                          "answer; the request was released")
 
     def stream(self, model: str, part: Part, timeout_s: float) -> AsyncIterator[dict]:
         """Publish a streamed request; iterate its PROGRESS states and then its result

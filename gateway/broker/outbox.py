@@ -47,6 +47,9 @@ class _Outgoing:
     part: Part
     timeout_s: float
     confirmed: asyncio.Future[None]
+    # Taken out of the outbox to be published: a caller that leaves from then on must
+    # revoke it (before, its cancelled wait keeps it from ever being published).
+    taken: bool = False
 
 
 class Outbox:
@@ -65,9 +68,14 @@ class Outbox:
 
     async def send(self, model: str, part: Part, timeout_s: float) -> None:
         """Put the request in its model's outbox; return once the broker has it."""
+        await self.enqueue(model, part, timeout_s).confirmed
+
+    def enqueue(self, model: str, part: Part, timeout_s: float) -> _Outgoing:
+        """Put the request in its model's outbox; its `confirmed` resolves once the broker
+        has it. Cancelling that wait before the request is `taken` withdraws it."""
         outgoing = _Outgoing(part, timeout_s, asyncio.get_running_loop().create_future())
         self.put(model, outgoing)
-        await outgoing.confirmed
+        return outgoing
 
     def put(self, model: str, outgoing: _Outgoing) -> None:
         self._outbox.setdefault(model, []).append(outgoing)
@@ -86,6 +94,8 @@ class Outbox:
         waiting = [o for o in self._outbox.pop(model, ()) if not o.confirmed.done()]
         if not waiting:
             return
+        for o in waiting:
+            o.taken = True
         groups = _coalescible(waiting) if self.settings.coalesce else [[o] for o in waiting]
         self._in_flight[model] += 1
         task = asyncio.get_running_loop().create_task(self._publish_groups(model, groups))

@@ -118,14 +118,16 @@ def _delete_when_uploaded(upload: asyncio.Future[None], url: str, uploads: list[
 
 
 async def submit_claimed(broker: Any, model: str, part: Part, timeout_s: float,
-                         uploads: list[Upload], url: str, upload_timeout_s: float) -> dict:
-    """Publish `part` and upload its blobs concurrently; its result, as `Broker.submit`.
+                         uploads: list[Upload], url: str, upload_timeout_s: float,
+                         caller: Any = None) -> dict:
+    """Publish `part` and upload its blobs concurrently; its result, as `Broker.submit`
+    (`caller`: the waiting request's ASGI scope, as there).
 
     503 BLOB_STORE_UNAVAILABLE (and the request revoked) if the upload fails or is not
     done within `upload_timeout_s` (workers stop waiting for a blob after that window)."""
     started = time.perf_counter()
     upload = asyncio.ensure_future(asyncio.to_thread(_put_all, url, uploads))
-    submit = asyncio.ensure_future(broker.submit(model, part, timeout_s))
+    submit = asyncio.ensure_future(broker.submit(model, part, timeout_s, caller))
     uploaded = False
     try:
         # A result (or a refusal: a full queue, the deadline) before the upload ends is

@@ -168,9 +168,11 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
                 part.annotations, deadline_ms=int(part.annotations.sent_ms or 0) + work_ms))
     if uploads:
         reply = await submit_claimed(broker, entry.id, part, budget_ms / 1000, uploads,
-                                     settings.blob_url, settings.claim_upload_timeout_s)
+                                     settings.blob_url, settings.claim_upload_timeout_s,
+                                     request.scope)
     else:
-        reply = await broker.submit(entry.id, part, budget_ms / 1000)
+        # With the request's scope: a caller that hangs up releases its request.
+        reply = await broker.submit(entry.id, part, budget_ms / 1000, request.scope)
     replied = time.time()
     if reply.get("status") != SUCCESS:
         raise ShoalError.from_celery_failure(reply.get("result"))

@@ -46,6 +46,15 @@ OLDEST_WAITING = Gauge(
     "with nothing answered yet (queued, or held by a worker and not started streaming), by "
     "model; 0 when none", ["model"], multiprocess_mode="livemax",
 )
+CALLERS_LEFT = Counter(
+    "shoal_gateway_callers_left_total", "requests whose caller hung up before its answer, "
+    "by where the request was: outbox (never published) or published (revoked on every "
+    "worker with shoal_cancel)", ["where"],
+)
+REVOKE_MESSAGES = Counter(
+    "shoal_gateway_revoke_messages_total", "shoal_cancel broadcasts sent for callers that "
+    "hung up (each carries the ids revoked in one turn of the loop)",
+)
 DUPLICATE_REPLIES = Counter(
     "shoal_gateway_duplicate_replies_total",
     "replies for requests already answered or given up (redeliveries, late results)",
