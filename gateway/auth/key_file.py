@@ -17,6 +17,10 @@ The keys file (SHOAL_API_KEYS_FILE), YAML or JSON:
         inputs: ["search-team/*"]         # blob-store keys its bulk jobs may name as
                                           # "input" (globs; default: none but its own)
         admin: false                      # true: sees and cancels every key's jobs
+        concurrent_jobs: 10               # jobs queued or running at once (default:
+                                          # SHOAL_JOBS_PER_KEY; 0: no limit)
+        queued_job_texts: 10000000        # items its jobs hold not yet done (default:
+                                          # SHOAL_JOB_TEXTS_PER_KEY; 0: no limit)
 
 A job belongs to the key (by name) that created it: another key is told there is no such
 job (`gateway.routes.job_routes`). A key's name is its tenant: a rotated key (a new secret, the same
@@ -62,6 +66,8 @@ class KeyEntry(BaseModel):
     tokens_per_minute: int | None = Field(None, ge=1)
     inputs: list[str] = Field(default_factory=list)
     admin: bool = False
+    concurrent_jobs: int | None = Field(None, ge=0)
+    queued_job_texts: int | None = Field(None, ge=0)
 
 
 class KeyFile(BaseModel):
@@ -97,13 +103,16 @@ class ApiKey:
     tokens_per_minute: int | None
     inputs: tuple[str, ...] = ()  # blob-store key globs its jobs may read as "input"
     admin: bool = False  # sees and cancels every key's jobs
+    concurrent_jobs: int | None = None  # None: SHOAL_JOBS_PER_KEY (gateway.jobs.key_jobs)
+    queued_job_texts: int | None = None  # None: SHOAL_JOB_TEXTS_PER_KEY
     _allowed: dict[str, bool] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_entry(cls, entry: KeyEntry) -> ApiKey:
         return cls(entry.name, bytes.fromhex(entry.hash.removeprefix(HASH_PREFIX)),
                    tuple(entry.models), entry.requests_per_minute, entry.tokens_per_minute,
-                   tuple(entry.inputs), entry.admin)
+                   tuple(entry.inputs), entry.admin, entry.concurrent_jobs,
+                   entry.queued_job_texts)
 
     @property
     def limited(self) -> bool:

@@ -38,6 +38,7 @@ import msgpack
 from gateway.calls.native_api import payload  # the sync route's response shape
 from gateway.jobs.batch_output import finish_batch
 from gateway.jobs.bulk_files import gather
+from gateway.jobs.key_jobs import KeyJobs
 from gateway.jobs.orphans import Orphans
 from gateway.jobs.part_publisher import PartPublisher
 from gateway.jobs.store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
@@ -71,7 +72,8 @@ class JobDriver:
         # Redis answers again: then each is either there (the scan drives it again) or gone
         # (cleaned up there).
         self._orphans = Orphans(store, broker, blobs)
-        self._parts = PartPublisher(settings, store, broker, blobs, self._orphans)
+        self.keys = KeyJobs(store)  # the API keys' limits and fair share
+        self._parts = PartPublisher(settings, store, broker, blobs, self._orphans, self.keys)
 
     def start(self) -> None:
         self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())

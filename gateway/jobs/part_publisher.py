@@ -4,10 +4,11 @@ The driver (`gateway.jobs.driver`) holds the job's lease; this publishes the par
 yet published, from the recorded resume point (parts published, input offset), as
 ordinary task messages marked bulk, each with its part's id (`part_id`: a part published
 again after a takeover keeps it, so its result counts once), never more than
-SHOAL_JOB_PARTS_IN_FLIGHT unanswered. A full queue (or no broker, or no worker for the
-model) makes a part wait and try again, as a client would on 429. Each part is counted
-as it goes out, before Redis records it (`Orphans.published`), and Redis then records
-the resume point.
+SHOAL_JOB_PARTS_IN_FLIGHT unanswered, of the job nor of all its API key's jobs on its
+model together (`gateway.jobs.key_jobs`: a key's fair share). A full queue (or no broker,
+or no worker for the model) makes a part wait and try again, as a client would on 429.
+Each part is counted as it goes out, before Redis records it (`Orphans.published`), and
+Redis then records the resume point.
 
 Parts are answered through `gateway.jobs.part_replies`, whichever gateway consumes them:
 a wait here wakes when one is recorded here (`notify`) and re-reads the counts in Redis
@@ -30,6 +31,7 @@ from gateway.edge.api_errors import ApiError
 from gateway.jobs.batch_lines import Record, RecordReader
 from gateway.jobs.batch_output import lines_key
 from gateway.jobs.bulk_files import PartReader
+from gateway.jobs.key_jobs import KeyJobs
 from gateway.jobs.orphans import Orphans
 from gateway.jobs.part_replies import part_id, replies_queue
 from gateway.jobs.store import Job, JobStore
@@ -51,9 +53,10 @@ class PartPublisher:
     """Publishes the parts of the jobs driven here and waits for their answers."""
 
     def __init__(self, settings: Settings, store: JobStore, broker: Any,
-                 blobs: Callable[[], Any], orphans: Orphans) -> None:
+                 blobs: Callable[[], Any], orphans: Orphans, keys: KeyJobs) -> None:
         self.settings = settings
         self.store = store
+        self.keys = keys
         self.broker = broker
         self.blobs = blobs
         self.orphans = orphans
@@ -219,14 +222,17 @@ class PartPublisher:
                 return False
 
     async def _room(self, job: Job, published: int) -> bool:
-        """Wait until fewer than SHOAL_JOB_PARTS_IN_FLIGHT parts are out; False if the job
-        stopped (its outstanding parts are then revoked)."""
+        """Wait until fewer than SHOAL_JOB_PARTS_IN_FLIGHT parts of the job are out, and
+        fewer than that many of all its key's jobs on its model (the key's fair share,
+        `gateway.jobs.key_jobs`); False if the job stopped (its outstanding parts are then
+        revoked)."""
         while True:
             state, done = await self._counts(job.id)
             if state not in ("queued", "running"):
                 await self.revoke(job.id, published)
                 return False
-            if published - done < self._in_flight(job):
+            if published - done < self._in_flight(job) and await self.keys.in_flight(
+                    job.owner, job.model, LINE_PART_ITEMS) < self.settings.job_parts_in_flight:
                 return True
             await self._sleep(job.id)
 

@@ -11,7 +11,9 @@ Keys (under the queue prefix, so stacks on other prefixes never meet):
 - `{prefix}:job:{id}:lease`: the gateway that drives the job (publishes its parts,
   gathers its result), with a TTL its owner renews;
 - `{prefix}:jobs:active`: ids of jobs not yet finished, which every gateway scans for
-  leases to take over.
+  leases to take over;
+- `{prefix}:jobs:key:{name}` (`{prefix}:jobs:open` with API keys off): the ids of a key's
+  jobs, for its limits and fair share (`gateway.jobs.key_jobs`).
 
 Counting and state changes are Lua scripts: a gateway that dies between two commands
 must not leave a part recorded but not counted.
@@ -202,6 +204,10 @@ class JobStore:
     def active_key(self) -> str:
         return f"{self.prefix}:jobs:active"
 
+    def owner_key(self, owner: str | None) -> str:
+        """The set of a key's jobs (`gateway.jobs.key_jobs`); None: API keys are off."""
+        return f"{self.prefix}:jobs:open" if owner is None else f"{self.prefix}:jobs:key:{owner}"
+
     # --- jobs -----------------------------------------------------------------------------
 
     async def create(self, job: Job) -> None:
@@ -209,6 +215,7 @@ class JobStore:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key(job.id), mapping=job.to_redis())
             pipe.sadd(self.active_key, job.id)
+            pipe.sadd(self.owner_key(job.owner), job.id)
             await pipe.execute()
 
     async def get(self, job_id: str) -> Job | None:

@@ -15,6 +15,11 @@ disclosed), and 403 for a job whose model the key may no longer use; a key marke
 keys file grants the key (`inputs`) or the input upload of one of the key's own jobs;
 anything else is "no such file", as for a missing one.
 
+A key (all callers together when keys are off) has at most SHOAL_JOBS_PER_KEY jobs queued
+or running and SHOAL_JOB_TEXTS_PER_KEY items in them not yet done: past either, 429
+TOO_MANY_JOBS with Retry-After (`gateway.jobs.key_jobs`), checked before an upload is read
+and again, atomically, when the job is made.
+
 State lives in Redis (`gateway.jobs.store`); parts are driven by
 `gateway.jobs.driver`; their results come back through `gateway.jobs.part_replies`.
 """
@@ -44,6 +49,7 @@ from gateway.jobs.bulk_files import (
     read_chunks,
     stream_file,
 )
+from gateway.jobs.key_jobs import Limits
 from gateway.jobs.store import CANCELLED, Job, JobStore, view
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
@@ -138,11 +144,20 @@ def _new_job(request: Request, entry: ModelEntry, op: str, options: Any,
                folder=BlobStore.new_key(JOBS, job_id), owner=key.name if key else None)
 
 
+CANCEL_HINT = "cancel one of its jobs (DELETE /v1/jobs/{id})"
+
+
+def _limits(request: Request) -> Limits:
+    return Limits.of(request.app.state.settings, caller_key(request))
+
+
 async def _start(request: Request, job: Job) -> Response:
     try:
-        await _store(request).create(job)
+        # Created unless the key is at its limits (429 TOO_MANY_JOBS, gateway.jobs.key_jobs)
+        await request.app.state.job_driver.keys.create(job, _limits(request), CANCEL_HINT)
     except BaseException:
-        # Refused (the job store is away: 503): nothing of it stays in the blob store.
+        # Refused (the job store is away: 503; the key at its limits: 429): nothing of it
+        # stays in the blob store.
         if job.owns_input:
             await asyncio.to_thread(_blobs(request).delete, [job.folder], True)
         raise
@@ -191,6 +206,8 @@ async def _upload(request: Request) -> Response:
     entry, check = _bulk_entry(request, params.get("operation"), params.get("model"), options,
                                params.get("query"))
     await request.app.state.broker.admit(entry.id)
+    await request.app.state.job_driver.keys.check(_limits(request), CANCEL_HINT)  # before
+    # the upload is read; counted again, with its items, when the job is made
     limit = request.app.state.settings.max_job_input_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
@@ -241,6 +258,7 @@ async def _from_input(request: Request, body: dict[str, Any]) -> Response:
                                    or await _input_of_own_job(request, caller.name, key)):
         raise missing  # another tenant's file is no file to this key
     await request.app.state.broker.admit(entry.id)
+    await request.app.state.job_driver.keys.check(_limits(request), CANCEL_HINT)
     blobs = _blobs(request)
 
     limit = request.app.state.settings.max_job_input_bytes

@@ -15,6 +15,12 @@ A batch is its creator's API key's, as its files are: another key gets 404.
 `completion_window` is "24h" (OpenAI's only value); shoal does not expire a batch that
 runs longer. Cancelling answers the lines not yet run `batch_cancelled` in the error file
 and keeps the answers already in (OpenAI's partial results).
+
+A batch is a job of its key, and counts towards the key's job limits (its runnable lines
+as items; `gateway.jobs.key_jobs`): past them, 429 in OpenAI's error envelope, `type`
+"requests" (jobs at once) or "tokens" (queued items), with Retry-After. (OpenAI itself
+accepts a batch past its enqueued-token limit and fails it with `token_limit_exceeded`;
+an answer at once, which SDKs retry after Retry-After, keeps the caller's file unread.)
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from gateway.jobs.batch_store import (
     final_fields,
     new_batch_id,
 )
+from gateway.jobs.key_jobs import Limits
 from gateway.jobs.openai_files import BATCH
 from gateway.jobs.store import CANCELLED, Job, JobStore
 from gateway.routes.batch_endpoints import ENDPOINTS, prepare
@@ -53,6 +60,7 @@ _FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 MAX_KEY, MAX_VALUE = 64, 512
 STUCK_S = 60.0  # a cancel whose files are not written after this is finished by a reader
+CANCEL_HINT = "cancel one of its batches (POST /v1/batches/{id}/cancel)"
 
 
 def _jobs(request: Request) -> JobStore:
@@ -98,6 +106,8 @@ async def create_batch(request: Request) -> Response:
     if source.purpose != BATCH:
         raise invalid(f"file {file_id} has purpose {source.purpose!r}: a batch's input is "
                       "a file uploaded with purpose=batch", param="input_file_id")
+    limits = Limits.of(request.app.state.settings, caller_key(request))
+    await request.app.state.job_driver.keys.check(limits, CANCEL_HINT)  # before the file is read
     from tasks.blobs import JOBS, BlobStore
 
     job_id = uuid.uuid4().hex
@@ -129,9 +139,23 @@ async def create_batch(request: Request) -> Response:
               owner=key.name if key else None)
     batch.model, batch.job_id = found.model.id, job_id
     await BatchStore(_jobs(request)).create(batch)  # first: the driver finds it at the end
-    await _jobs(request).create(job)
+    try:  # unless the key is past its limits now (429), counting this batch's lines
+        await request.app.state.job_driver.keys.create(job, limits, CANCEL_HINT)
+    except BaseException:
+        await _forget(request, batch)
+        await asyncio.to_thread(blobs.delete, [folder], True)
+        raise
     await request.app.state.job_driver.kick(job.id)
     return encode_response(request, batch_object(batch, job))
+
+
+async def _forget(request: Request, batch: Batch) -> None:
+    """Remove the record of a batch refused after it was written (its key at its limits)."""
+    store = BatchStore(_jobs(request))
+    async with _jobs(request).redis.pipeline(transaction=True) as pipe:
+        pipe.delete(store.key(batch.id))
+        pipe.zrem(store.index(batch.owner), batch.id)
+        await pipe.execute()
 
 
 async def _own_batch(request: Request) -> Batch:
