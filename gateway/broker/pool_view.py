@@ -29,6 +29,9 @@ class Placement:
     pinned: bool
     loras: tuple[str, ...]  # the LoRA adapters the worker has loaded for it
     device_busy: float | None = None  # the worker's device, busy fraction (None: not said)
+    # Its runtime refuses the model's requests while a failed restart's replacement starts:
+    # seconds (from when the state was sent) until it should serve. None: it serves.
+    ready_in_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +70,14 @@ def parse_state(body: bytes, default_interval_s: float, now: float) -> WorkerSta
         loras = m.get("loras") or []
         if not isinstance(loras, list) or not all(isinstance(name, str) for name in loras):
             raise ValueError(f"models[{i}].loras must be a list of strings")
+        ready_in = m.get("ready_in_s")
+        if ready_in is not None and (isinstance(ready_in, bool)
+                                     or not isinstance(ready_in, int | float)
+                                     or not math.isfinite(ready_in) or ready_in < 0):
+            raise ValueError(f"models[{i}].ready_in_s must be a number >= 0 or absent")
         models[m["id"]] = Placement(worker, m["state"], size, pinned, tuple(loras),
-                                    None if busy is None else float(busy))
+                                    None if busy is None else float(busy),
+                                    None if ready_in is None else float(ready_in))
     return WorkerState(worker, now, STALE_AFTER_INTERVALS * float(interval), models)
 
 

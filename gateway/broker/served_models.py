@@ -13,20 +13,31 @@ therefore never refuses a model that a worker consumes. A worker that died stays
 "serving" until its pool state goes stale (STALE_AFTER_INTERVALS of its interval) or,
 if it sent none, for up to `CONSUMERS_TTL_S`; requests sent meanwhile wait for another
 worker or their deadline, as before.
+
+A model served only by workers whose runtime is restarting (`gateway.broker.
+restarting_models`: their pool states say so, or the one worker serving it refused a
+request MODEL_UNAVAILABLE with a Retry-After) is refused here, 503 MODEL_UNAVAILABLE
+with the seconds until the soonest should serve as Retry-After, instead of being
+published for a worker to refuse; it is published again once one says it serves, or
+when that time has passed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from gateway.broker.pool_view import PoolView
 from gateway.broker.queue_declarations import ModelQueues
+from gateway.broker.restarting_models import RestartingModels
 from gateway.edge.api_errors import ApiError
 from gateway.edge.gateway_metrics import POOL_STATES
+from tasks.envelope import SUCCESS
 from tasks.errors import ErrorCode
 from tasks.pool_state import pool_exchange
 from tasks.settings import Settings
@@ -44,6 +55,7 @@ class ServedModels:
         # This gateway's copy of the workers' pool states (exclusive, bound to the fanout).
         self.pool_queue = pool_queue
         self.pool = PoolView(settings.pool_state_interval_s)
+        self.restarting = RestartingModels()
 
     async def subscribe(self, connection: aio_pika.abc.AbstractRobustConnection) -> None:
         """Receive the workers' pool states. Without them the gateway still works (the
@@ -65,12 +77,29 @@ class ServedModels:
 
     def _on_pool_state(self, message: AbstractIncomingMessage) -> None:
         try:
-            self.pool.update(message.body, time.monotonic())
+            state = self.pool.update(message.body, time.monotonic())
         except Exception as exc:  # a malformed state must not kill the consumer
             POOL_STATES.labels("dropped").inc()
             log.warning("malformed pool state dropped (%d bytes): %s", len(message.body), exc)
         else:
             POOL_STATES.labels("kept").inc()
+            self.restarting.heard_state(state)
+
+    def heard_reply(self, model: str, reply: dict[str, Any]) -> None:
+        """A request's reply: a refusal by a restarting runtime (MODEL_UNAVAILABLE with a
+        Retry-After) may mark its worker restarting (`RestartingModels.heard_refusal`)."""
+        if reply.get("status") == SUCCESS:
+            return
+        meta = reply.get("result")
+        if not isinstance(meta, dict):
+            return
+        args, retry_after = meta.get("exc_message"), meta.get("retry_after")
+        if isinstance(retry_after, int) and not isinstance(retry_after, bool) \
+                and retry_after > 0 and isinstance(args, list | tuple) and args \
+                and args[0] == ErrorCode.MODEL_UNAVAILABLE:
+            now = time.monotonic()
+            self.restarting.heard_refusal(model, self.pool.placements(model, now),
+                                          retry_after, now)
 
     async def admit(self, model: str) -> None:
         """Make sure the model's queue exists; refuse a model no worker serves (see the
@@ -80,6 +109,8 @@ class ServedModels:
         if self.settings.gateway_unserved == "wait":
             return
         if self.pool.serves(model, time.monotonic()):
+            if self.restarting:
+                await self._refuse_while_restarting(model)
             return
         if await self.queues.consumer_count(model) == 0:
             raise ApiError(
@@ -90,3 +121,24 @@ class ServedModels:
                 "their deadline passes (for deployments that scale workers to zero).",
                 retry_after=self.settings.retry_after_s,
             )
+
+    async def _refuse_while_restarting(self, model: str) -> None:
+        """503 while every worker serving `model` is restarting its runtime (see the
+        module's docstring); a consumer of its queue that sent no pool state (a plain
+        Celery worker) may serve it: then it is published."""
+        now = time.monotonic()
+        placements = self.pool.placements(model, now)
+        wait = self.restarting.refusal(model, placements, now)
+        if wait is None:
+            return
+        try:
+            if await self.queues.consumer_count(model) > len(placements):
+                return
+        except Exception:  # the broker will say so when the request is published
+            return
+        retry_after = max(1, math.ceil(wait))
+        raise ApiError(
+            ErrorCode.MODEL_UNAVAILABLE,
+            f"{model} is restarting on every worker that serves it (its model runtime "
+            f"died and is being replaced); retry in about {retry_after}s",
+            retry_after=retry_after)
