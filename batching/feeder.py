@@ -15,6 +15,7 @@ Pure logic: no broker, no runtime, no clock of its own.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,14 @@ class Feeder:
         for w in back:
             queue.remove(w)
         return back
+
+    def release(self, model: str, keys: Container[Hashable]) -> list[Waiting]:
+        """The waiting requests of the model with these keys (removed): revoked."""
+        queue = self.waiting.get(model)
+        released = [w for w in queue if w.key in keys] if queue else []
+        for w in released:
+            queue.remove(w)  # type: ignore[union-attr]
+        return released
 
     def drop(self, model: str) -> list[Waiting]:
         """Every waiting request of the model (removed): its load failed."""

@@ -10,7 +10,8 @@ with plain data and a fake `now` (seconds, one monotonic clock throughout):
   counts, start this batch, call me again in so many seconds);
 - `finish(now, seconds, batch)`: a running batch ended (`seconds`: its measured
   time, or None if the runtime broke);
-- `clear()`: the connection was lost, the broker redelivers everything held.
+- `clear()`: the connection was lost, the broker redelivers everything held;
+- `release(model, keys)`: these requests were revoked: out of the backlog at once.
 
 The rules, each owned by a pure function of `batching/`:
 - up to `depth` batches in flight to the runtime (one by default; a pipelined
@@ -35,6 +36,7 @@ Lanes, batches and the actions it returns are plain data (`batching.lanes`).
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Hashable
 from dataclasses import replace
 
 from batching.credit import ConsumerCredit
@@ -141,6 +143,16 @@ class Scheduler:
         dropped, lane.backlog[:] = list(lane.backlog), []
         self._credit.settled(model, dropped)
         return dropped
+
+    def release(self, model: str, keys: Container[Hashable]) -> list[Pending]:
+        """Take the requests with these keys out of `model`'s backlog (revoked: they are
+        answered at once, unrun)."""
+        lane = self.lanes[model]
+        released = [p for p in lane.backlog if p.key in keys]
+        if released:
+            lane.backlog[:] = [p for p in lane.backlog if p.key not in keys]
+            self._credit.settled(model, released)
+        return released
 
     def in_use(self) -> set[str]:
         """The models with a batch running or requests held: none may be evicted."""

@@ -2,7 +2,8 @@
 
 Operators see and steer the pool with them: `celery -A app inspect shoal_models`,
 `celery -A app control shoal_load MODEL`, `celery -A app control shoal_unload MODEL`;
-a gateway sends `shoal_cancel` when a stream's client leaves. Gateways learn the pool
+a gateway sends `shoal_cancel` for the requests whose callers left, and Celery's own
+`revoke` releases held requests too. Gateways learn the pool
 from the state message each worker publishes (`tasks.pool_state`). Registered when this
 module is imported (`app.worker.steps` imports it).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.utils.functional import maybe_list
 from celery.worker import control
 
 from app.worker.steps.model_queues import ModelQueueConsumer
@@ -72,9 +74,29 @@ def shoal_unload(state: Any, model: str) -> dict[str, Any]:
 
 @control.control_command(args=[("task_ids", list)], signature="<task id> [...]")
 def shoal_cancel(state: Any, task_ids: list[str]) -> dict[str, Any]:
-    """Revoke requests (a gateway sends it when a stream's client leaves): not started, they
-    are answered CANCELLED; running, their generation stops at its next token."""
+    """Revoke requests (a gateway sends it for the callers that hung up, in batches): held,
+    they are answered CANCELLED at once; running, the runtime drops them before the device
+    or stops their generation at its next token (`app.worker.lifecycle.revokes`)."""
     step = _step(state)
     if step is None or step.dispatcher is None:
         return {"error": "not consuming yet"}
     return {"ok": step.dispatcher.cancel([str(t) for t in task_ids])}
+
+
+# Celery's own `revoke` (`AsyncResult.revoke()`, `celery control revoke`) marks the ids
+# revoked; shoal's requests are held by its dispatcher, not Celery's pool, so the command
+# is wrapped to release them there at once too, as `shoal_cancel` does.
+_celery_revoke = control.Panel.data["revoke"]
+
+
+@control.control_command(name="revoke", variadic="task_id",
+                         signature="[id1 [id2 [... [idN]]]]")
+def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
+           **kwargs: Any) -> Any:
+    """Celery's revoke, then the requests held here released (`shoal_cancel`)."""
+    reply = _celery_revoke(state, task_id, terminate=terminate, signal=signal, **kwargs)
+    ids = list(maybe_list(task_id) or ())
+    step = _step(state)
+    if ids and step is not None and step.dispatcher is not None:
+        step.dispatcher.cancel([str(t) for t in ids])
+    return reply

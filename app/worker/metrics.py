@@ -114,6 +114,12 @@ INTER_TOKEN = Histogram("shoal_inter_token_seconds", "generate: mean time betwee
                         "completion's tokens", ["model"], buckets=_SECONDS)
 CANCELLED = Counter("shoal_generations_cancelled_total", "generations stopped before their "
                     "end because their caller left or revoked them", ["model"])
+REVOKED = Counter("shoal_revoked_total", "requests revoked (their caller hung up, or a "
+                  "Celery client revoked them), by where the revoke found them: held "
+                  "(answered CANCELLED at once, never run), arrived (revoked before its "
+                  "delivery: answered CANCELLED on arrival), running (the runtime told: "
+                  "dropped before the device if still queued there, a generation stopped)",
+                  ["model", "where"])
 IN_FLIGHT = Gauge("shoal_runtime_in_flight", "requests handed to a continuously batching "
                   "runtime (SGLang) and not yet answered", ["model"])
 

@@ -131,7 +131,8 @@ class ModelHost:
         # when its batch ends, or, cancelled after that, once MAX_CANCELLED newer ones came.
         self._cancelled: dict[str, None] = {}
         self._cancel_lock = threading.Lock()
-        self.skipped = 0  # batches whose device work was skipped: all their requests cancelled
+        # Batches whose device work was skipped: all their requests cancelled or late.
+        self.skipped = 0
 
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
@@ -297,7 +298,7 @@ class ModelHost:
     def forward(self, work: BatchWork) -> None:
         """A batch's device work (one batch at a time: the device clock's span after it
         is this batch's). Raises what the model raises."""
-        if work.adapter is None or not work.runnable or self._skip_cancelled(work):
+        if work.adapter is None or not work.runnable or self._drop_before_device(work):
             return
         self.clock.take_span()  # what ran before this batch (a load, a probe) is not its
         try:
@@ -320,23 +321,36 @@ class ModelHost:
                 work.outcomes[request.id] = Outcome(request.id, result=result)
         return [work.outcomes[r.id] for r in work.requests]
 
-    def _skip_cancelled(self, work: BatchWork) -> bool:
-        """A batch (not streamed) whose runnable requests were all cancelled before its
-        device work: they are answered CANCELLED and it never reaches the device (True).
-        One with a request left runs whole (its cancelled rows are dropped by the worker)."""
+    def _drop_before_device(self, work: BatchWork) -> bool:
+        """Before a batch's device work: its requests whose callers left (cancelled) or
+        whose deadline passed (it waited behind the batches ahead) are answered so and
+        taken out, and the rest is planned again without them; True when none is left (the
+        batch never reaches the device). A stream stops its cancelled rows itself, step by
+        step."""
         if work.stream is not None:
-            return False  # a stream stops its cancelled rows itself, step by step
+            return False
+        now_ms = time.time() * 1000
+        dropped: dict[str, Outcome] = {}
         with self._cancel_lock:
-            if not self._cancelled or any(r.id not in self._cancelled
-                                          for r, _ in work.runnable):
-                return False
-        for request, _ in work.runnable:
-            work.outcomes[request.id] = failed(
-                request.id, ErrorCode.CANCELLED,
-                "the request was revoked by its caller before its batch reached the device")
-        log.info("skipped a batch of %d requests for %s: all revoked before it reached the "
-                 "device", len(work.runnable), work.model_id)
-        work.runnable = []
+            for request, _ in work.runnable:
+                if request.id in self._cancelled:
+                    dropped[request.id] = failed(
+                        request.id, ErrorCode.CANCELLED, "the request was revoked by its "
+                        "caller before its batch reached the device")
+                elif request.deadline_ms is not None and request.deadline_ms <= now_ms:
+                    dropped[request.id] = failed(
+                        request.id, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline "
+                        "passed before its batch reached the device")
+        if not dropped:
+            return False
+        work.outcomes.update(dropped)
+        work.runnable = [(r, p) for r, p in work.runnable if r.id not in dropped]
+        if work.runnable:
+            assert work.adapter is not None
+            work.planned = work.adapter.plan([p for _, p in work.runnable])
+            return False
+        log.info("skipped a batch of %d requests for %s: all revoked or past their deadline "
+                 "before it reached the device", len(dropped), work.model_id)
         self.skipped += 1
         return True
 

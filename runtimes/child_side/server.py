@@ -11,8 +11,9 @@ connections from its worker, batches first, then control, and exits when the
 batch connection closes or the parent dies. Loads and unloads come on the
 control connection (`runtimes.child_side.control`) and run on a thread of their own, beside
 the batches of the models already loaded; so do cancels (requests whose callers left), read
-at once even while a load runs: a batch whose requests are all cancelled before it reaches
-the device skips it (`runtimes.child_side.host.ModelHost.forward`). `--engine` is one of the
+at once even while a load runs: a batch's requests cancelled (or past their deadline)
+before it reaches the device are dropped from it, and one with none left skips it
+(`runtimes.child_side.host.ModelHost.forward`). `--engine` is one of the
 registry's that compute in this process (`tasks.engines`). The frames on both connections,
 and what answers each, are `runtimes.wire.frames` (length-prefixed by `runtimes.wire.protocol`);
 once both connections are accepted it sends `Ready` on the batch connection.
@@ -178,7 +179,7 @@ def _delta_sender(conn: socket.socket, host: ModelHost) -> Callable[[list[Delta]
 
 
 def requests_of(frame: Run) -> list[Request]:
-    return [Request(r.id, r.op, r.kwargs, r.stream) for r in frame.requests]
+    return [Request(r.id, r.op, r.kwargs, r.stream, r.deadline_ms) for r in frame.requests]
 
 
 def handle(host: ModelHost, frame: BatchRequest, conn: socket.socket | None = None

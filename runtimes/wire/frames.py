@@ -54,13 +54,15 @@ class Frame(msgspec.Struct, tag_field="frame"):
 
 
 class RunRequest(msgspec.Struct, array_like=True):
-    """One request of a `Run` (`runtimes.base.Request` less its deadline)."""
+    """One request of a `Run` (`runtimes.base.Request`)."""
 
     id: str
     op: str
     kwargs: Any  # the task's kwargs as the caller sent them: the adapter checks them, so a
     # malformed one fails its request alone (VALIDATION_ERROR), not the frame
     stream: bool = False
+    # Epoch ms after which nobody wants its result: dropped before the device past it.
+    deadline_ms: float | None = None
 
 
 class Run(Frame, tag="run"):

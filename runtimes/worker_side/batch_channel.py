@@ -120,8 +120,9 @@ class BatchChannel:
         if child is None or child.sock is None or child.spare or child.proc.poll() is not None:
             return None
         try:
-            payload = encode_frame(Run(model, [RunRequest(r.id, r.op, r.kwargs, r.stream)
-                                               for r in requests], False))
+            payload = encode_frame(Run(model, [
+                RunRequest(r.id, r.op, r.kwargs, r.stream, r.deadline_ms) for r in requests],
+                False))
         except Exception:  # (FrameTooLarge, say) the batch's thread meets it, as usual
             return None
         if len(payload) > AHEAD_MAX_BYTES:
@@ -145,8 +146,8 @@ class BatchChannel:
         theirs whose output went out). After a failure the call's frames go alone; while
         a failed restart's next child imports, they are answered MODEL_UNAVAILABLE.
         `ahead`: the frame was sent ahead (`send_ahead`); its reply is read."""
-        frame = Run(model, [RunRequest(r.id, r.op, r.kwargs, r.stream) for r in requests],
-                    call.on_deltas is not None)
+        frame = Run(model, [RunRequest(r.id, r.op, r.kwargs, r.stream, r.deadline_ms)
+                            for r in requests], call.on_deltas is not None)
         try:
             result = self._exchange(call, frame, [r.id for r in requests], ahead)
         except RestartPending as exc:

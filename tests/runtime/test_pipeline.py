@@ -13,6 +13,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -200,7 +201,8 @@ def cancel_in_the_child(runtime: ProcessRuntime, ids: list[str]) -> None:
 def test_a_revoked_batch_behind_the_device_skips_it(runtime, cancelled):
     """Issue 41: a batch prepared behind the one on the device, all of whose requests
     are revoked meanwhile, never reaches the model: its requests are answered CANCELLED.
-    The batch on the device finishes, and a batch with a request still wanted runs."""
+    The batch on the device finishes. Issue 53: a batch with a request still wanted runs
+    without the revoked ones (planned again without them), which never reach the model."""
     started = SLOW.started()
     first = requests("a", ["held on the device @@slow@@", "beside it"])
     second = requests("b", ["behind it @@slow@@", "another text"])
@@ -220,17 +222,48 @@ def test_a_revoked_batch_behind_the_device_skips_it(runtime, cancelled):
     assert flight.finished == ["first", "second"]
     assert_all_ok_but(outcomes["first"], bad=None)
     assert [o.id for o in outcomes["second"]] == [r.id for r in second]
-    if cancelled == "all":
-        for outcome in outcomes["second"]:
+    for outcome in outcomes["second"]:
+        if outcome.id in revoked:
             assert outcome.error_code == "CANCELLED", (outcome.error_code,
                                                        outcome.error_message)
             assert "before its batch reached the device" in outcome.error_message
-        assert SLOW.started() == started + 1  # its own @@slow@@ never ran
-    else:
-        assert_all_ok_but(outcomes["second"], bad=None)
-        assert SLOW.started() == started + 2
+        else:
+            assert vectors(outcome).shape == (2, 32)
+    assert SLOW.started() == started + 1  # its own @@slow@@ (the revoked one) never ran
     # The runtime serves on, and forgot the ids (a later batch of them runs).
     assert_all_ok_but(runtime.run_batch(TINY, requests("b", ["after"])), bad=None)
+
+
+def test_a_batch_whose_deadline_passed_behind_the_device_never_reaches_it(runtime):
+    """Issue 53: a batch waiting in the runtime process behind a slow one on the device is
+    past its requests' deadlines when the device is free: they are answered
+    DEADLINE_EXCEEDED and never computed (its @@slow@@ never runs); a request of it with
+    time left runs."""
+    started = SLOW.started()
+    first = requests("dl-a", ["held on the device @@slow@@"])
+    now_ms = time.time() * 1000
+    late = Request("dl-b0", "encode", {"items": [{"text": "behind it @@slow@@"}]},
+                   deadline_ms=now_ms + 300)
+    kept = Request("dl-b1", "encode", {"items": [{"text": "with time"}, {"text": "left"}]},
+                   deadline_ms=now_ms + 600_000)
+    flight = InFlight(runtime)
+    SLOW.hold()
+    try:
+        flight.start("first", FAULTY, first)
+        SLOW.wait_started(started + 1)
+        flight.start("second", FAULTY, [late, kept])
+        wait_for(lambda: runtime._child is not None and runtime._child.turns.sent >= 2)
+        wait_for(lambda: time.time() * 1000 > late.deadline_ms)  # held past it
+    finally:
+        SLOW.release()
+    outcomes = flight.join()
+    assert_all_ok_but(outcomes["first"], bad=None)
+    dropped, ran = outcomes["second"]
+    assert dropped.error_code == "DEADLINE_EXCEEDED", (dropped.error_code,
+                                                       dropped.error_message)
+    assert "before its batch reached the device" in (dropped.error_message or "")
+    assert vectors(ran).shape == (2, 32)
+    assert SLOW.started() == started + 1  # the late request's @@slow@@ never ran
 
 
 def test_the_control_connection_takes_a_cancel_unanswered_and_a_batch_all_cancelled_skips(
@@ -251,8 +284,11 @@ def test_the_control_connection_takes_a_cancel_unanswered_and_a_batch_all_cancel
         cancelled = host.run_batch(TINY, requests("c", ["one", "two"]))
         assert [o.error_code for o in cancelled] == ["CANCELLED", "CANCELLED"]
         assert host.skipped == 1
-        # Only partly cancelled: it runs whole. Then the ids are forgotten.
-        assert_all_ok_but(host.run_batch(TINY, requests("d", ["one", "two"])), bad=None)
+        # Only partly cancelled: it runs without the cancelled one. Then the ids are
+        # forgotten.
+        partly = host.run_batch(TINY, requests("d", ["one", "two"]))
+        assert [o.error_code for o in partly] == ["CANCELLED", None]
+        assert vectors(partly[1]).shape == (2, 32)
         assert_all_ok_but(host.run_batch(TINY, requests("c", ["again"])), bad=None)
         assert host.skipped == 1
         worker.shutdown(socket.SHUT_RDWR)

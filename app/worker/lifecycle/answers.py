@@ -86,6 +86,8 @@ class Answers:
             metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
             if outcome.error_code == ErrorCode.CANCELLED:
                 metrics.CANCELLED.labels(model).inc()
+            elif outcome.error_code == ErrorCode.DEADLINE_EXCEEDED:  # dropped before the device
+                metrics.EXPIRED.labels(model).inc()
             # A runtime that is restarting says when to come back (MODEL_UNAVAILABLE).
             self.replier.failure(held.delivery, held.task_id, outcome.error_code,
                                  outcome.error_message,

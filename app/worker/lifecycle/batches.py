@@ -40,7 +40,7 @@ from batching.scheduler import Scheduler
 from runtimes.base import Outcome, Request, Runtime
 from runtimes.worker_side.pool import lora_key
 from tasks.claims import substitute
-from tasks.envelope import decode_body
+from tasks.envelope import decode_body, now_ms
 from tasks.errors import ErrorCode, ShoalError
 from tasks.served import batch_device_ms
 
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 # A batch whose bodies take more than this is decoded on the runtime's thread, never on
 # the loop (a lone small one is decoded on the loop and sent ahead: `Batches.start`).
 AHEAD_BODY_BYTES = 16 * 1024
+# Why a revoked request is answered CANCELLED unrun (here, or where `revokes` finds it held).
+REVOKED_MESSAGE = "the request was revoked by its caller before it ran"
+# Outcomes of requests taken out of a batch before its device work (here or in the runtime).
+DROPPED_BEFORE_DEVICE = frozenset({ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED})
 
 
 def mark_started(replier: Replier, model: str, held: Held, started: float) -> None:
@@ -64,14 +68,22 @@ def mark_started(replier: Replier, model: str, held: Held, started: float) -> No
 def decode_requests(batch: list[Held]) -> tuple[list[Request], dict[str, Outcome]]:
     """The runtime's requests of a batch (bodies decoded here, on the runtime's thread,
     claimed inputs put in place), and the outcomes of those that cannot run: undecodable,
-    or revoked meanwhile."""
+    revoked meanwhile, or past their deadline (a batch may wait for the runtime's thread
+    behind the batches ahead: nobody waits for these answers any more)."""
     requests: list[Request] = []
     refused: dict[str, Outcome] = {}
+    now = now_ms()
     for held in batch:
         if held.task_id in worker_state.revoked:
+            refused[held.task_id] = Outcome(held.task_id, error_code=ErrorCode.CANCELLED,
+                                            error_message=REVOKED_MESSAGE)
+            continue
+        deadline = held.annotations.deadline_ms
+        if deadline is not None and deadline <= now:
             refused[held.task_id] = Outcome(
-                held.task_id, error_code=ErrorCode.CANCELLED,
-                error_message="the request was revoked by its caller before it ran")
+                held.task_id, error_code=ErrorCode.DEADLINE_EXCEEDED,
+                error_message="the request's deadline passed before its batch reached the "
+                              "runtime")
             continue
         try:
             kwargs = decode_body(held.body)
@@ -178,8 +190,11 @@ class Batches:
             outcomes.update((o.id, o) for o in self.runtime.run_batch(model, requests, on_deltas))
         answered = [outcomes[held.task_id] for held in batch]
         # A batch none of which ran (revoked, refused while the runtime restarts, failed)
-        # says nothing of how long one takes: its time is not taught to the cost model.
-        ran = any(o.ok for o in answered)
+        # says nothing of how long one takes: its time is not taught to the cost model; nor
+        # does one that lost requests before the device (revoked, past their deadline):
+        # what ran was smaller than its shape.
+        ran = any(o.ok for o in answered) and not any(
+            o.error_code in DROPPED_BEFORE_DEVICE for o in answered)
         return answered, time.perf_counter() - started if ran else None
 
     def finish(self, future: Future) -> tuple[str, list[Held], list[Outcome]] | None:

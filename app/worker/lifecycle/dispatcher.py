@@ -16,14 +16,15 @@ its collaborators, each a class of its own that takes what it needs at construct
 never sees this one: `Intake` (a message becomes held requests, and what each becomes where
 it waits), `Batches` (the runtime's thread, the batches in flight, their outcomes), `Feed`
 (the continuous runtime), `Drain` (a shutdown's drain, its state in one object), `Answers`,
-`Returns` (given back to the queue), `Streams`, `Holdings` (every request held, by state),
-`Consumers` (prefetch, priority, peers), `Placement` (loads beside the batches), the
-`Replier` and the claims' fetcher. They report back through the callbacks they were given
-(`Intake` hands over each request, `Batches` and `Feed` what ended, `Placement` a load's
-end), so a request's life reads here from its delivery to its answer. What this class
-keeps is what the step needs between events: the connection's generation (bumped on its
-loss: an answer of an older one is dropped), the tick's timer, and `on_placement` (the
-pool-state step's; the shutdown step sets the drain's `on_drained`).
+`Returns` (given back to the queue), `Revokes` (released at once), `Streams`, `Holdings`
+(every request held, by state), `Consumers` (prefetch, priority, peers), `Placement` (loads
+beside the batches), the `Replier` and the claims' fetcher. They report back through the
+callbacks they were given (`Intake` hands over each request, `Batches` and `Feed` what
+ended, `Placement` a load's end), so a request's life reads here from its delivery to its
+answer. What this class keeps is what the step needs between events: the connection's
+generation (bumped on its loss: an answer of an older one is dropped), the tick's timer,
+and `on_placement` (the pool-state step's; the shutdown step sets the drain's
+`on_drained`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
-
-from celery.worker import state as worker_state
 
 from app.worker import metrics
 from app.worker.lifecycle.answers import Answers, refusal_message
@@ -49,6 +48,7 @@ from app.worker.lifecycle.intake import Intake
 from app.worker.lifecycle.placement import Placement
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.returns import Returns
+from app.worker.lifecycle.revokes import Revokes
 from app.worker.lifecycle.splits import next_parts
 from app.worker.lifecycle.streams import Streams
 from batching.feeder import Feeder
@@ -115,6 +115,7 @@ class Dispatcher:
                            self.batches, self.replier, hold.delivery_limit)
         self.replier.on_confirmed = self.drain.check
         self.answers = Answers(self.replier, consumer, self.drain)
+        self.revokes = Revokes(self.holdings, self.answers, runtime, self._queue_tick)
         self.feed = Feed(runtime, self.feeder, self.continuous, self.placement, self.consumers,
                          self.answers, self.returns, self.streams, self.replier, consumer,
                          self._on_request_done)
@@ -330,15 +331,9 @@ class Dispatcher:
     # --- what the worker's steps and its remote control call ------------------------
 
     def cancel(self, task_ids: list[str]) -> list[str]:
-        """Revoke requests (loop thread): one that has not started is answered CANCELLED
-        when its batch comes; one that runs stops at its next token. The ids that were
-        running here."""
-        worker_state.revoked.update(task_ids)
-        here = self.holdings.running_ids()
-        hit = [t for t in task_ids if t in here]
-        if hit:
-            self.runtime.cancel(hit)
-        return hit
+        """Revoke requests (loop thread): released at once wherever they are (`Revokes`).
+        The ids that were running here."""
+        return self.revokes.revoke(task_ids)
 
     def abandon(self) -> int:
         """A forced end: publish and ack nothing more (the broker redelivers it); the

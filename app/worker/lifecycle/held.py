@@ -15,13 +15,14 @@ states (`Holdings.states`):
 The scheduler and the feeder keep their own queues (they decide on them); this module
 owns the rest and is the one place that walks them all: what has not started (a drain
 hands it back), what runs or is bound to run (a drain waits for it), what models and LoRA
-adapters are in use (none may be evicted), and forgetting it all (a connection loss).
+adapters are in use (none may be evicted), what a revoke takes out wherever it waits
+(`withdraw`), and forgetting it all (a connection loss).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,31 @@ class Holdings:
                 del self.fetching[key]
                 back.append(held)
         return back
+
+    def withdraw(self, task_ids: Container[str]) -> list[tuple[str, Held]]:
+        """Take out the requests with these ids that have not started (revoked), wherever
+        they wait, with their models: the scheduler's backlog (a split request's later
+        parts too), the continuous runtime's queue, a LoRA's parking, a claims' fetch."""
+        out: list[tuple[str, Held]] = []
+        for model, lane in self.scheduler.lanes.items():
+            if lane.backlog:
+                out += [(model, p.handle) for p in self.scheduler.release(model, task_ids)]
+        for model, queue in self.feeder.waiting.items():
+            if queue:
+                out += [(model, w.handle) for w in self.feeder.release(model, task_ids)]
+        for key, waiting in list(self.parked.items()):
+            kept = [(h, d) for h, d in waiting if h.task_id not in task_ids]
+            if len(kept) < len(waiting):
+                out += [(key[0], h) for h, _ in waiting if h.task_id in task_ids]
+                if kept:
+                    self.parked[key] = kept
+                else:
+                    del self.parked[key]
+        for key, (model, held) in list(self.fetching.items()):
+            if held.task_id in task_ids:  # its fetch's end finds it gone (`fetched`)
+                del self.fetching[key]
+                out.append((model, held))
+        return out
 
     @property
     def unfinished(self) -> int:

@@ -41,6 +41,7 @@ from celery.worker import state as worker_state
 
 from app.worker import metrics
 from app.worker.lifecycle.answers import Answers
+from app.worker.lifecycle.batches import REVOKED_MESSAGE
 from app.worker.lifecycle.claims import ClaimFetcher, Fetched
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.replies import Delivery, Replier
@@ -153,6 +154,10 @@ class Intake:
         if model not in self.lanes:  # a message routed to the wrong queue
             self.replier.failure(delivery, task_id, ErrorCode.MODEL_NOT_FOUND,
                                  f"this worker does not serve {model!r}")
+            return
+        if task_id in worker_state.revoked:  # revoked before it came (`revokes`)
+            metrics.REVOKED.labels(model, "arrived").inc()
+            self.answers.refuse(model, held, REVOKED_MESSAGE, ErrorCode.CANCELLED)
             return
         if annotations.claims:
             self._fetch_claims(model, held, deliveries + returns)
