@@ -267,9 +267,10 @@ class Broker:
         (`gateway.broker.streams.ReplyStreams.stream`)."""
         return self.streams.stream(model, part, timeout_s)
 
-    async def cancel(self, task_ids: list[str]) -> None:
-        """Revoke requests on every worker (`gateway.broker.streams.ReplyStreams.cancel`)."""
-        await self.streams.cancel(task_ids)
+    async def cancel(self, task_ids: list[str]) -> bool:
+        """Revoke requests on every worker (`gateway.broker.streams.ReplyStreams.cancel`);
+        False if the broker did not take it."""
+        return await self.streams.cancel(task_ids)
 
     async def publish_part(self, model: str, part: Part, timeout_s: float,
                            reply_to: str) -> None:
