@@ -101,9 +101,11 @@ class ReplyStreams:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
-    async def cancel(self, task_ids: list[str]) -> None:
+    async def cancel(self, task_ids: list[str]) -> bool:
         """Revoke requests on every worker (Celery's broadcast `shoal_cancel`): one that has
-        not started is answered CANCELLED, one that runs stops at its next token."""
+        not started is answered CANCELLED, one that runs stops at its next token. False if
+        the broker did not take it (no connection, or the publish failed): a caller that
+        must have it taken sends it again (`gateway.jobs.part_revokes`)."""
         body = orjson.dumps({"method": "shoal_cancel", "arguments": {"task_ids": task_ids},
                              "destination": None, "pattern": None, "matcher": None})
         message = aio_pika.Message(
@@ -114,7 +116,7 @@ class ReplyStreams:
             if self._control is None or self._control.is_closed:
                 connection = self._connection()
                 if connection is None:
-                    return
+                    return False
                 self._control = await connection.channel(publisher_confirms=False)
             # Not declared: the workers' pidbox consumers declare it (a publish before any
             # worker ran closes this channel only; the next cancel opens another).
@@ -122,6 +124,8 @@ class ReplyStreams:
             await exchange.publish(message, routing_key="")
         except Exception as exc:
             log.warning("could not revoke %s: %s", task_ids, exc)
+            return False
+        return True
 
 
 def _progress(result: dict, tokens: dict[int, int]) -> str | None:

@@ -41,6 +41,7 @@ from gateway.jobs.bulk_files import gather
 from gateway.jobs.key_jobs import KeyJobs
 from gateway.jobs.orphans import Orphans
 from gateway.jobs.part_publisher import PartPublisher
+from gateway.jobs.part_revokes import PartRevokes
 from gateway.jobs.store import FAILED, SUCCEEDED, Job, JobStore, error_body, transient
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode
@@ -71,12 +72,33 @@ class JobDriver:
         # The jobs driven here now, and those whose driver stopped for want of Redis, until
         # Redis answers again: then each is either there (the scan drives it again) or gone
         # (cleaned up there).
-        self._orphans = Orphans(store, broker, blobs)
+        self.revokes = PartRevokes(broker)  # sent again until the broker takes them
+        self._orphans = Orphans(store, self.revokes.revoke, blobs)
         self.keys = KeyJobs(store)  # the API keys' limits and fair share
-        self._parts = PartPublisher(settings, store, broker, blobs, self._orphans, self.keys)
+        self._parts = PartPublisher(settings, store, broker, blobs, self._orphans, self.keys,
+                                    self.revokes)
+        self._adopter: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
+        loop = asyncio.get_running_loop()
+        self._scanner = loop.create_task(self._scan_forever())
+        self._adopter = loop.create_task(self._adopt_paused())
+
+    async def _adopt_paused(self) -> None:
+        """The jobs paused by gateways before this one started (their records in the blob
+        store, `gateway.jobs.paused_jobs`): read once the blob store answers, then watched
+        as this gateway's own orphans until Redis says whether each is still there."""
+        while not self._closing:
+            try:
+                found = await self._orphans.records.read_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cannot read the paused jobs' records (%s); trying again", exc)
+                await asyncio.sleep(self.lease_s / 3)
+                continue
+            await self._orphans.adopt(found)
+            return
 
     async def close(self) -> None:
         """Stop scanning and driving (on the gateway's shutdown), waiting CLOSE_WAIT_S at
@@ -84,9 +106,9 @@ class JobDriver:
         the scanner then slept on, and a drained gateway never exited), so the scanner
         also stops at its next turn, and shutdown never waits for it longer than that."""
         self._closing = True
-        watcher = self._orphans.close()
-        tasks = [t for t in (self._scanner, watcher, *self._driving.values())
-                 if t is not None]
+        watcher, retrier = self._orphans.close(), self.revokes.close()
+        tasks = [t for t in (self._scanner, self._adopter, watcher, retrier,
+                             *self._driving.values()) if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         if not tasks:
@@ -179,24 +201,25 @@ class JobDriver:
             if job is None:
                 await self.store.forget(job_id)
                 return
-            self._orphans.driving(job_id, job.folder, job.published)
+            await self._orphans.driving(job_id, job.folder, job.published)
             entry = self.served.get(job.model)
-            if not job.active or entry is None:
+            if not job.active:  # cancelled while no driver held it: its files go now
+                await self.drop_files(job, always=True)
+                return
+            if entry is None:
                 return  # a model this gateway does not serve: left to one that does
             if await self.store.mark_running(job_id) and \
                     await self._parts.publish_all(job, entry) and \
                     await self._parts.wait_done(job):
                 await self._gather(job, entry)
             else:  # cancelled, failed or gone: its files go (the caller's own input stays)
-                folder = [f"{job.folder}/parts", f"{job.folder}/input.jsonl",
-                          f"{job.folder}/request.msgpack"]
-                await asyncio.to_thread(self.blobs().delete, folder, True)
+                await self.drop_files(job, always=True)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if transient(exc):
                 log.warning("job %s paused (%s); it resumes on the next scan", job_id, exc)
-                self._orphans.orphan(job_id)
+                await self._orphans.orphan(job_id)
             else:
                 log.exception("job %s failed", job_id)
                 await self.store.finish(job_id, FAILED, error=error_body(
@@ -214,6 +237,22 @@ class JobDriver:
         """Revoke the parts published and not answered (see `PartPublisher.revoke`)."""
         await self._parts.revoke(job_id, published)
 
+    async def drop_files(self, job: Job, always: bool = False) -> None:
+        """Delete the folder of a job that ended without a result (cancelled, failed, or
+        gone from Redis), at once rather than at the hourly sweep: its upload, part files
+        and pause record (a caller's own input lies elsewhere and stays); a job that
+        succeeded keeps it (its result). Unless `always` (its driver), only if no driver
+        holds its lease: one that does deletes it when it sees the job stop (within
+        POLL_S), and a part file it is writing must not outlive the folder. An OpenAI
+        batch's folder goes when its cancel has written its files (`finish_cancelled`)."""
+        if job.batch or not job.folder:
+            return
+        if not always and await self.store.redis.exists(self.store.lease_key(job.id)):
+            return
+        state = await self.store.redis.hget(self.store.key(job.id), "state")
+        if state is None or state in (b"cancelled", b"failed"):  # never a result's folder
+            await asyncio.to_thread(self.blobs().delete, [job.folder], True)
+
     # --- gathering -----------------------------------------------------------------------
 
     async def _gather(self, job: Job, entry: ModelEntry) -> None:
@@ -227,7 +266,7 @@ class JobDriver:
             key, kind = await asyncio.to_thread(gather, blobs, job.folder, metas)
             if not await self.store.finish(job.id, SUCCEEDED, result_file=key,
                                            result_type=kind):
-                await asyncio.to_thread(blobs.delete, [key])  # cancelled meanwhile
+                await asyncio.to_thread(blobs.delete, [job.folder], True)  # cancelled
                 return
             if job.owns_input:
                 await asyncio.to_thread(blobs.delete, [job.input])

@@ -34,6 +34,7 @@ from gateway.jobs.bulk_files import PartReader
 from gateway.jobs.key_jobs import KeyJobs
 from gateway.jobs.orphans import Orphans
 from gateway.jobs.part_replies import part_id, replies_queue
+from gateway.jobs.part_revokes import PartRevokes
 from gateway.jobs.store import Job, JobStore
 from tasks.catalog import ModelEntry
 from tasks.envelope import task_part
@@ -53,10 +54,12 @@ class PartPublisher:
     """Publishes the parts of the jobs driven here and waits for their answers."""
 
     def __init__(self, settings: Settings, store: JobStore, broker: Any,
-                 blobs: Callable[[], Any], orphans: Orphans, keys: KeyJobs) -> None:
+                 blobs: Callable[[], Any], orphans: Orphans, keys: KeyJobs,
+                 revokes: PartRevokes) -> None:
         self.settings = settings
         self.store = store
         self.keys = keys
+        self.revokes = revokes
         self.broker = broker
         self.blobs = blobs
         self.orphans = orphans
@@ -184,11 +187,11 @@ class PartPublisher:
 
     async def revoke(self, job_id: str, published: int) -> None:
         """Revoke the parts published and not answered: a worker answers them CANCELLED
-        without running them; one already running finishes and its result is dropped."""
+        without running them; one already running finishes and its result is dropped. A
+        revoke the broker does not take is sent again until it does (`PartRevokes`)."""
         recorded = await self.store.recorded(job_id)
-        ids = [part_id(job_id, i) for i in range(published) if i not in recorded]
-        if ids:
-            await self.broker.cancel(ids)
+        await self.revokes.revoke([part_id(job_id, i) for i in range(published)
+                                   if i not in recorded])
 
     async def _publish(self, job: Job, entry: ModelEntry, index: int,
                        kwargs: dict[str, Any]) -> bool:

@@ -136,7 +136,12 @@ class JobReplies:
         await asyncio.to_thread(self.blobs().put, key, data)
         meta = msgpack.packb({"kind": kind, "items": items, "dims": dims, "file": key},
                              use_bin_type=True)
-        await self.store.record(job.id, index, meta, items)
+        if await self.store.record(job.id, index, meta, items) == -1:
+            # The job ended while the file was written: a late part of a job cancelled or
+            # failed must not bring back its folder, deleted when it ended.
+            state = await self.store.redis.hget(self.store.key(job.id), "state")
+            late = [job.folder] if state in (None, b"cancelled", b"failed") else [key]
+            await asyncio.to_thread(self.blobs().delete, late, True)
 
     async def _line_failed(self, job: Job, index: int, failure: Any) -> None:
         """A batch line the model refused is that line's answer (an error line), not the

@@ -341,12 +341,16 @@ async def get_result(request: Request) -> Response:
 
 async def cancel_job(request: Request) -> Response:
     """Cancel: parts not yet published never are, published ones are revoked (a worker
-    answers them CANCELLED unrun), running ones finish and are dropped. A job that has
-    already finished is left as it is (200 with its view)."""
+    answers them CANCELLED unrun), running ones finish and are dropped; the job's folder
+    in the blob store is deleted at once. A job that has already finished is left as it
+    is (200 with its view)."""
     job = await _job(request)
     store = _store(request)
     if job.active and await store.finish(job.id, CANCELLED):
-        # The driver revokes too when it notices; this covers a job whose driver is gone.
-        await request.app.state.job_driver.revoke(job.id, job.published)
+        # The driver revokes too when it notices, and deletes the job's folder; this
+        # covers a job whose driver is gone.
+        driver = request.app.state.job_driver
+        await driver.revoke(job.id, job.published)
+        await driver.drop_files(job)
         job = await _job(request)
     return encode_response(request, view(job))
