@@ -65,7 +65,8 @@ return {0, jobs, texts}
 """
 # Parts a key has out on one model: published and not answered, over its active jobs
 # (KEYS[1]: its set). ARGV: [1] the jobs' hash prefix, [2] the model, [3] an OpenAI
-# batch's lines to a part (its `published` counts lines).
+# batch's lines to a part (its `published` counts lines; whole parts only, so that a
+# batch alone keeps the lines in flight it had before there was a share).
 _IN_FLIGHT = """
 local out = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -73,7 +74,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
                        'batch')
   if (f[1] == 'queued' or f[1] == 'running') and f[2] == ARGV[2] then
     local n = math.max(0, (tonumber(f[3]) or 0) - (tonumber(f[4]) or 0))
-    if f[5] and f[5] ~= '' then n = math.ceil(n / tonumber(ARGV[3])) end
+    if f[5] and f[5] ~= '' then n = math.floor(n / tonumber(ARGV[3])) end
     out = out + n
   end
 end
