@@ -13,6 +13,7 @@ from typing import Any
 from celery.signals import worker_init
 
 from app.worker.reconnect import ReconnectingConsumer
+from tasks import tracing
 from tasks.celery_app import app
 
 __all__ = ["app"]
@@ -32,4 +33,5 @@ def _install_worker_steps(sender: Any = None, **_: Any) -> None:
         return
     from app.worker import install
 
+    tracing.setup("worker")  # if OTEL_* turns tracing on (`tasks.tracing`)
     install(app)

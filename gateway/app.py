@@ -23,6 +23,7 @@ from gateway.edge.cors import install_cors
 from gateway.edge.gateway_metrics import metrics
 from gateway.edge.outer_middleware import RequestIdMiddleware
 from gateway.edge.sigterm_drain import Drain
+from gateway.edge.tracing import install as install_tracing
 from gateway.jobs.driver import JobDriver
 from gateway.jobs.part_replies import JobReplies
 from gateway.jobs.store import JobStore, warn_if_jobs_are_volatile
@@ -60,6 +61,7 @@ from gateway.routes.tei_vectors import embed_all as tei_embed_all
 from gateway.routes.tei_vectors import embed_sparse as tei_embed_sparse
 from gateway.routes.tei_vectors import similarity as tei_similarity
 from gateway.routes.vllm_tokens import create_detokenize, create_tokenize
+from tasks import tracing
 from tasks.catalog import load_catalog
 from tasks.errors import ShoalError
 from tasks.settings import Settings, get_settings
@@ -187,6 +189,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
     install_auth(app, settings)  # inside RequestIdMiddleware: a refusal is counted too
     app.add_middleware(RequestIdMiddleware)
     install_cors(app, settings)  # outermost: preflights before the keys, headers on errors
+    if tracing.ENABLED:  # around even CORS: a request's server span covers all it met
+        install_tracing(app)
     app.state.settings = settings
     app.state.served = served
     app.state.catalog = catalog

@@ -27,6 +27,9 @@ class Request:
     kwargs: dict[str, Any]
     stream: bool = False
     deadline_ms: float | None = None
+    # With tracing on: the W3C traceparent of the worker's span of the batch this request
+    # runs in (`app.worker.lifecycle.traces`), which the runtime's spans continue.
+    trace: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

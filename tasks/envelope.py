@@ -366,4 +366,3 @@ def _traced(part: Part, trace: Any) -> Part:
         return part
     return replace(part, annotations=replace(part.annotations, traceparent=traceparent,
                                              tracestate=trace_field(trace[1])))
-

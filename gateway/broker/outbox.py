@@ -28,6 +28,8 @@ from gateway.broker.broker_errors import unavailable
 from gateway.broker.queue_declarations import ModelQueues
 from gateway.edge.api_errors import ApiError
 from gateway.edge.gateway_metrics import REQUESTS_PER_MESSAGE
+from gateway.edge.tracing import publish_span
+from tasks import tracing
 from tasks.envelope import CONTENT_ENCODING, CONTENT_TYPE, Part, coalesce, single_message
 from tasks.errors import ErrorCode
 from tasks.settings import Settings
@@ -74,6 +76,9 @@ class Outbox:
         """Put the request in its model's outbox; its `confirmed` resolves once the broker
         has it. Cancelling that wait before the request is `taken` withdraws it."""
         outgoing = _Outgoing(part, timeout_s, asyncio.get_running_loop().create_future())
+        if tracing.ENABLED:  # its message carries its publish span's context
+            outgoing.part = publish_span(model, self.queues.queues[model].name, part,
+                                         outgoing.confirmed)
         self.put(model, outgoing)
         return outgoing
 

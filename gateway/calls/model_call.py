@@ -14,6 +14,8 @@ from gateway.calls.request_trace import TRACE_HEADER, hop_trace
 from gateway.calls.work_deadline import default_budget_ms
 from gateway.edge.api_errors import ApiError, invalid
 from gateway.edge.raw_headers import header, header_values
+from gateway.edge.tracing import call_span, reply_span
+from tasks import tracing
 from tasks.catalog import ModelEntry
 from tasks.envelope import SUCCESS, task_part
 from tasks.errors import ErrorCode, ShoalError
@@ -166,6 +168,8 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
             budget_ms = work_ms
             part = replace(part, annotations=replace(
                 part.annotations, deadline_ms=int(part.annotations.sent_ms or 0) + work_ms))
+    if tracing.ENABLED:
+        call_span(part)
     if uploads:
         reply = await submit_claimed(broker, entry.id, part, budget_ms / 1000, uploads,
                                      settings.blob_url, settings.claim_upload_timeout_s,
@@ -177,6 +181,8 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     if reply.get("status") != SUCCESS:
         raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]
+    if tracing.ENABLED:
+        reply_span(read_served(result).timing, replied)
     out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}",
                    **reply_headers(result)}
     if header(request, TRACE_HEADER.encode()) is not None:

@@ -33,6 +33,7 @@ from starlette.responses import Response
 
 from gateway.edge.codecs import encode_response
 from gateway.edge.compat_errors import bad_request_status
+from tasks import tracing
 from tasks.errors import ErrorCode, ShoalError
 
 # The routes that speak OpenAI's API, each with the body field that carries its items
@@ -126,6 +127,8 @@ def error_response(request: Request, error: ShoalError,
     """The error response for `error` on the request's route (JSON or msgpack as the
     caller accepts), with `headers` added."""
     path = request.scope["path"]
+    if tracing.ENABLED:  # the code on the request's server span
+        tracing.set_attribute("shoal.error_code", str(error.code))
     out = error_headers(error)
     if headers:
         out.update(headers)

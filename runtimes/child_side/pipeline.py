@@ -32,8 +32,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runtimes.base import Outcome, Request
+from runtimes.child_side import spans
+from runtimes.child_side.spans import Stamps
 from runtimes.wire.frames import Failed, Frame, Outcomes, RunOutcome
 from runtimes.wire.protocol import encode_frame
+from tasks import tracing
 
 if TYPE_CHECKING:
     from runtimes.child_side.host import BatchWork, ModelHost
@@ -97,6 +100,7 @@ class _Item:
     requests: list[Request]
     work: BatchWork | None = None  # None: `begin` raised (`failure`)
     failure: BaseException | None = None
+    stamps: Stamps | None = None  # a traced batch's clocks (`runtimes.child_side.spans`)
 
 
 class Pipeline:
@@ -122,10 +126,15 @@ class Pipeline:
         with self._changed:
             self._in_flight += 1
         item = _Item(model, requests)
+        if tracing.ENABLED and requests and requests[0].trace:
+            item.stamps = Stamps(requests[0].trace)
+            item.stamps.now()
         try:
             item.work = self.host.begin(model, requests)
         except Exception as exc:
             item.failure = exc
+        if item.stamps is not None:
+            item.stamps.now()
         self._device_slot.acquire()
         self._to_device.put(item)
 
@@ -138,17 +147,23 @@ class Pipeline:
         while True:
             item = self._to_device.get()
             self._device_slot.release()
+            if item.stamps is not None:
+                item.stamps.now()
             if item.failure is None and item.work is not None:
                 try:
                     self.host.forward(item.work)
                 except Exception as exc:
                     item.failure = exc
+            if item.stamps is not None:
+                item.stamps.now()
             self._to_finish.put(item)
 
     def _finish(self) -> None:
         while True:
             item = self._to_finish.get()
             fatal = False
+            if item.stamps is not None:
+                item.stamps.now()
             if item.failure is None and item.work is not None:
                 try:
                     reply = outcomes_reply(self.host.finish(item.work))
@@ -163,6 +178,9 @@ class Pipeline:
             except OSError:
                 log.info("the worker went away before the reply; exiting")
                 os._exit(0)
+            if item.stamps is not None:
+                item.stamps.now()
+                spans.record(item.model, len(item.requests), item.stamps, item.failure)
             if fatal:
                 log.error("the device is unusable after that error; exiting so a fresh "
                           "runtime starts")

@@ -74,7 +74,7 @@ from runtimes.wire.protocol import (
     encode_frame,
     recv_frame,
 )
-from tasks import engines
+from tasks import engines, tracing
 from tasks.catalog import Catalog, load_catalog
 
 if TYPE_CHECKING:
@@ -179,7 +179,8 @@ def _delta_sender(conn: socket.socket, host: ModelHost) -> Callable[[list[Delta]
 
 
 def requests_of(frame: Run) -> list[Request]:
-    return [Request(r.id, r.op, r.kwargs, r.stream, r.deadline_ms) for r in frame.requests]
+    return [Request(r.id, r.op, r.kwargs, r.stream, r.deadline_ms, frame.trace)
+            for r in frame.requests]
 
 
 def handle(host: ModelHost, frame: BatchRequest, conn: socket.socket | None = None
@@ -255,6 +256,7 @@ def serve(conn: socket.socket, host: ModelHost) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     _exit_with_parent(args.parent_pid or os.getppid())
+    tracing.setup("runtime")  # if the worker's environment turns tracing on
     faulthandler.enable()  # a segfault still prints the Python stack to stderr
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,

@@ -71,6 +71,9 @@ class Run(Frame, tag="run"):
     model: str
     requests: list[RunRequest]
     deltas: bool = False
+    # With tracing on: the W3C traceparent of the worker's span of this batch, which the
+    # runtime's spans continue (`runtimes.child_side.spans`); None: not traced.
+    trace: str | None = None
 
 
 class Probe(Frame, tag="probe"):

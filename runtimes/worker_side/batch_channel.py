@@ -122,7 +122,7 @@ class BatchChannel:
         try:
             payload = encode_frame(Run(model, [
                 RunRequest(r.id, r.op, r.kwargs, r.stream, r.deadline_ms) for r in requests],
-                False))
+                False, requests[0].trace if requests else None))
         except Exception:  # (FrameTooLarge, say) the batch's thread meets it, as usual
             return None
         if len(payload) > AHEAD_MAX_BYTES:
@@ -147,7 +147,8 @@ class BatchChannel:
         a failed restart's next child imports, they are answered MODEL_UNAVAILABLE.
         `ahead`: the frame was sent ahead (`send_ahead`); its reply is read."""
         frame = Run(model, [RunRequest(r.id, r.op, r.kwargs, r.stream, r.deadline_ms)
-                            for r in requests], call.on_deltas is not None)
+                            for r in requests], call.on_deltas is not None,
+                    requests[0].trace if requests else None)  # the batch's, traced
         try:
             result = self._exchange(call, frame, [r.id for r in requests], ahead)
         except RestartPending as exc:

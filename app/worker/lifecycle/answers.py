@@ -16,12 +16,14 @@ import time
 from typing import Any
 
 from app.worker import metrics
+from app.worker.lifecycle import traces
 from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.splits import merged_result
 from batching.lanes import Late
 from runtimes.base import CANCELLED, Outcome
+from tasks import tracing
 from tasks.errors import ErrorCode
 from tasks.served import stamp_delivery
 
@@ -88,6 +90,8 @@ class Answers:
                 metrics.CANCELLED.labels(model).inc()
             elif outcome.error_code == ErrorCode.DEADLINE_EXCEEDED:  # dropped before the device
                 metrics.EXPIRED.labels(model).inc()
+            if tracing.ENABLED:
+                traces.settled(held, str(outcome.error_code or "error"))
             # A runtime that is restarting says when to come back (MODEL_UNAVAILABLE).
             self.replier.failure(held.delivery, held.task_id, outcome.error_code,
                                  outcome.error_message,
@@ -111,6 +115,8 @@ class Answers:
             if "ttft_ms" in latency:
                 metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(latency["ttft_ms"] / 1000)
                 metrics.INTER_TOKEN.labels(model).observe(latency["itl_ms"] / 1000)
+        if tracing.ENABLED:
+            traces.settled(held, "ok")
         self.replier.success(held.delivery, held.task_id, result, now - started)
 
     def refuse(self, model: str, held: Held, why: str,
@@ -126,6 +132,8 @@ class Answers:
         metrics.RESULTS.labels(model, code).inc()
         # Refused unrun: a client may send it again (unless parts of it ran already).
         ran = held.split is not None and bool(held.split.results)
+        if tracing.ENABLED:
+            traces.settled(held, str(code))
         self.replier.failure(held.delivery, held.task_id, code, why, started=ran)
 
     def _count_drain_answer(self, model: str, answered: int = 1) -> None:

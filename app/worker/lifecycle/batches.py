@@ -30,6 +30,7 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from app.worker import metrics
+from app.worker.lifecycle import traces
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.placement import Placement
 from app.worker.lifecycle.replies import Replier
@@ -39,6 +40,7 @@ from batching.lanes import Batch
 from batching.scheduler import Scheduler
 from runtimes.base import Outcome, Request, Runtime
 from runtimes.worker_side.pool import lora_key
+from tasks import tracing
 from tasks.claims import substitute
 from tasks.envelope import decode_body, now_ms
 from tasks.errors import ErrorCode, ShoalError
@@ -100,7 +102,8 @@ def decode_requests(batch: list[Held]) -> tuple[list[Request], dict[str, Outcome
                 continue
         requests.append(Request(held.task_id, held.annotations.op, kwargs,
                                 stream=kwargs.get("stream") is True,
-                                deadline_ms=held.annotations.deadline_ms))
+                                deadline_ms=held.annotations.deadline_ms,
+                                trace=held.batch_trace))
     return requests, refused
 
 
@@ -132,6 +135,8 @@ class Batches:
         model, limits = batch.lane.model, batch.lane.limits
         held = [p.handle for p in batch.members]
         started = time.time()
+        if tracing.ENABLED:  # before the requests are made: they carry the batch's context
+            traces.batch_started(model, batch, held, started)
         # First, so that the child computes while the loop does the rest.
         decoded, ahead = self._ahead(model, held)
         try:
@@ -212,6 +217,8 @@ class Batches:
             failure = exc
         batch = self.scheduler.finish(time.monotonic(), seconds, started)
         assert batch is started
+        if tracing.ENABLED:
+            traces.batch_ended(batch, outcomes)
         model, held = batch.lane.model, [p.handle for p in batch.members]
         if outcomes is None:
             log.exception("batch of %d failed", len(held), exc_info=failure)

@@ -51,6 +51,10 @@ class Held:
     # Its claim-checked inputs by key, once fetched (`body` keeps the claims: a request
     # given back must carry them, never the bytes); put in place by `decode_requests`.
     blobs: dict[str, bytes] | None = None
+    # With tracing on (`app.worker.lifecycle.traces`): its `request` span until it is
+    # settled, and the trace context of the batch it runs in, for the runtime's spans.
+    span: Any = None
+    batch_trace: str | None = None
 
 
 @dataclass(slots=True)
@@ -68,7 +72,7 @@ class Split:
     def part_held(self, whole: Held, index: int) -> Held:
         annotations, body = self.parts[index]
         return Held(whole.delivery, whole.task_id, annotations, body, whole.returns,
-                    whole.started, self, index, whole.blobs)
+                    whole.started, self, index, whole.blobs, whole.span)
 
     def describe(self, index: int) -> str:
         first = sum(a.items for a, _ in self.parts[:index])

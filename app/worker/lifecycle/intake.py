@@ -40,6 +40,7 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from app.worker import metrics
+from app.worker.lifecycle import traces
 from app.worker.lifecycle.answers import Answers
 from app.worker.lifecycle.batches import REVOKED_MESSAGE
 from app.worker.lifecycle.claims import ClaimFetcher, Fetched
@@ -49,6 +50,7 @@ from app.worker.lifecycle.splits import split_request, too_long_for
 from batching.feeder import Waiting
 from batching.lanes import Lane
 from batching.shapes import Pending
+from tasks import tracing
 from tasks.envelope import (
     H_COALESCED,
     Annotations,
@@ -58,6 +60,7 @@ from tasks.envelope import (
     now_ms,
     read_annotations,
     read_coalesced,
+    with_trace,
 )
 from tasks.errors import ErrorCode
 from tasks.names import ENCODE
@@ -128,7 +131,7 @@ class Intake:
                 self.replier.failure(delivery, task_id, ErrorCode.INVALID_REQUEST, str(exc))
                 return False
             entry = self.entries.get(kwargs.get("model"))  # type: ignore[arg-type]
-            annotations = annotate(task_name, kwargs, entry)
+            annotations = with_trace(annotate(task_name, kwargs, entry), headers)
         self._take(delivery, task_id, task_name, annotations, message.body, deliveries, 0,
                    headers)
         return True
@@ -139,6 +142,8 @@ class Intake:
         """Hold one request (the only one of its message, or a member of a coalesced
         one)."""
         held = Held(delivery, task_id, annotations, body, returns)
+        if tracing.ENABLED:
+            traces.received(annotations.model, held)
         if self.replier.task_events:  # off unless -E or Flower: no fields built then
             h = headers or {}
             self.replier.event(

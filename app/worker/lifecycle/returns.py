@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.worker.lifecycle import traces
 from app.worker.lifecycle.consumers import Consumers
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.replies import Delivery, Replier
+from tasks import tracing
 from tasks.envelope import H_DEADLINE, Part, coalesce
 
 ReturnKey = tuple[str, str | None, bool]  # operation, reply_to, reply_batch
@@ -56,6 +58,9 @@ def give_back(model: str, returned: list[Held], queue: str | None, replier: Repl
     """Return requests to their queue (see `plan_returns`); `queue` None: not consuming
     (the connection was lost), so only whole messages are requeued (the rest is
     redelivered anyway)."""
+    if tracing.ENABLED:
+        for held in returned:
+            traces.settled(held, "returned")
     whole, handed_on = plan_returns(returned, renew)
     for delivery in whole:
         delivery.requeue()
