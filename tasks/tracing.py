@@ -119,6 +119,13 @@ def tracer() -> Any:
     return trace.get_tracer(TRACER_NAME)
 
 
+def set_attribute(key: str, value: Any) -> None:
+    """An attribute on the current span (none: nothing)."""
+    from opentelemetry import trace
+
+    trace.get_current_span().set_attribute(key, value)
+
+
 def context_of(traceparent: str | None, tracestate: str | None = None) -> Any:
     """The OpenTelemetry context of a W3C trace context (None, or a malformed one: an
     empty context, so the span made in it starts a trace of its own)."""
