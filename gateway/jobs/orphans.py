@@ -44,7 +44,7 @@ class Orphans:
         self.store = store
         self.revoke = revoke
         self.blobs = blobs
-        self.records = PausedRecords(blobs)
+        self.records = PausedRecords(blobs, store.prefix)
         self.known: dict[str, KnownJob] = {}  # the jobs driven here now
         self._orphans: dict[str, KnownJob] = {}
         self._watcher: asyncio.Task | None = None
@@ -83,8 +83,8 @@ class Orphans:
         known = self.known.pop(job_id, None)
         if known is None or self._closing:
             return
+        await self.records.write(known)  # first: an orphan here is one on record too
         self._keep(known)
-        await self.records.write(known)
 
     async def adopt(self, found: list[KnownJob]) -> None:
         """Paused jobs recorded in the blob store (read when this gateway starts): watched

@@ -7,7 +7,8 @@ Redis says whether the job is still there. A gateway restarted meanwhile would f
 nothing in Redis may list it any more (a Redis that comes back empty), the hourly sweep
 spares folders younger than an hour, and its parts out would run for nobody. So the pause
 also writes `paused.msgpack` into the job's folder (`PausedRecords.write`: the job's id,
-folder and parts published), and every gateway reads these records when it starts
+folder and parts published, and the stack's queue prefix, which namespaces its Redis
+keys), and every gateway reads its stack's records when it starts
 (`read_all`, again until the blob store answers) and watches the jobs as its own orphans:
 a job Redis still has goes back to the scan and its record is removed; a job Redis lost
 has its parts revoked and its folder (the record with it) deleted.
@@ -51,14 +52,16 @@ def record_key(folder: str) -> str:
 class PausedRecords:
     """The paused jobs' records in the blob store (`blobs()`: the store)."""
 
-    def __init__(self, blobs: Callable[[], Any]) -> None:
+    def __init__(self, blobs: Callable[[], Any], prefix: str) -> None:
         self.blobs = blobs
+        self.prefix = prefix  # the stack's (SHOAL_QUEUE_PREFIX): its Redis keys' too
 
     async def write(self, known: KnownJob) -> None:
         """Record a paused job in its folder; a blob store away is logged (the job is then
         known to this gateway only, as before)."""
         data = msgpack.packb({"job": known.job_id, "folder": known.folder,
-                              "published": known.published, "paused_at": time.time()})
+                              "published": known.published, "paused_at": time.time(),
+                              "prefix": self.prefix})
         try:
             await asyncio.wait_for(asyncio.to_thread(self.blobs().put,
                                                      record_key(known.folder), data),
@@ -78,7 +81,9 @@ class PausedRecords:
             log.info("could not remove the pause record of job %s: %s", known.job_id, exc)
 
     async def read_all(self) -> list[KnownJob]:
-        """Every paused job recorded in the blob store; raises if the store is away."""
+        """Every paused job recorded in the blob store by this stack (its queue prefix: a
+        blob store shared by stacks on other prefixes holds theirs too, whose jobs this
+        stack's Redis does not know); raises if the store is away."""
         from tasks.blobs import JOBS
 
         blobs = self.blobs()
@@ -88,11 +93,13 @@ class PausedRecords:
             for path in blobs.fs.glob(blobs.path(f"{JOBS}/*/{RECORD}")):
                 try:
                     record = msgpack.unpackb(blobs.fs.cat_file(path), raw=False)
+                    if record.get("prefix") != self.prefix:
+                        continue
                     found.append(KnownJob(str(record["job"]), str(record["folder"]),
                                           int(record["published"])))
                 except FileNotFoundError:
                     continue  # removed since it was listed
-                except (ValueError, KeyError, TypeError) as exc:
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
                     log.warning("ignoring the pause record %s, which does not parse: %s",
                                 path, exc)
             return found
