@@ -67,6 +67,17 @@ def decode(body: bytes) -> list[ReceivedSpan]:
     return out
 
 
+def count_spans(body: bytes) -> int:
+    """How many spans an `ExportTraceServiceRequest` carries (parsed, nothing kept)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(body)
+    return sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
+
+
 @dataclass
 class OtlpReceiver:
     """The receiver's server on its own thread (`start`, `stop`), and what it received."""
@@ -75,7 +86,8 @@ class OtlpReceiver:
     requests: int = 0
     body_bytes: int = 0
     refused: int = 0
-    keep: bool = True  # False: count requests and bytes only (a benchmark's sink)
+    span_count: int = 0
+    keep: bool = True  # False: count spans, requests and bytes only (a benchmark's sink)
 
     def start(self) -> OtlpReceiver:
         receiver = self
@@ -88,11 +100,13 @@ class OtlpReceiver:
                     return
                 try:
                     spans = decode(body) if receiver.keep else []
+                    count = len(spans) if receiver.keep else count_spans(body)
                 except Exception:  # a body that is no ExportTraceServiceRequest
                     receiver._refuse(self, 400)
                     return
                 with receiver._lock:
                     receiver.spans.extend(spans)
+                    receiver.span_count += count
                     receiver.requests += 1
                     receiver.body_bytes += len(body)
                 self.send_response(200)
