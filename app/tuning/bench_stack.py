@@ -88,9 +88,10 @@ def reply_queues(prefix: str, management_url: str) -> dict[str, int]:
             if q["name"].startswith(f"{prefix}.reply.")}
 
 
-def _answers(url: str, path: str, body: bytes) -> bool:
+def _answers(url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bool:
     request = urllib.request.Request(f"{url}{path}", data=body,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json",
+                                              **(headers or {})})
     with urllib.request.urlopen(request, timeout=30) as response:
         return response.status == 200
 
@@ -101,7 +102,8 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
                 worker_argv: list[str] | None = None,
                 prefix: str | None = None,
                 gateway_workers: int | None = None,
-                broker_pids: list[int] | None = None) -> Iterator[BenchStack]:
+                broker_pids: list[int] | None = None,
+                probe_headers: dict[str, str] | None = None) -> Iterator[BenchStack]:
     """Gateway + `workers` workers serving `model` (or SHOAL_MODELS in `extra_env`); ready
     once the `probe` request (path, JSON body; default: encode one text) answers 200.
 
@@ -109,7 +111,8 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
     same queue); `prefix` is the queue prefix (default: one per benchmark process);
     `gateway_workers` the gateway's processes (default: SHOAL_GATEWAY_WORKERS, else 1),
     all connected (a reply queue each) before it is ready; `broker_pids` the broker's
-    processes whose CPU is counted (default: every local `beam.smp`)."""
+    processes whose CPU is counted (default: every local `beam.smp`); `probe_headers` go
+    with the probe (an API key's, when SHOAL_API_KEYS_FILE is in `extra_env`)."""
     from tasks.settings import Settings, get_settings
     from tasks.topology import queue_for
 
@@ -149,7 +152,8 @@ def bench_stack(model: str, extra_env: dict[str, str] | None = None,
                                     "the gateway's processes")
         # The worker is ready once a request goes through.
         path, body = probe or (f"/v1/encode/{model}", b'{"items": [{"text": "warm up"}]}')
-        wait_for(lambda: _answers(url, path, body), 300, "the worker", interval=0.2,
+        wait_for(lambda: _answers(url, path, body, probe_headers), 300, "the worker",
+                 interval=0.2,
                  give_up=stack.exited)
         if workers > 1:  # one answered; wait for the others to consume too
             queue = queue_for(models[0], Settings(queue_prefix=prefix)).name
