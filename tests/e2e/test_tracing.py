@@ -63,7 +63,7 @@ def test_one_request_is_one_trace_across_the_processes(traced):
     def complete(spans: list[ReceivedSpan]) -> list[ReceivedSpan] | None:
         mine = [s for s in spans if s.trace_id == trace_id]
         names = {s.name for s in mine}
-        return mine if EXPECTED <= names else None
+        return mine if names >= EXPECTED else None
 
     spans = receiver.wait(complete, 60, "the request's spans from every process")
     assert {s.component for s in spans} == COMPONENTS
@@ -158,3 +158,36 @@ def test_coalesced_members_keep_their_traces_linked_to_a_shared_batch(traced):
                        and s.parent_id in {b.span_id for b in batches}], 30,
         "the runtime's spans of those batches")
     assert {s.trace_id for s in runtimes} <= {b.trace_id for b in batches}
+
+
+def test_a_traced_celery_clients_trace_goes_on_in_the_worker(traced):
+    """A backend service traced with OpenTelemetry's Celery instrumentation sends its trace
+    context in the task's headers (`traceparent`, as shoal's own messages carry it)."""
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor
+    from opentelemetry.trace import SpanKind
+
+    from tasks import tracing
+    from tasks.client import encode
+    from tasks.queues import model_kombu_queue
+    from tasks.settings import Settings
+    from tests.tracing_memory import TRACES, finished
+
+    private, receiver = traced
+    queue = model_kombu_queue(MINILM, Settings(queue_prefix=private.prefix),
+                              catalog_entry(MINILM).queue_type)
+    TRACES.clear()
+    CeleryInstrumentor().instrument()
+    try:
+        with tracing.tracer().start_as_current_span("a backend's job") as job:
+            result = encode.apply_async(
+                kwargs={"model": MINILM, "items": [{"text": "from Celery"}]}, queue=queue,
+                exchange=queue.exchange, routing_key=queue.routing_key).get(timeout=60)
+    finally:
+        CeleryInstrumentor().uninstrument()
+    assert result["count"] == 1
+    trace_id = format(job.get_span_context().trace_id, "032x")
+    [sent] = [s for s in finished() if s.kind == SpanKind.PRODUCER]  # the client's publish
+    [request] = receiver.wait(
+        lambda spans: [s for s in spans if s.trace_id == trace_id
+                       and s.name == f"request {MINILM}"], 60, "the worker's request span")
+    assert request.parent_id == format(sent.context.span_id, "016x")
