@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.child_side.adapter import Adapter, Stream
+from runtimes.child_side.before_device import DeviceFloor, unwanted
 from runtimes.child_side.host_tier import HostTier
 from runtimes.worker_side.pool import keys_of, lora_key
 from tasks import engines
@@ -133,6 +134,7 @@ class ModelHost:
         self._cancel_lock = threading.Lock()
         # Batches whose device work was skipped: all their requests cancelled or late.
         self.skipped = 0
+        self.device_floor = DeviceFloor()  # what a request's deadline must leave the device
 
     def load(self, entries: Iterable[ModelEntry]) -> None:
         for entry in entries:
@@ -314,33 +316,26 @@ class ModelHost:
         if work.adapter is not None and work.runnable:
             results = work.output if work.stream is not None else \
                 work.adapter.finish(work.planned, work.output)
+            device_s = work.device.seconds() if work.device is not None else None
             stamp_batch(results, work.model_id, (r.kwargs for r, _ in work.runnable),
-                        work.started, self.engine.stamp(), device_s=work.device.seconds()
-                        if work.device is not None else None)
+                        work.started, self.engine.stamp(), device_s=device_s)
+            if device_s is not None:
+                self.device_floor.observe(work.model_id, device_s)
             for (request, _), result in zip(work.runnable, results, strict=True):
                 work.outcomes[request.id] = Outcome(request.id, result=result)
         return [work.outcomes[r.id] for r in work.requests]
 
     def _drop_before_device(self, work: BatchWork) -> bool:
-        """Before a batch's device work: its requests whose callers left (cancelled) or
-        whose deadline passed (it waited behind the batches ahead) are answered so and
-        taken out, and the rest is planned again without them; True when none is left (the
-        batch never reaches the device). A stream stops its cancelled rows itself, step by
-        step."""
+        """Before a batch's device work: its requests nobody will read (revoked, or past
+        their deadline by the time the device could finish them:
+        `runtimes.child_side.before_device`) are answered so and taken out, and the rest is
+        planned again without them; True when none is left (the batch never reaches the
+        device). A stream stops its cancelled rows itself, step by step."""
         if work.stream is not None:
             return False
-        now_ms = time.time() * 1000
-        dropped: dict[str, Outcome] = {}
+        done_by_ms = (time.time() + self.device_floor.seconds(work.model_id)) * 1000
         with self._cancel_lock:
-            for request, _ in work.runnable:
-                if request.id in self._cancelled:
-                    dropped[request.id] = failed(
-                        request.id, ErrorCode.CANCELLED, "the request was revoked by its "
-                        "caller before its batch reached the device")
-                elif request.deadline_ms is not None and request.deadline_ms <= now_ms:
-                    dropped[request.id] = failed(
-                        request.id, ErrorCode.DEADLINE_EXCEEDED, "the request's deadline "
-                        "passed before its batch reached the device")
+            dropped = unwanted(work.runnable, self._cancelled, done_by_ms)
         if not dropped:
             return False
         work.outcomes.update(dropped)
