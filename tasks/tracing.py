@@ -22,6 +22,7 @@ A request's trace context crosses processes as W3C `traceparent` / `tracestate` 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,15 +56,24 @@ ENABLED: bool = switched_on(os.environ)
 _set_up = False
 
 
-def setup(component: str, env: Mapping[str, str] | None = None) -> bool:
+def setup(component: str, env: Mapping[str, str] | None = None, strict: bool = False) -> bool:
     """Give this process the SDK's tracer provider and exporters, once; False (nothing
-    done) when tracing is off. `component`: gateway, worker or runtime."""
+    done) when tracing is off. `component`: gateway, worker or runtime. An exporter or
+    protocol shoal does not take raises ValueError if `strict`, else is logged and the
+    process runs untraced (its spans are the API's no-ops)."""
     global _set_up
     env = os.environ if env is None else env
     if not switched_on(env):
         return False
     if _set_up:
         return True
+    try:
+        exporters = exporters_of(env)
+    except ValueError as exc:
+        if strict:
+            raise
+        logging.getLogger(__name__).error("tracing is off in this process: %s", exc)
+        return False
     from opentelemetry import trace
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -74,7 +84,7 @@ def setup(component: str, env: Mapping[str, str] | None = None) -> bool:
             "OTEL_RESOURCE_ATTRIBUTES", ""):
         attributes[SERVICE_NAME] = f"shoal-{component}"
     provider = TracerProvider(resource=Resource.create(attributes))
-    for exporter in exporters_of(env):
+    for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _set_up = True

@@ -29,7 +29,7 @@ def install(app: Any) -> None:
     """Add the server spans' middleware, outermost (call after every other middleware)."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
-    tracing.setup("gateway")
+    tracing.setup("gateway", strict=True)  # a wrong OTEL_* stops the gateway at start
     app.add_middleware(OpenTelemetryMiddleware, default_span_details=span_details,
                        exclude_spans=["receive", "send"])
 

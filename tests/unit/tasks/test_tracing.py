@@ -119,3 +119,12 @@ def test_a_celery_clients_headers_give_their_context() -> None:
     bare = _annotations()
     assert with_trace(bare, {H_TRACEPARENT: TP}).traceparent == TP
     assert with_trace(bare, {}) is bare
+
+
+def test_a_wrong_exporter_stops_a_strict_process_and_leaves_another_untraced(caplog):
+    wrong = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+    with pytest.raises(ValueError, match="http/protobuf"):
+        tracing.setup("gateway", wrong, strict=True)
+    assert tracing.setup("worker", wrong) is False
+    assert "tracing is off in this process" in caplog.text
+    assert tracing.setup("worker", {}) is False  # off: nothing set up
