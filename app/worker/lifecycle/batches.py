@@ -38,6 +38,7 @@ from app.worker.lifecycle.streams import Streams
 from batching.former import batch_tokens
 from batching.lanes import Batch
 from batching.scheduler import Scheduler
+from batching.shapes import BatchShape
 from runtimes.base import Outcome, Request, Runtime
 from runtimes.worker_side.pool import lora_key
 from tasks import tracing
@@ -195,11 +196,8 @@ class Batches:
             outcomes.update((o.id, o) for o in self.runtime.run_batch(model, requests, on_deltas))
         answered = [outcomes[held.task_id] for held in batch]
         # A batch none of which ran (revoked, refused while the runtime restarts, failed)
-        # says nothing of how long one takes: its time is not taught to the cost model; nor
-        # does one that lost requests before the device (revoked, past their deadline):
-        # what ran was smaller than its shape.
-        ran = any(o.ok for o in answered) and not any(
-            o.error_code in DROPPED_BEFORE_DEVICE for o in answered)
+        # says nothing of how long one takes: its time is not taught to the cost model.
+        ran = any(o.ok for o in answered)
         return answered, time.perf_counter() - started if ran else None
 
     def finish(self, future: Future) -> tuple[str, list[Held], list[Outcome]] | None:
@@ -215,6 +213,13 @@ class Batches:
             outcomes, seconds = future.result()
         except Exception as exc:  # the runtime itself broke; every request gets an error
             failure = exc
+        if outcomes is not None and seconds is not None:
+            # Requests dropped before the device (revoked, too late) did not run: the cost
+            # model learns the time of what did.
+            kept = [p for p, o in zip(started.members, outcomes, strict=True)
+                    if o.error_code not in DROPPED_BEFORE_DEVICE]
+            if len(kept) < len(started.members):
+                started.shape = BatchShape.of(kept)
         batch = self.scheduler.finish(time.monotonic(), seconds, started)
         assert batch is started
         if tracing.ENABLED:
