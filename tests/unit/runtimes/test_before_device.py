@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from runtimes.base import Request
-from runtimes.child_side.before_device import DeviceFloor, unwanted
+from runtimes.child_side.before_device import FLOOR_HALF_LIFE_S, DeviceFloor, unwanted
 
 
-def test_the_floor_falls_at_once_and_rises_slowly() -> None:
+def test_the_floor_falls_at_once_rises_slowly_and_halves_while_nothing_runs() -> None:
     floor = DeviceFloor()
-    assert floor.seconds("m") == 0.0  # nothing measured: nothing is dropped for it
-    floor.observe("m", 0.010)
-    floor.observe("m", 0.002)
-    assert floor.seconds("m") == 0.002
-    floor.observe("m", 0.102)  # one slow batch moves it a tenth of the way
-    assert abs(floor.seconds("m") - 0.012) < 1e-9
-    assert floor.seconds("other") == 0.0
+    assert floor.seconds("m", now=0.0) == 0.0  # nothing measured: nothing is dropped for it
+    floor.observe("m", 0.010, now=0.0)
+    floor.observe("m", 0.002, now=0.0)
+    assert floor.seconds("m", now=0.0) == 0.002
+    floor.observe("m", 0.102, now=0.0)  # one slow batch moves it a tenth of the way
+    assert abs(floor.seconds("m", now=0.0) - 0.012) < 1e-9
+    assert floor.seconds("other", now=0.0) == 0.0
+    # Nothing ran for two half-lives: a quarter of it, so a batch runs and measures again.
+    assert abs(floor.seconds("m", now=2 * FLOOR_HALF_LIFE_S) - 0.003) < 1e-9
 
 
 def test_revoked_and_late_requests_are_dropped_and_the_rest_kept() -> None:
