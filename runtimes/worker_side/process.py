@@ -5,7 +5,8 @@ over a private Unix socket with msgpack frames (`runtimes.wire.frames`). A segfa
 OOM kill, a CUDA error or an exception in the model ends at most that child; the
 worker restarts it (`runtimes.worker_side.supervisor`: restarts, the spare, failed starts) and
 finds which request is to blame (`runtimes.worker_side.bisection`: the restart and bisect policy,
-the probe).
+the probe). A child that dies between batches is replaced when it dies, by the runtime's
+watcher (`runtimes.worker_side.watcher`), not by the next batch sent to it.
 
 A batch that gets no reply within `batch_timeout` (when one is set) is a
 hang: the child is killed and the batch bisected as after a crash. Without
@@ -53,7 +54,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from runtimes.base import LoadFailed, OnDeltas, Outcome, Request
@@ -65,6 +66,7 @@ from runtimes.worker_side.control_channel import ControlChannel
 from runtimes.worker_side.pool import keys_of, lora_key
 from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.supervisor import RestartPending, Supervisor
+from runtimes.worker_side.watcher import ChildWatcher
 from tasks import engines
 from tasks.catalog import load_catalog
 from tasks.sources import resolve_source
@@ -155,13 +157,47 @@ class ProcessRuntime:
         self._batches = BatchChannel(self._children, batch_timeout,
                                      not answer_while_restarting, self._cancelled_among)
         self._controls = ControlChannel(self._children)
+        self._watcher: ChildWatcher | None = None
+        self._on_availability: Callable[[], None] = lambda: None
         try:
             self._children.ready_child()
             # Only now: on a small host its imports would slow the first start.
             self._children.start_spare()
+            # A child that dies between batches is replaced when it dies
+            # (`runtimes.worker_side.watcher`), not when the next batch finds it dead.
+            self._watcher = ChildWatcher(self._children)
+            self._children.changed = self._changed
         except BaseException:
             self.close()
             raise
+
+    def _changed(self) -> None:
+        if self._watcher is not None:
+            self._watcher.wake()
+        self._on_availability()
+
+    def watch_availability(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from any thread, holding no lock: it must not block) whenever
+        the child changes or batches start or stop being refused (`ready_in`)."""
+        self._on_availability = callback
+
+    def ready_in(self, model_id: str) -> float | None:
+        """While batches are refused MODEL_UNAVAILABLE (a failed restart's replacement
+        imports): the seconds until it should serve, from the measured starts; else None
+        (it serves, or a batch would wait for it)."""
+        return self._children.ready_in()
+
+    @property
+    def up(self) -> bool:
+        """A child is connected and serving (not dead, not a spare being promoted)."""
+        child = self._children.child
+        return child is not None and child.sock is not None and not child.spare \
+            and child.proc.poll() is None
+
+    @property
+    def deaths_noticed(self) -> int:
+        """Children found dead between batches by the watcher (a gauge's source)."""
+        return self._watcher.deaths_noticed if self._watcher is not None else 0
 
     @property
     def pid(self) -> int | None:
@@ -308,6 +344,8 @@ class ProcessRuntime:
     def close(self) -> None:
         """Stop the child and the spare (mid-batch too: the batch raises RuntimeClosed)."""
         self._children.close()
+        if self._watcher is not None:
+            self._watcher.close()
 
     # --- bisection (`runtimes.worker_side.bisection`) --------------------------------
 

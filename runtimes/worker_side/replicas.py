@@ -127,10 +127,27 @@ class ReplicaSet:
 
     # --- batches --------------------------------------------------------------------------
 
+    def ready_in(self, model_id: str) -> float | None:
+        """While every replica refuses batches (each one's failed restart's replacement
+        imports): the seconds until the first should serve; else None."""
+        waits = [r.ready_in(model_id) for r in self.replicas]
+        if any(w is None for w in waits):
+            return None
+        return min(w for w in waits if w is not None)
+
+    def watch_availability(self, callback: Callable[[], None]) -> None:
+        """`callback` whenever a replica's child changes or its refusals start or stop."""
+        for replica in self.replicas:
+            replica.watch_availability(callback)
+
     @contextmanager
     def _least_busy(self) -> Iterator[ProcessRuntime]:
+        # A replica that refuses batches while its replacement imports answers at once,
+        # so it would look the least busy and take every batch: the others go first.
+        refusing = [r.ready_in("") is not None for r in self.replicas]
         with self._lock:
-            index = min(range(len(self.replicas)), key=self._in_flight.__getitem__)
+            index = min(range(len(self.replicas)),
+                        key=lambda i: (refusing[i], self._in_flight[i]))
             self._in_flight[index] += 1
             self.batches[index] += 1
         try:

@@ -9,7 +9,7 @@ memory budget: the placement counts each model's bytes wherever it lives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -69,6 +69,17 @@ class RuntimeRouter:
     def device_bytes(self) -> int | None:
         return next((r.device_bytes for r in self.runtimes.values()
                      if r.device_bytes is not None), None)
+
+    def ready_in(self, model_id: str) -> float | None:
+        """The model's runtime's `ready_in`, where it has one (a runtime process)."""
+        ready_in = getattr(self._of(model_id), "ready_in", None)
+        return ready_in(model_id) if ready_in is not None else None
+
+    def watch_availability(self, callback: Callable[[], None]) -> None:
+        for runtime in self.runtimes.values():
+            watch = getattr(runtime, "watch_availability", None)
+            if watch is not None:
+                watch(callback)
 
     def continuous(self, model_id: str) -> bool:
         return self._of(model_id).continuous(model_id)

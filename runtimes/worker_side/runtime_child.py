@@ -42,6 +42,8 @@ class RuntimeChild:
         self.replacing_since: float | None = None  # when it was chosen to replace a dead one
         self.started = time.monotonic()
         self.started_wall = time.time()  # to compare with its socket's mtime
+        # Seconds from its start until it listened, measured when it is connected to.
+        self.listened_after_s: float | None = None
         self.proc = subprocess.Popen(
             argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -65,13 +67,16 @@ class RuntimeChild:
         """Its start-up (a spare's imports) is done and it waits for its worker."""
         return self.sock is not None or self.socket_path.exists()
 
-    def import_seconds(self) -> float | None:
-        """How long it took to listen (a spare: its imports; a fresh child: imports and
-        loads), from its socket's mtime; None while it does not listen yet."""
+    def _measure_listen(self) -> None:
+        """Record how long it took to listen (a spare: its imports; a fresh child: imports
+        and loads), from its socket's mtime (the bind). Read just before connecting: the
+        server removes the file once its worker has connected, so a reading after
+        `connect` finds nothing (a restart's Retry-After then had nothing to go on)."""
         try:
-            return max(0.0, self.socket_path.stat().st_mtime - self.started_wall)
-        except OSError:
-            return None
+            self.listened_after_s = max(0.0, self.socket_path.stat().st_mtime
+                                        - self.started_wall)
+        except OSError:  # gone already: now is an upper bound
+            self.listened_after_s = time.monotonic() - self.started
 
     def load(self, frame: Load, timeout: float) -> Loaded:
         """One load on the control connection of a promoted spare (raises
@@ -117,6 +122,7 @@ class RuntimeChild:
                     f"its last output:\n{self.output_tail()}"
                 )
             time.sleep(0.05)
+        self._measure_listen()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -31,15 +31,18 @@ is the spare started at the promotion, still importing for seconds (~7 on a 2-co
 host; without spares, a fresh child, importing and then loading). Rather than leave
 the worker's requests unanswered that long, a batch that asks for the runtime while a
 failed restart's replacement has not finished importing gets `RestartPending` at once
-(with the seconds until it should be ready, from how long the last start took to
-import), and the runtime answers it MODEL_UNAVAILABLE (503). No thread waits for the
-import: the process imports on its own, and the first batch that finds it listening
-promotes it (it loads what is resident, a fraction of a second) and is served. The
-starts-in-a-row count survives those refusals, so a runtime that cannot start still
-fails with `RuntimeStartError` at its RESTART_ATTEMPTS-th failed start (then the count
-starts over: the next batch tries again). After a crash with no failed start (the
-spare just promoted, or a bisection's restarts) batches still wait: the promoted spare
-is warm, and a bisection must run to blame a poison request.
+(with the seconds until it should be ready: `ready_in`, from the starts measured when
+each child was connected to, `runtimes.worker_side.start_times`), and the runtime
+answers it MODEL_UNAVAILABLE (503). No batch waits for the import: the process imports
+on its own, and the runtime's watcher (`runtimes.worker_side.watcher`) promotes it as
+soon as it listens (it loads what is resident, a fraction of a second); `changed` tells
+the worker when the refusals begin and end. While a promoted spare is still importing,
+the next spare waits for it to be up: two imports at once would each take twice as long
+on a small host. The starts-in-a-row count survives those refusals, so a runtime that
+cannot start still fails with `RuntimeStartError` at its RESTART_ATTEMPTS-th failed
+start (then the count starts over: the next batch tries again). After a crash with no
+failed start (the spare just promoted, or a bisection's restarts) batches still wait:
+the promoted spare is warm, and a bisection must run to blame a poison request.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from runtimes.base import RuntimeClosed, RuntimeStartError
@@ -58,6 +61,7 @@ from runtimes.wire.frames import Load
 from runtimes.worker_side.children import describe_exit
 from runtimes.worker_side.pool import LORA_SEPARATOR
 from runtimes.worker_side.runtime_child import RuntimeChild
+from runtimes.worker_side.start_times import StartTimes
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +116,16 @@ class Supervisor:
         # Failed starts since the last child that came up (kept across `ready_child`
         # calls: a refusal while the next one imports does not start the count over).
         self._failed_in_a_row = 0
-        self._import_s: float | None = None  # how long the last child took to listen
+        self._give_ups = 0  # restarts given up so far (a thread that waited meets it too)
+        self._last_give_up: RuntimeStartError | None = None
+        # A give-up no batch has seen (the watcher's): the next batch fails with it rather
+        # than start another restart, so a runtime that cannot start fails clearly.
+        self.give_up_owed = False
+        self.start_times = StartTimes()  # what a refusal's retry_after_s is made of
+        # Called (from any thread, no lock held) when the current child changes or batches
+        # start or stop being refused: the watcher wakes, the worker says so in its pool
+        # state (`ProcessRuntime.watch_availability`).
+        self.changed: Callable[[], None] = lambda: None
 
     @property
     def child(self) -> RuntimeChild | None:
@@ -135,6 +148,7 @@ class Supervisor:
             self._closed = True
             child, self._child = self._child, None
             spare, self._spare = self._spare, None
+        self.changed()
         for process in (child, spare):
             if process is not None:
                 how = process.stop(grace=1.0)
@@ -142,15 +156,24 @@ class Supervisor:
                          " (the spare)" if process is spare else "", how)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def ready_child(self, wait: bool = True) -> RuntimeChild:
+    def ready_child(self, wait: bool = True, watcher: bool = False) -> RuntimeChild:
         """The current child, started (or restarted) and ready for batches. A restart that
         fails is tried again, RESTART_ATTEMPTS starts in a row (see the module doc).
         `wait=False`: raises RestartPending instead of waiting for the import of a failed
-        restart's next replacement."""
+        restart's next replacement. `watcher`: asked by the watcher, whose give-up the next
+        batch is told of (`give_up_owed`)."""
         if not wait:
             # Before taking _starting: a control call may hold it, waiting for the import.
             self._refuse_while_importing()
+        give_ups = self._give_ups
         with self._starting:
+            if (self._give_ups != give_ups or self.give_up_owed) \
+                    and self._last_give_up is not None:
+                # The restart this thread waited for gave up meanwhile (the watcher's, or
+                # another batch's), or no batch has seen the watcher's give-up yet: it
+                # fails too, rather than start the count over.
+                self.give_up_owed = False
+                raise RuntimeStartError(str(self._last_give_up))
             while True:
                 child = self._child
                 if child is not None and child.sock is not None \
@@ -167,7 +190,9 @@ class Supervisor:
                     self._refuse_while_importing()
                 try:
                     self._bring_up(child)
-                    self._failed_in_a_row = 0
+                    refused, self._failed_in_a_row = self._failed_in_a_row, 0
+                    if refused:
+                        self.changed()  # batches are served again
                     return child
                 except RuntimeStartError as exc:
                     child.stop(grace=1.0)
@@ -182,6 +207,10 @@ class Supervisor:
                         log.error("the model runtime failed to start %d times in a row; "
                                   "giving up this restart", self._failed_in_a_row)
                         self._failed_in_a_row = 0  # the next batch tries again
+                        self._give_ups += 1
+                        self._last_give_up = exc
+                        self.give_up_owed = watcher  # no batch sees this one raise
+                        self.changed()
                         raise
                     log.warning("restarting the model runtime failed (%s); trying again "
                                 "(start %d of %d)", exc, self._failed_in_a_row + 1,
@@ -191,16 +220,26 @@ class Supervisor:
                     self._forget(child)
                     raise
 
-    def _refuse_while_importing(self) -> None:
-        """RestartPending if a start failed since the last ready one and the next child
-        is alive but not done importing (not listening yet)."""
-        child = self._child
+    def ready_in(self) -> float | None:
+        """While batches are refused (a start failed since the last ready child and the
+        next one is alive but not done importing): the seconds until it should be ready,
+        from the measured starts (`StartTimes`; 1 before any was measured). Else None."""
+        return self._ready_in(self._child)
+
+    def _ready_in(self, child: RuntimeChild | None) -> float | None:
         if self._failed_in_a_row == 0 or child is None or child.sock is not None \
                 or child.listening() or child.proc.poll() is not None:
+            return None
+        expected = self.start_times.ready_in(child)
+        return 1.0 if expected is None else expected
+
+    def _refuse_while_importing(self) -> None:
+        """RestartPending while batches are refused (`ready_in`)."""
+        child = self._child
+        wait = self._ready_in(child)
+        if wait is None or child is None:
             return
-        elapsed = time.monotonic() - child.started
-        expected = self._import_s if self._import_s is not None else elapsed + 1.0
-        retry_after = max(1, math.ceil(expected - elapsed))
+        retry_after = max(1, math.ceil(wait))
         raise RestartPending(
             f"the model runtime is restarting: its replacement failed to start and the "
             f"next one (pid {child.pid}) is still importing; retry in about "
@@ -208,12 +247,14 @@ class Supervisor:
 
     def _bring_up(self, child: RuntimeChild) -> None:
         """Connect to a starting child; a promoted spare then loads what is resident."""
-        child.connect(self.start_timeout, lambda: self._closed)
-        imported = child.import_seconds()
-        if imported is not None:  # a spare's imports; a fresh child's, and its loads
-            self._import_s = imported
+        try:
+            child.connect(self.start_timeout, lambda: self._closed)
+        finally:  # a spare's imports; a fresh child's, and its loads (even if it then dies)
+            self.start_times.listened(child)
         if child.spare:
+            loading = time.monotonic()
             self._load_resident(child)
+            self.start_times.promoted(time.monotonic() - loading)
             child.spare = False
         with self._lock:
             self.resident.update(child.ready.models)
@@ -222,6 +263,8 @@ class Supervisor:
         if child.replacing_since is not None:
             log.info("model runtime pid %d took over in %.2fs", child.pid,
                      time.monotonic() - child.replacing_since)
+        # A spare promoted mid-import deferred the next one until now (see `_replace`).
+        self.start_spare()
 
     def _load_resident(self, child: RuntimeChild) -> None:
         """Load into a promoted spare what its predecessor had: the models, then their LoRA
@@ -273,7 +316,11 @@ class Supervisor:
             child = spare or self._spawn()
             if self._started_once:
                 child.replacing_since = time.monotonic()
-        if self._started_once:  # the first child's spare starts once it is ready
+        self.changed()
+        # The first child's spare starts once it is ready, and so does the next spare after
+        # a promoted one still importing: two imports at once would each take twice as long
+        # on a small host, and the callers wait for the first.
+        if self._started_once and (spare is None or spare.listening()):
             self.start_spare()
         return child
 
@@ -304,8 +351,10 @@ class Supervisor:
 
     def _forget(self, child: RuntimeChild) -> None:
         with self._lock:
-            if self._child is child:
-                self._child = None
+            if self._child is not child:
+                return
+            self._child = None
+        self.changed()
 
     def replace_dead(self, child: RuntimeChild, why: str, respawn: bool = True) -> str:
         """Reap a child that died or broke its connection; start the next one loading (a
@@ -317,6 +366,7 @@ class Supervisor:
             if self._child is not child:
                 return how  # the other thread (batch or control) replaced it already
             self._child = None
+        self.changed()
         log.warning("model runtime pid %d is gone: %s (%s)", child.pid, how, why)
         if respawn:
             self._replace()
