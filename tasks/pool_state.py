@@ -15,7 +15,10 @@ The body is msgpack:
                  "rate": float,  # requests per second this worker received (decaying)
                  "busy": float,  # device seconds per second its batches took
                  "load_s": float,  # what its last load here took (else the profile's)
-                 "warm": bool}]}  # evicted here moments ago (its reload likely cheap)
+                 "warm": bool,  # evicted here moments ago (its reload likely cheap)
+                 # optional: its runtime refuses the model's requests while a failed
+                 # restart's replacement starts; the seconds until it should serve
+                 "ready_in_s": float}]}
 
 "cold" means the worker may serve the model (it consumes its queue) but has not
 loaded it: its first request there waits for a load.

@@ -44,6 +44,10 @@ class PoolStates:
         self.c: Any = None
         self.hostname = ""
         self.snapshot: Callable[[], dict[str, Any]] = dict
+        # While the runtime refuses a model's batches (a failed restart's replacement
+        # imports): the seconds until it should serve (`ProcessRuntime.ready_in`); gateways
+        # answer that model's requests themselves meanwhile if no other worker serves it.
+        self.ready_in: Callable[[str], float | None] = lambda model: None
         # Seconds the device has been busy so far (the worker's running total), and the
         # reading at the last publish: each state says the busy fraction since then.
         self.busy_seconds: Callable[[], float] | None = None
@@ -80,6 +84,10 @@ class PoolStates:
             return
         state = {"worker": self.hostname, "at": time.time(), "interval_s": self.interval_s,
                  **self.snapshot()}
+        for model in state["models"]:
+            wait = self.ready_in(model["id"])
+            if wait is not None:
+                model["ready_in_s"] = round(wait, 3)
         busy = self._device_busy()
         if busy is not None:
             state["device_busy"] = busy

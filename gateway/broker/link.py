@@ -234,7 +234,9 @@ class Broker:
             outgoing = self.outbox.enqueue(model, part, timeout_s)
             await outgoing.confirmed
             self.replies.confirmed(model, part, loop.time() + timeout_s)
-            return await future
+            reply = await future
+            self.served.heard_reply(model, reply)  # a restarting runtime's refusal
+            return reply
         except asyncio.CancelledError:
             # Cancelled for its deadline or its caller's hang-up, and by nothing else (a
             # shutdown): as `asyncio.timeout` tells them apart.

@@ -106,11 +106,11 @@ class ServedModels:
         module's docstring)."""
         if not self.queues.is_declared(model):
             await self.queues.declare(model)
+        if self.restarting:  # (SHOAL_GATEWAY_UNSERVED=wait too: the workers would refuse)
+            await self._refuse_while_restarting(model)
         if self.settings.gateway_unserved == "wait":
             return
         if self.pool.serves(model, time.monotonic()):
-            if self.restarting:
-                await self._refuse_while_restarting(model)
             return
         if await self.queues.consumer_count(model) == 0:
             raise ApiError(
