@@ -12,6 +12,11 @@ is any of OpenTelemetry imported, when it is off).
   request its own, coalesced or not (`tasks.envelope`).
 - `reply_span`: from the worker handing the result to its reply publisher (a stamp in the
   result) to the gateway holding it.
+- Redis commands (jobs' state, API keys' rate limits): OpenTelemetry's Redis
+  instrumentation, a client span each inside the request's.
+
+aio-pika's instrumentation is not used: it makes one span per message and writes one trace
+context into it, where a coalesced message carries many requests, each with its own.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from tasks.envelope import Annotations, Part
 def install(app: Any) -> None:
     """Add the server spans' middleware, outermost (call after every other middleware)."""
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+    from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     tracing.setup("gateway", strict=True)  # a wrong OTEL_* stops the gateway at start
+    RedisInstrumentor().instrument()  # jobs' state, keys' rate limits: a span per command
     app.add_middleware(OpenTelemetryMiddleware, default_span_details=span_details,
                        exclude_spans=["receive", "send"])
 

