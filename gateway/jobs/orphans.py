@@ -93,9 +93,9 @@ class Orphans:
             if known.job_id in self.known:
                 await self.records.remove(known)
             elif known.job_id not in self._orphans and not self._closing:
-                log.info("job %s was paused by a gateway before this one started (%d parts "
-                         "published); watching it until Redis answers", known.job_id,
-                         known.published)
+                log.warning("job %s was paused by a gateway before this one started (%d "
+                            "parts published); watching it until Redis answers",
+                            known.job_id, known.published)
                 self._keep(known)
 
     def _keep(self, known: KnownJob) -> None:

@@ -29,6 +29,7 @@ from tests.slow_batches import SlowBatches
 from tests.stack import (
     BROKER_URL,
     MeteredWorker,
+    Process,
     free_port,
     http_status,
     private_stack,
@@ -151,5 +152,70 @@ def test_a_job_lost_with_a_redis_restart_is_revoked_and_its_files_deleted_at_onc
                 assert list(client.scan_iter(f"{private.prefix}:job:{job_id}*")) == []
             finally:
                 client.close()
+    finally:
+        redis.stop()
+
+
+def test_a_job_paused_by_a_gateway_restarted_while_redis_was_away_is_still_stopped(
+        tmp_path: Path, slow_batches: SlowBatches) -> None:
+    """The same loss, but the gateway whose driver paused the job is killed while Redis is
+    away and a new one started (issue 53): the new gateway finds the paused job in its
+    folder (`paused.msgpack`), and once Redis answers, empty, revokes its parts and
+    deletes its folder, as the first would have. Before, the job lived only in the first
+    gateway's memory: its folder waited for the hourly sweep and its parts ran."""
+    redis = PrivateRedis(tmp_path / "redis")
+    redis.start()
+    try:
+        with private_stack(tmp_path, "jobs-restart", FAULTY) as private:
+            worker = start_metered_worker(private.stack, "jobs-restart", FAULTY,
+                                          private.queue, 180,
+                                          SHOAL_QUEUE_PREFIX=private.prefix,
+                                          **slow_batches.env)
+            env = {"SHOAL_QUEUE_PREFIX": private.prefix, "SHOAL_REDIS_URL": redis.url,
+                   "SHOAL_JOB_PART_ITEMS": str(PER_PART),
+                   "SHOAL_JOB_PARTS_IN_FLIGHT": str(IN_FLIGHT), "SHOAL_JOB_LEASE_S": "3"}
+
+            def start(name: str) -> tuple[Process, str]:
+                port = free_port()
+                gateway = private.stack.gateway(name, port, [FAULTY], **env)
+                url = f"http://127.0.0.1:{port}"
+                wait_for(lambda: http_status(f"{url}/readyz") == 200, 60, name,
+                         give_up=lambda: None if gateway.alive() else f"{name} exited")
+                return gateway, url
+
+            first, url = start("gw-paused")
+            slow_batches.hold()
+            body = b"".join(json.dumps({"text": f"@@slow@@ text {i} of the job"}).encode()
+                            + b"\n" for i in range(TEXTS))
+            r = httpx.post(f"{url}/v1/jobs", params={"operation": "encode", "model": FAULTY},
+                           content=body, headers={"content-type": "application/x-ndjson"},
+                           timeout=120)
+            assert r.status_code == 202, r.text
+            job_id = r.json()["id"]
+            (folder,) = Path(os.environ["SHOAL_BLOB_URL"]).glob(f"jobs/*-{job_id}")
+            slow_batches.wait_started(1)
+            wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job_id}", timeout=10).json()[
+                "progress"]["parts_published"] == IN_FLIGHT, 60, "the parts in flight out")
+            redis.kill()
+            wait_for(lambda: f"job {job_id} paused" in first.log(), 30, "the driver to pause")
+            wait_for(lambda: (folder / "paused.msgpack").exists(), 30, "the pause recorded")
+            first.kill()  # SIGKILL: nothing of the job is left in any gateway's memory
+            first.reap(10)
+            second, url = start("gw-heir")
+            wait_for(lambda: f"job {job_id} was paused by a gateway before" in second.log(),
+                     60, "the new gateway to find the paused job")
+            redis.start()  # empty: the job is gone
+            wait_for(lambda: not folder.exists(), 30, "the job's folder to be deleted")
+            parts = {f"{job_id}.{i}" for i in range(IN_FLIGHT)}
+            wait_for(lambda: parts <= revoked_on(worker), 30, "the worker to hold the "
+                     "job's parts as revoked")
+            assert httpx.get(f"{url}/v1/jobs/{job_id}", timeout=10).status_code == 404
+            slow_batches.release()
+            wait_for(lambda: queue_counts(private.queue)[0] == 0
+                     and worker.metric("shoal_held_messages") == 0, 60, "the worker idle")
+            # Only the batch on the device when Redis went was computed; the rest revoked.
+            assert slow_batches.started() <= 2
+            assert not folder.exists()
+            second.stop()
     finally:
         redis.stop()
