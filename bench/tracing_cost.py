@@ -1,10 +1,12 @@
 """What tracing costs the stack: `bench.device_feed` with tracing off and on, alternating.
 
-    .venv/bin/python -m bench.tracing_cost --rounds 3 -- --rounds 1 --duration 8 --warmup 2
+    .venv/bin/python -m bench.tracing_cost --rounds 3 [--ratio 0.1] \
+        -- --rounds 1 --duration 8 --warmup 2
 
 Each round runs `bench.device_feed` (the real stack on an emulated device: every CPU step
-of the path, the model's forward a wait) twice, tracing off and tracing on, their order
-alternating from round to round so that a machine that grows busier favours neither.
+of the path, the model's forward a wait) with tracing off and tracing on (and, with
+`--ratio R`, on for a share R of the requests), their order alternating from round to
+round so that a machine that grows busier favours none.
 Tracing on is every process exporting over OTLP/HTTP (`http/protobuf`) at 100% sampling
 (`OTEL_TRACES_SAMPLER=always_on`) to a receiver this process runs (`tests.otlp_receiver`:
 it parses each export and counts its spans, as a collector would take them; its CPU is
@@ -12,8 +14,8 @@ this process's, not the stack's). Arguments after `--` go to `bench.device_feed`
 
 The table: per load, the medians over the rounds of texts/s and of CPU µs per text of the
 stack and of each process kind (from /proc, as `bench.device_feed` measures them), off and
-on, on ÷ off; and the spans received per text while tracing was on (spans the SDK's batch
-processors dropped under load would show as fewer).
+on, on ÷ off; and the spans received per request while tracing was on (spans the SDK's
+batch processors dropped under load would show as fewer).
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ from tests.otlp_receiver import OtlpReceiver
 KINDS = ("total", "gateway", "worker", "runtime", "rabbitmq")
 
 
-def traced_env(receiver: OtlpReceiver) -> list[str]:
-    env = {**receiver.env(), "OTEL_TRACES_SAMPLER": "always_on",
+def traced_env(receiver: OtlpReceiver, ratio: float | None = None) -> list[str]:
+    """Tracing on: every request (`always_on`), or a `ratio` of them."""
+    sampler = {"OTEL_TRACES_SAMPLER": "always_on"} if ratio is None else {
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(ratio)}
+    env = {**receiver.env(), **sampler,
            "OTEL_BSP_SCHEDULE_DELAY": "1000"}  # the SDK's default is 5 s: the window's spans
     return [f"{name}={value}" for name, value in env.items()]
 
@@ -58,20 +63,25 @@ def feed(argv: list[str], extra_env: list[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     receiver = OtlpReceiver(keep=False).start()
-    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    spans_per_text: list[list[float]] = []
+    envs = {"off": [], "on": traced_env(receiver)}
+    if args.ratio is not None:
+        envs[f"on, {args.ratio:g} sampled"] = traced_env(receiver, args.ratio)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in envs}
+    spans_per_request: dict[str, list[float]] = {name: [] for name in envs}
     try:
-        with tqdm(total=2 * args.rounds, desc="tracing off/on", file=sys.stderr) as bar:
+        with tqdm(total=len(envs) * args.rounds, desc="tracing off/on",
+                  file=sys.stderr) as bar:
             for i in range(args.rounds):
-                for variant in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                order = list(envs) if i % 2 == 0 else list(reversed(envs))
+                for variant in order:
                     before = receiver.span_count
-                    data = feed(args.feed_args, traced_env(receiver) if variant == "on" else [])
+                    data = feed(args.feed_args, envs[variant])
                     runs[variant].append(data)
-                    if variant == "on":
-                        # Every span of the run (warm-ups too) over the measured windows'
-                        # texts: an upper bound.
-                        texts = sum(lo["texts_per_s"] * args.duration for lo in data["loads"])
-                        spans_per_text.append([(receiver.span_count - before) / texts])
+                    # Every span of the run (warm-ups too) over the measured windows'
+                    # requests: an upper bound.
+                    requests = sum(lo["texts_per_s"] * args.duration / lo["texts"]
+                                   for lo in data["loads"])
+                    spans_per_request[variant].append((receiver.span_count - before) / requests)
                     bar.update()
     finally:
         receiver.stop()
@@ -85,25 +95,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                     for p in picked) for k in KINDS}}
         loads.append(row)
     return {"args": vars(args), "loads": loads, "runs": runs,
-            "spans_per_text": statistics.median(s[0] for s in spans_per_text)
-            if spans_per_text else None}
+            "spans_per_request": {k: statistics.median(v) for k, v in spans_per_request.items()}}
 
 
 def table(result: dict[str, Any]) -> str:
+    variants = [v for v in result["loads"][0] if v not in ("clients", "texts")]
     rows = []
     for load in result["loads"]:
         name = f"{load['clients']} x {load['texts']}"
         for key in ("texts_per_s", *KINDS):
-            off, on = load["off"][key], load["on"][key]
+            off = load["off"][key]
             label = "texts/s" if key == "texts_per_s" else f"CPU µs/text, {key}"
-            rows.append([name, label, f"{off:,.0f}", f"{on:,.0f}",
-                         f"{on / off:.2f}" if off else "n/a"])
-    spans = result["spans_per_text"]
+            cells = []
+            for variant in variants[1:]:
+                on = load[variant][key]
+                cells += [f"{on:,.0f}", f"{on / off:.2f}" if off else "n/a"]
+            rows.append([name, label, f"{off:,.0f}", *cells])
+    spans = ", ".join(f"{v} {n:.1f}" for v, n in result["spans_per_request"].items())
+    header = ["load", "measure", "tracing off"]
+    for variant in variants[1:]:
+        header += [f"tracing {variant}", "÷ off"]
     return "\n".join([
-        *markdown.table(["load", "measure", "tracing off", "tracing on", "on ÷ off"], rows,
-                        align="llrrr"),
-        "", f"spans received while on, per text measured (warm-ups' spans included: an "
-            f"upper bound): {spans:.2f}" if spans is not None else ""])
+        *markdown.table(header, rows, align="ll" + "r" * (len(header) - 2)), "",
+        f"spans received per request measured (warm-ups' spans included: an upper bound): "
+        f"{spans}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0,
                         help="the measured seconds per load that device_feed is given")
+    parser.add_argument("--ratio", type=float,
+                        help="also run with this share of requests traced "
+                             "(parentbased_traceidratio)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(ours)
     if "--duration" in feed_args:

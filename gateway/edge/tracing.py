@@ -1,10 +1,9 @@
 """The gateway's spans, when tracing is on (`tasks.tracing.ENABLED`; nothing here runs, nor
 is any of OpenTelemetry imported, when it is off).
 
-- The server span of every HTTP request: OpenTelemetry's ASGI middleware, outermost (so
-  the hot routes of `gateway.routes.hot_path`, which bypass Starlette's router, have one
-  too), named by the route template (`route_label`, never a caller's path) and continuing
-  a caller's W3C `traceparent`. Its per-message receive and send spans are left out.
+- The server span of every HTTP request, outermost (`gateway.edge.server_spans`: a lean
+  one of shoal's own for the hot routes, OpenTelemetry's ASGI middleware for the rest),
+  named by the route template, continuing a caller's W3C `traceparent`.
 - `call_span`: the request's model, LoRA, items, estimated tokens and deadline on that
   span (and `gateway.edge.error_shapes` puts any error answer's code there).
 - `publish_span`: from the request entering its model's outbox to the broker's confirm
@@ -25,27 +24,18 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from gateway.edge.outer_middleware import route_label
+from gateway.edge.server_spans import ServerSpans
 from tasks import tracing
 from tasks.envelope import Annotations, Part
 
 
 def install(app: Any) -> None:
     """Add the server spans' middleware, outermost (call after every other middleware)."""
-    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     tracing.setup("gateway", strict=True)  # a wrong OTEL_* stops the gateway at start
     RedisInstrumentor().instrument()  # jobs' state, keys' rate limits: a span per command
-    app.add_middleware(OpenTelemetryMiddleware, default_span_details=span_details,
-                       exclude_spans=["receive", "send"])
-
-
-def span_details(scope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A server span's name and route: `POST /v1/encode/{model}`, bounded like the
-    metrics' labels."""
-    route = route_label(scope.get("path", ""))
-    return f"{scope.get('method', 'HTTP')} {route}", {"http.route": route}
+    app.add_middleware(ServerSpans)
 
 
 def attributes_of(annotations: Annotations) -> dict[str, Any]:

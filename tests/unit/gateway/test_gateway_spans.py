@@ -1,20 +1,21 @@
-"""The gateway's spans (`gateway.edge.tracing`), read from the SDK's in-memory exporter: the
-server span around the hot routes (which bypass Starlette's router), named by the route
-template and continuing the caller's traceparent; the publish span whose context the
-request carries, ended by the broker's confirm."""
+"""The gateway's spans (`gateway.edge.tracing`, `gateway.edge.server_spans`), read from the
+SDK's in-memory exporter: the server spans, the hot routes' (which bypass Starlette's
+router) and the others', named by the route template and continuing the caller's
+traceparent; the publish span whose context the request carries, ended by the broker's
+confirm."""
 
 from __future__ import annotations
 
 import asyncio
 
 from opentelemetry import trace
-from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.testclient import TestClient
 
 from gateway.edge.api_errors import ApiError
-from gateway.edge.tracing import call_span, publish_span, span_details
+from gateway.edge.server_spans import ServerSpans
+from gateway.edge.tracing import call_span, publish_span
 from gateway.routes.hot_path import HotRoutes
 from tasks import tracing
 from tasks.envelope import Annotations, Part
@@ -38,24 +39,28 @@ async def _elsewhere(scope, receive, send) -> None:
     await JSONResponse({"route": "starlette"})(scope, receive, send)
 
 
-def test_a_hot_route_gets_a_server_span_named_by_its_route_in_the_callers_trace():
+def test_server_spans_are_named_by_route_in_the_callers_trace_hot_routes_or_not():
     TRACES.clear()
     hot = HotRoutes(_elsewhere, exact={}, prefixed={"/v1/encode/": _encode})
-    app = OpenTelemetryMiddleware(hot, default_span_details=span_details,
-                                  exclude_spans=["receive", "send"])
-    client = TestClient(app)
+    client = TestClient(ServerSpans(hot))
     response = client.post("/v1/encode/org/model-a", json={}, headers={"traceparent": CALLER})
     assert response.json() == {"ok": True}
-    assert client.get("/v1/models").json() == {"route": "starlette"}
+    assert client.get("/v1/models", headers={"traceparent": CALLER}).json() == {
+        "route": "starlette"}
     encode, models = finished()  # no receive/send spans
-    assert encode.name == "POST /v1/encode/{model}"  # never the caller's path
-    assert encode.kind == trace.SpanKind.SERVER
-    assert format(encode.context.trace_id, "032x") == CALLER.split("-")[1]
-    assert format(encode.parent.span_id, "016x") == CALLER.split("-")[2]
+    for span in (encode, models):
+        assert span.kind == trace.SpanKind.SERVER
+        assert format(span.context.trace_id, "032x") == CALLER.split("-")[1]
+        assert format(span.parent.span_id, "016x") == CALLER.split("-")[2]
+    # The hot route's lean span (shoal's), never the caller's path:
+    assert encode.name == "POST /v1/encode/{model}"
     assert encode.attributes["http.route"] == "/v1/encode/{model}"
+    assert encode.attributes["http.response.status_code"] == 200
     assert encode.attributes["shoal.model"] == "m" and encode.attributes["shoal.items"] == 3
     assert encode.attributes["shoal.tokens"] == 12 and encode.attributes["shoal.lora"] == "fr"
-    assert models.name == "GET /v1/models" and models.parent is None
+    # Any other route: OpenTelemetry's ASGI middleware, named the same way.
+    assert models.name == "GET /v1/models"
+    assert models.attributes["http.route"] == "/v1/models"
 
 
 def test_the_publish_span_is_what_the_message_carries_and_ends_at_the_confirm():
