@@ -66,10 +66,10 @@ def publish_span(model: str, queue: str, part: Part, confirmed: asyncio.Future[N
     carrying the span's trace context, which is what its message carries."""
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
-    attributes = attributes_of(part.annotations)
-    attributes.update({"messaging.system": "rabbitmq", "messaging.operation.type": "send",
-                       "messaging.destination.name": queue,
-                       "messaging.message.id": part.task_id})
+    # The request's own attributes are on the server span: each one more is encoded and
+    # exported again per span.
+    attributes = {"messaging.system": "rabbitmq", "messaging.operation.type": "send",
+                  "messaging.destination.name": queue, "messaging.message.id": part.task_id}
     span = tracing.tracer().start_span(f"publish {model}", kind=SpanKind.PRODUCER,
                                        attributes=attributes)
 

@@ -53,9 +53,9 @@ def received(model: str, held: Held) -> None:
     parent = tracing.context_of(a.traceparent, a.tracestate)
     now_ns = int(held.delivery.received * 1e9)
     attributes = _attributes(model, held)
-    if a.sent_ms:
+    if a.sent_ms:  # (the request's attributes are on its `request` span)
         tracing.record_span(f"queued {model}", parent, int(a.sent_ms * 1e6), now_ns,
-                            attributes)
+                            {"shoal.model": model})
     attributes["messaging.operation.type"] = "process"
     held.span = tracing.tracer().start_span(f"request {model}", context=parent,
                                             kind=SpanKind.CONSUMER, attributes=attributes,
