@@ -63,9 +63,15 @@ def call_span(part: Part) -> None:
 def publish_span(model: str, queue: str, part: Part, confirmed: asyncio.Future[None]) -> Part:
     """A producer span from now (the request entering its outbox) to the broker's confirm
     (`confirmed` resolved, or failed, or cancelled: a caller that left); returns the request
-    carrying the span's trace context, which is what its message carries."""
+    carrying the span's trace context, which is what its message carries. In a trace not
+    sampled, no span: the request carries its server span's context (the decision with it),
+    so that nothing downstream records either."""
+    from opentelemetry import trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
+    current = trace.get_current_span()
+    if not current.is_recording() and current.get_span_context().is_valid:
+        return _carrying(part, current)
     # The request's own attributes are on the server span: each one more is encoded and
     # exported again per span.
     attributes = {"messaging.system": "rabbitmq", "messaging.operation.type": "send",
@@ -83,6 +89,10 @@ def publish_span(model: str, queue: str, part: Part, confirmed: asyncio.Future[N
         span.end()
 
     confirmed.add_done_callback(done)
+    return _carrying(part, span)
+
+
+def _carrying(part: Part, span: Any) -> Part:
     traceparent, tracestate = tracing.carrier_of(span)
     return dataclasses.replace(part, annotations=dataclasses.replace(
         part.annotations, traceparent=traceparent, tracestate=tracestate))
@@ -93,7 +103,10 @@ def reply_span(timing: dict[str, Any] | None, replied_s: float) -> None:
     answered_us = (timing or {}).get("answered_us")
     if not answered_us:
         return
-    from opentelemetry import context
+    from opentelemetry import context, trace
+
+    if not trace.get_current_span().is_recording():
+        return  # a trace not sampled
 
     tracing.record_span("reply", context.get_current(), int(answered_us * 1000),
                         int(replied_s * 1e9),

@@ -46,11 +46,16 @@ def _attributes(model: str, held: Held) -> dict[str, Any]:
 
 
 def received(model: str, held: Held) -> None:
-    """A request was delivered: its `queued` span, and its `request` span begins."""
+    """A request was delivered: its `queued` span, and its `request` span begins; nothing
+    for a request whose trace its sender did not sample."""
+    from opentelemetry import trace
     from opentelemetry.trace import SpanKind
 
     a = held.annotations
     parent = tracing.context_of(a.traceparent, a.tracestate)
+    sent = trace.get_current_span(parent).get_span_context()
+    if sent.is_valid and not sent.trace_flags.sampled:
+        return
     now_ns = int(held.delivery.received * 1e9)
     attributes = _attributes(model, held)
     if a.sent_ms:  # (the request's attributes are on its `request` span)

@@ -113,3 +113,14 @@ def test_a_request_without_a_context_starts_its_own_trace(traced):
     f.finish_batch()
     [request] = [s for s in finished() if s.name == f"request {MODEL}"]
     assert request.parent is None and request.attributes["shoal.outcome"] == "ok"
+
+
+def test_a_request_its_sender_did_not_sample_records_nothing(traced):
+    f = traced
+    traceparent = _context(7)[0][:-2] + "00"  # sampled flag off
+    headers = task_headers("unsampled", ENCODE, _annotations(traceparent), "gw")
+    f.runtime.go.clear()
+    f.deliver(Message(headers=headers, body=task_body(_kwargs(1))))
+    f.finish_batch()
+    assert [s.name for s in finished()] == [f"batch {MODEL}"]  # a batch is its own trace
+    assert f.replies()["unsampled"]["status"] == "SUCCESS"

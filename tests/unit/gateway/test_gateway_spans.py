@@ -96,3 +96,19 @@ def test_the_publish_span_is_what_the_message_carries_and_ends_at_the_confirm():
     refused_span = spans[int(second.annotations.traceparent.split("-")[2], 16)]
     assert refused_span.attributes["shoal.error_code"] == "QUEUE_FULL"
     assert not refused_span.status.is_ok
+
+
+def test_a_trace_not_sampled_publishes_no_span_and_passes_the_decision_on():
+    TRACES.clear()
+    unsampled = trace.NonRecordingSpan(trace.SpanContext(
+        0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=False,
+        trace_flags=trace.TraceFlags(0)))
+
+    async def run() -> Part:
+        with trace.use_span(unsampled):
+            return publish_span("m", "shoal.m", _part(), asyncio.get_running_loop().create_future())
+
+    part = asyncio.run(run())
+    assert part.annotations.traceparent == (
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00")
+    assert finished() == []
