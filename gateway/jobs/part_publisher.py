@@ -65,6 +65,10 @@ class PartPublisher:
         self.orphans = orphans
         self.reply_to = replies_queue(settings.queue_prefix)
         self._wake: dict[str, asyncio.Event] = {}
+        # The jobs driven here by key and model (a key's share): a part of one answered
+        # wakes the others too, which may be waiting for the key's place it frees.
+        self._share: dict[tuple[str | None, str], set[str]] = {}
+        self._share_of: dict[str, tuple[str | None, str]] = {}
 
     def watch(self, job_id: str) -> None:
         """A driver here drives `job_id` from now on: its waits wake on `notify`."""
@@ -72,12 +76,22 @@ class PartPublisher:
 
     def unwatch(self, job_id: str) -> None:
         self._wake.pop(job_id, None)
+        share = self._share_of.pop(job_id, None)
+        if share is not None:
+            self._share[share].discard(job_id)
+            if not self._share[share]:
+                del self._share[share]
 
     def notify(self, job_id: str) -> None:
-        """A part of `job_id` was recorded here: wake its waits if it is driven here."""
-        event = self._wake.get(job_id)
-        if event is not None:
-            event.set()
+        """A part of `job_id` was recorded here: wake its waits if it is driven here, and
+        those of its key's other jobs on its model driven here (a place of the key's share
+        may be free)."""
+        share = self._share_of.get(job_id)
+        others = self._share.get(share, ()) if share is not None else ()
+        for other in (job_id, *others):
+            event = self._wake.get(other)
+            if event is not None:
+                event.set()
 
     async def publish_all(self, job: Job, entry: ModelEntry) -> bool:
         """Publish the parts not yet published; False if the job stopped meanwhile."""
@@ -229,6 +243,9 @@ class PartPublisher:
         fewer than that many of all its key's jobs on its model (the key's fair share,
         `gateway.jobs.key_jobs`); False if the job stopped (its outstanding parts are then
         revoked)."""
+        share = (job.owner, job.model)
+        self._share_of[job.id] = share
+        self._share.setdefault(share, set()).add(job.id)
         while True:
             state, done = await self._counts(job.id)
             if state not in ("queued", "running"):

@@ -141,3 +141,51 @@ def test_limits_come_from_the_settings_unless_the_key_sets_its_own():
     plain, own = (Limits.of(settings, ApiKey.from_entry(e)) for e in entries)
     assert (plain.jobs, plain.texts, plain.owner) == (4, 1000, "plain")
     assert (own.jobs, own.texts, own.owner) == (0, 50, "own")  # 0: no limit on jobs
+
+
+def test_a_place_of_the_keys_share_freed_by_one_job_wakes_the_keys_other_jobs(
+        keys, tmp_path, monkeypatch):
+    """Two jobs of one key, one place (SHOAL_JOB_PARTS_IN_FLIGHT=1): the second waits.
+    When the first's part is recorded here, the second is woken at once, not at its next
+    poll (made an hour long here, so that only the wake-up can move it)."""
+    import json
+
+    from gateway.jobs import part_publisher
+    from gateway.jobs.driver import JobDriver
+    from tasks.blobs import JOBS, BlobStore
+    from tasks.catalog import ModelEntry, Source
+    from tests.unit.gateway.test_job_driver_redis_loss import Recorder, until
+
+    monkeypatch.setattr(part_publisher, "POLL_S", 3600.0)
+    store = keys.store
+    settings = Settings(queue_prefix=store.prefix, job_parts_in_flight=1, job_lease_s=60,
+                        blob_url=str(tmp_path / "blobs"))
+    blobs = BlobStore(settings.blob_url)
+    entry = ModelEntry(id="m", adapter="dense", source=Source(path="/nowhere"), dims=4)
+
+    async def scenario() -> None:
+        broker = Recorder()
+        driver = JobDriver(settings, store, broker, {"m": entry}, lambda: blobs)
+        ids = []
+        for _ in range(2):
+            made = job("a", 4, part_items=2)
+            made.parts_total, made.folder = 2, BlobStore.new_key(JOBS, made.id)
+            made.input = f"{made.folder}/input.jsonl"
+            blobs.put(made.input, b"".join(json.dumps({"text": f"t{i}"}).encode() + b"\n"
+                                           for i in range(4)))
+            await store.create(made)
+            ids.append(made.id)
+        try:
+            for job_id in ids:
+                await driver.kick(job_id)
+            await until(lambda: len(broker.published) == 1, "the key's one place taken")
+            first = broker.published[0].partition(".")[0]
+            second = next(i for i in ids if i != first)
+            assert await store.finish(first, CANCELLED)  # its place is free
+            driver.notify(first)  # as part_replies does when it records a part here
+            await until(lambda: any(p.startswith(second) for p in broker.published),
+                        "the key's other job to take the place")
+        finally:
+            await driver.close()
+
+    run(keys, scenario())
