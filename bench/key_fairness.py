@@ -1,7 +1,7 @@
 """One API key's many jobs beside another key's callers and job (issue 53's starvation probe).
 
-    .venv/bin/python -m bench.key_fairness [--jobs 20] [--texts 2000] [--clients 2]
-        [--duration 20] [--window 60] [--rounds 1] [--env NAME=VALUE]
+    .venv/bin/python -m bench.key_fairness [--jobs 20] [--texts 512] [--clients 2]
+        [--duration 15] [--window 60] [--rounds 1] [--env NAME=VALUE]
 
 One stack (`app.tuning.bench_stack.bench_stack`: gateway + one worker serving the packaged
 MiniLM on this CPU) with API keys on: key A and key B. Per round, three phases, each on
@@ -19,7 +19,10 @@ the idle stack (every job left is cancelled at a phase's end):
    gets about 1 / (jobs + 1)).
 
 SHOAL_JOBS_PER_KEY is set to `--jobs` (override with --env) so that the limit does not
-refuse A's jobs and the phases measure the fair share alone.
+refuse A's jobs and the phases measure the fair share alone; SHOAL_JOB_PART_ITEMS to 64, so
+that a job's progress (counted as whole parts are answered) moves within a minute on a
+loaded CPU, where a default part of 512 texts takes several seconds
+(`--env SHOAL_JOB_PART_ITEMS=0` for the default).
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ def report(rounds: list[dict[str, float]], args: argparse.Namespace) -> str:
     ratio = statistics.median(r["beside_p99"] / r["alone_p99"] for r in rounds)
     return "\n".join([
         f"{datetime.now(UTC).isoformat(timespec='seconds')}; MiniLM on this CPU; key A: "
-        f"{args.jobs} bulk jobs of {args.texts:,} texts posted at once; key B: "
+        f"{args.jobs} bulk jobs of {args.texts:,} texts posted at once (parts of "
+        f"{args.part_items} texts); key B: "
         f"{args.clients} closed-loop callers x 1 text for {args.duration:g} s, or one job of "
         f"{args.texts:,} texts; median of {len(rounds)} round(s)",
         "",
@@ -168,9 +172,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.key_fairness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=20, help="key A's jobs, posted at once")
-    p.add_argument("--texts", type=int, default=2000, help="texts in each job")
+    p.add_argument("--texts", type=int, default=512, help="texts in each job")
     p.add_argument("--clients", type=int, default=2, help="key B's closed-loop callers")
-    p.add_argument("--duration", type=float, default=20.0, help="callers' window, seconds")
+    p.add_argument("--duration", type=float, default=15.0, help="callers' window, seconds")
     p.add_argument("--window", type=float, default=60.0,
                    help="the most seconds the two keys' jobs run before their progress "
                    "is read (it is read when B's job is done, if sooner)")
@@ -183,11 +187,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     a, b = new_key(), new_key()
+    args.part_items = dict(e.split("=", 1) for e in args.env).get("SHOAL_JOB_PART_ITEMS", "64")
     keys_file = Path(tempfile.mkdtemp(prefix="shoal-keys-")) / "keys.yaml"
     keys_file.write_text(yaml.safe_dump({"keys": [{"name": "A", "hash": hash_key(a)},
                                                   {"name": "B", "hash": hash_key(b)}]}))
     env = {"SHOAL_API_KEYS_FILE": str(keys_file), "SHOAL_JOBS_PER_KEY": str(args.jobs),
-           **dict(e.split("=", 1) for e in args.env)}
+           "SHOAL_JOB_PART_ITEMS": "64", **dict(e.split("=", 1) for e in args.env)}
     body = ndjson(make_texts(args.texts, seed=1))
     print(f"`python -m bench.key_fairness {' '.join(sys.argv[1:])}`", flush=True)
     with bench_stack(MINILM, env, probe_headers=auth(a)) as stack:
