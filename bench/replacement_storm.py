@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,9 @@ def drill_figures(answers: list[tuple[float, float, int, int | None]], killed: f
     return {"gap_s": gap, "refusals": len(refused),
             "refusals_per_s": len(refused) / gap if gap > 0 else 0.0,
             "max_retry_after": max((a for _, a in refused if a is not None), default=None),
-            "other_errors": sum(1 for _, done, status, _ in answers
-                                if killed < done <= success and status not in (200, 503))}
+            "other_errors": dict(Counter(str(status) for _, done, status, _ in answers
+                                         if killed < done <= success
+                                         and status not in (200, 503)))}
 
 
 def run(workers: int, polite: bool, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
