@@ -94,6 +94,10 @@ class Clients:
             if status == 200:
                 body = None  # the next request is a new text; a refused one is sent again
             elif self.polite and status in (429, 503):
+                # A fresh connection after the wait: the gateway may close an idle one
+                # meanwhile, and http.client does not retry a request on a stale one (the
+                # clients that honour Retry-After, httpx and requests, do).
+                connection.close()
                 self.stop.wait(retry_after if retry_after is not None else 1.0)
 
     def snapshot(self) -> list[tuple[float, float, int, int | None]]:

@@ -96,7 +96,10 @@ class ServedModels:
 
     def heard_reply(self, model: str, reply: dict[str, Any]) -> None:
         """A request's reply: a refusal by a restarting runtime (MODEL_UNAVAILABLE with a
-        Retry-After) may mark its worker restarting (`RestartingModels.heard_refusal`)."""
+        Retry-After) may mark its worker restarting (`RestartingModels.heard_refusal`).
+        While another worker serves the model, the refusal's Retry-After becomes 1 s (in
+        `reply`): its caller's retry may reach that worker now, rather than wait for the
+        refusing one's restart."""
         if reply.get("status") == SUCCESS:
             return
         meta = reply.get("result")
@@ -107,8 +110,10 @@ class ServedModels:
                 and retry_after > 0 and isinstance(args, list | tuple) and args \
                 and args[0] == ErrorCode.MODEL_UNAVAILABLE:
             now = time.monotonic()
-            self.restarting.heard_refusal(model, self.pool.placements(model, now),
-                                          retry_after, now)
+            placements = self.pool.placements(model, now)
+            self.restarting.heard_refusal(model, placements, retry_after, now)
+            if len(placements) > 1 and self.restarting.refusal(model, placements, now) is None:
+                meta["retry_after"] = 1
 
     async def admit(self, model: str) -> None:
         """Make sure the model's queue exists; refuse a model no worker serves (see the

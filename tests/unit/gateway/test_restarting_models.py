@@ -3,6 +3,8 @@ every worker that serves it is restarting its runtime, until the soonest should 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gateway.broker.pool_view import PoolView
@@ -81,3 +83,31 @@ def test_a_worker_that_no_longer_lists_the_model_is_no_longer_marked():
 def test_a_malformed_ready_in_drops_the_state(bad):
     with pytest.raises(ValueError, match="ready_in_s"):
         PoolView(5.0).update(_state("w1", ready_in_s=bad), now=0.0)
+
+
+def _refusal(retry_after: int) -> dict:
+    from tasks.errors import ErrorCode, ShoalError
+
+    return {"status": "FAILURE", "result": ShoalError(
+        ErrorCode.MODEL_UNAVAILABLE, "the model runtime is restarting", retry_after
+    ).as_celery_failure()}
+
+
+def test_a_refusal_says_retry_at_once_while_a_peer_serves_the_model():
+    """A restarting worker's Retry-After (its measured start) would keep a polite caller
+    away from a peer that serves now: the gateway makes it 1 s. With no peer it stands."""
+    from gateway.broker.queue_declarations import ModelQueues
+    from gateway.broker.served_models import ServedModels
+    from tasks.settings import Settings
+
+    settings = Settings()
+    served = ServedModels(settings, ModelQueues(settings, {MODEL: None}), "pool")
+    now = time.monotonic()  # what heard_reply reads
+    served.restarting.heard_state(served.pool.update(_state("w1", ready_in_s=20.0), now))
+    alone = _refusal(20)
+    served.heard_reply(MODEL, alone)
+    assert alone["result"]["retry_after"] == 20
+    served.restarting.heard_state(served.pool.update(_state("w2"), now))
+    with_peer = _refusal(20)
+    served.heard_reply(MODEL, with_peer)
+    assert with_peer["result"]["retry_after"] == 1
