@@ -4,7 +4,8 @@ A job cancelled, failed or gone has its parts published and not answered revoked
 broadcast `shoal_cancel`, `Broker.cancel`): a worker then answers them CANCELLED unrun.
 A revoke sent while RabbitMQ is away is not taken, and the parts would run for nobody
 once it is back: so the ids not taken are kept here and sent again every RETRY_S (in
-messages of MAX_IDS, whatever the jobs they came from) until the broker takes them.
+messages of `gateway.broker.revokes.REVOKE_MAX_IDS` ids, whatever the jobs they came
+from) until the broker takes them.
 A revoke is idempotent on the workers, so a second one of the same id does no harm.
 
 `Broker.cancel` says whether the broker took the message (False: no connection, or the
@@ -20,10 +21,11 @@ import asyncio
 import logging
 from typing import Any
 
+from gateway.broker.revokes import REVOKE_MAX_IDS
+
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
-MAX_IDS = 1000  # ids a resent message carries (~40 bytes each)
 
 
 class PartRevokes:
@@ -67,8 +69,8 @@ class PartRevokes:
         while self.waiting and not self._closing:
             await asyncio.sleep(self.retry_s)
             waiting = list(self.waiting)
-            for start in range(0, len(waiting), MAX_IDS):
-                ids = waiting[start:start + MAX_IDS]
+            for start in range(0, len(waiting), REVOKE_MAX_IDS):
+                ids = waiting[start:start + REVOKE_MAX_IDS]
                 if not await self._send(ids):
                     break  # still away: the next turn sends them
                 for task_id in ids:
