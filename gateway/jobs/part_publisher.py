@@ -19,9 +19,10 @@ wait with its parts published and not answered revoked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -69,6 +70,9 @@ class PartPublisher:
         # wakes the others too, which may be waiting for the key's place it frees.
         self._share: dict[tuple[str | None, str], set[str]] = {}
         self._share_of: dict[str, tuple[str | None, str]] = {}
+        # A key's place is checked and taken (published, recorded) under its share's lock:
+        # two of its jobs driven here cannot both take its last place.
+        self._share_locks: dict[tuple[str | None, str], asyncio.Lock] = {}
 
     def watch(self, job_id: str) -> None:
         """A driver here drives `job_id` from now on: its waits wake on `notify`."""
@@ -81,6 +85,9 @@ class PartPublisher:
             self._share[share].discard(job_id)
             if not self._share[share]:
                 del self._share[share]
+                lock = self._share_locks.get(share)
+                if lock is not None and not lock.locked():
+                    del self._share_locks[share]
 
     def notify(self, job_id: str) -> None:
         """A part of `job_id` was recorded here: wake its waits if it is driven here, and
@@ -115,24 +122,25 @@ class PartPublisher:
         try:
             index, first = job.published, job.next_item
             while index < job.parts_total:
-                if not await self._room(job, index):
-                    return False
-                items = await asyncio.to_thread(reader.next_part)
-                if not items:
-                    raise RuntimeError(f"the input {job.input} ended before part {index}: "
-                                       "it changed after it was checked")
-                kwargs: dict[str, Any] = {"model": entry.id, "items": items,
-                                          "options": job.options}
-                if job.query is not None:
-                    kwargs["query"] = job.query
-                if not await self._publish(job, entry, index, kwargs):
-                    return False
-                index += 1
-                self.orphans.published(job.id, index)
-                if not await self.store.published(job.id, index, reader.offset, first,
-                                                  len(items)):
-                    await self.revoke(job.id, index)  # stopped, or gone from Redis
-                    return False
+                async with self._place(job, index) as room:
+                    if not room:
+                        return False
+                    items = await asyncio.to_thread(reader.next_part)
+                    if not items:
+                        raise RuntimeError(f"the input {job.input} ended before part "
+                                           f"{index}: it changed after it was checked")
+                    kwargs: dict[str, Any] = {"model": entry.id, "items": items,
+                                              "options": job.options}
+                    if job.query is not None:
+                        kwargs["query"] = job.query
+                    if not await self._publish(job, entry, index, kwargs):
+                        return False
+                    index += 1
+                    self.orphans.published(job.id, index)
+                    if not await self.store.published(job.id, index, reader.offset, first,
+                                                      len(items)):
+                        await self.revoke(job.id, index)  # stopped, or gone from Redis
+                        return False
                 first += len(items)
             return True
         finally:
@@ -158,31 +166,33 @@ class PartPublisher:
         try:
             index = job.published
             while index < job.parts_total:
-                if not await self._room(job, index):
-                    return False
-                records = await asyncio.to_thread(
-                    read, min(LINES_PER_MESSAGE, job.parts_total - index))
-                together = []
-                for offset, record in enumerate(records):
-                    kwargs, uploads = await check_out(record.kwargs,
-                                                      self.settings.claim_check_bytes)
-                    if uploads:  # a claim-checked request is a message of its own
-                        if not await self._publish(job, entry, index + offset, record.kwargs):
-                            return False
-                        continue
-                    together.append(dataclasses.replace(
-                        task_part(entry, kwargs, timeout_ms, bulk=True),
-                        task_id=part_id(job.id, index + offset)))
-                if together and not await self._send(
-                        job, index, lambda parts=together: self.broker.publish_parts(
-                            entry.id, parts, timeout_ms / 1000, self.reply_to)):
-                    return False
-                first, index = index, index + len(records)
-                self.orphans.published(job.id, index)
-                if not await self.store.published(job.id, index, reader.offset, first,
-                                                  len(records)):
-                    await self.revoke(job.id, index)  # stopped, or gone from Redis
-                    return False
+                async with self._place(job, index) as room:
+                    if not room:
+                        return False
+                    records = await asyncio.to_thread(
+                        read, min(LINES_PER_MESSAGE, job.parts_total - index))
+                    together = []
+                    for offset, record in enumerate(records):
+                        kwargs, uploads = await check_out(record.kwargs,
+                                                          self.settings.claim_check_bytes)
+                        if uploads:  # a claim-checked request is a message of its own
+                            if not await self._publish(job, entry, index + offset,
+                                                       record.kwargs):
+                                return False
+                            continue
+                        together.append(dataclasses.replace(
+                            task_part(entry, kwargs, timeout_ms, bulk=True),
+                            task_id=part_id(job.id, index + offset)))
+                    if together and not await self._send(
+                            job, index, lambda parts=together: self.broker.publish_parts(
+                                entry.id, parts, timeout_ms / 1000, self.reply_to)):
+                        return False
+                    first, index = index, index + len(records)
+                    self.orphans.published(job.id, index)
+                    if not await self.store.published(job.id, index, reader.offset, first,
+                                                      len(records)):
+                        await self.revoke(job.id, index)  # stopped, or gone from Redis
+                        return False
             return True
         finally:
             await asyncio.to_thread(reader.close)
@@ -238,22 +248,30 @@ class PartPublisher:
             if not await self._still_active(job):
                 return False
 
-    async def _room(self, job: Job, published: int) -> bool:
+    @contextlib.asynccontextmanager
+    async def _place(self, job: Job, published: int) -> AsyncIterator[bool]:
         """Wait until fewer than SHOAL_JOB_PARTS_IN_FLIGHT parts of the job are out, and
         fewer than that many of all its key's jobs on its model (the key's fair share,
-        `gateway.jobs.key_jobs`); False if the job stopped (its outstanding parts are then
-        revoked)."""
+        `gateway.jobs.key_jobs`), and hold that place while the part is published and
+        recorded (True); False if the job stopped (its outstanding parts are then
+        revoked). Another gateway's jobs of the key are counted from Redis, so across
+        gateways a key may briefly hold one extra place per gateway."""
         share = (job.owner, job.model)
         self._share_of[job.id] = share
         self._share.setdefault(share, set()).add(job.id)
+        lock = self._share_locks.setdefault(share, asyncio.Lock())
         while True:
             state, done = await self._counts(job.id)
             if state not in ("queued", "running"):
                 await self.revoke(job.id, published)
-                return False
-            if published - done < self._in_flight(job) and await self.keys.in_flight(
-                    job.owner, job.model, LINE_PART_ITEMS) < self.settings.job_parts_in_flight:
-                return True
+                yield False
+                return
+            if published - done < self._in_flight(job):
+                async with lock:
+                    if await self.keys.in_flight(job.owner, job.model, LINE_PART_ITEMS
+                                                 ) < self.settings.job_parts_in_flight:
+                        yield True
+                        return
             await self._sleep(job.id)
 
     def _in_flight(self, job: Job) -> int:

@@ -6,6 +6,7 @@ under a prefix of the test's own."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,10 +14,15 @@ from typing import Any
 
 import pytest
 
+from gateway.jobs import part_publisher
+from gateway.jobs.driver import JobDriver
 from gateway.jobs.key_jobs import RETRY_UNKNOWN_S, KeyJobs, Limits
 from gateway.jobs.store import CANCELLED, Job, JobStore
+from tasks.blobs import JOBS, BlobStore
+from tasks.catalog import ModelEntry, Source
 from tasks.errors import ShoalError
 from tasks.settings import Settings
+from tests.unit.gateway.test_job_driver_redis_loss import Recorder, until
 
 HINT = "cancel one"
 
@@ -51,6 +57,17 @@ def run(keys: KeyJobs, coro: Any) -> Any:
 def job(owner: str | None, items: int, model: str = "m", **fields: Any) -> Job:
     return Job(id=uuid.uuid4().hex, operation="encode", model=model, bulk=True,
                parts_total=items, items_total=items, owner=owner, **fields)
+
+
+async def two_part_job(store: JobStore, blobs: BlobStore) -> str:
+    """A bulk job of key "a" on model "m": 4 texts in 2 parts, created in Redis."""
+    made = job("a", 4, part_items=2)
+    made.parts_total, made.folder = 2, BlobStore.new_key(JOBS, made.id)
+    made.input = f"{made.folder}/input.jsonl"
+    blobs.put(made.input, b"".join(json.dumps({"text": f"t{i}"}).encode() + b"\n"
+                                   for i in range(4)))
+    await store.create(made)
+    return made.id
 
 
 async def refusal(coro: Any) -> ShoalError:
@@ -148,14 +165,6 @@ def test_a_place_of_the_keys_share_freed_by_one_job_wakes_the_keys_other_jobs(
     """Two jobs of one key, one place (SHOAL_JOB_PARTS_IN_FLIGHT=1): the second waits.
     When the first's part is recorded here, the second is woken at once, not at its next
     poll (made an hour long here, so that only the wake-up can move it)."""
-    import json
-
-    from gateway.jobs import part_publisher
-    from gateway.jobs.driver import JobDriver
-    from tasks.blobs import JOBS, BlobStore
-    from tasks.catalog import ModelEntry, Source
-    from tests.unit.gateway.test_job_driver_redis_loss import Recorder, until
-
     monkeypatch.setattr(part_publisher, "POLL_S", 3600.0)
     store = keys.store
     settings = Settings(queue_prefix=store.prefix, job_parts_in_flight=1, job_lease_s=60,
@@ -166,15 +175,7 @@ def test_a_place_of_the_keys_share_freed_by_one_job_wakes_the_keys_other_jobs(
     async def scenario() -> None:
         broker = Recorder()
         driver = JobDriver(settings, store, broker, {"m": entry}, lambda: blobs)
-        ids = []
-        for _ in range(2):
-            made = job("a", 4, part_items=2)
-            made.parts_total, made.folder = 2, BlobStore.new_key(JOBS, made.id)
-            made.input = f"{made.folder}/input.jsonl"
-            blobs.put(made.input, b"".join(json.dumps({"text": f"t{i}"}).encode() + b"\n"
-                                           for i in range(4)))
-            await store.create(made)
-            ids.append(made.id)
+        ids = [await two_part_job(store, blobs) for _ in range(2)]
         try:
             for job_id in ids:
                 await driver.kick(job_id)
@@ -185,6 +186,43 @@ def test_a_place_of_the_keys_share_freed_by_one_job_wakes_the_keys_other_jobs(
             driver.notify(first)  # as part_replies does when it records a part here
             await until(lambda: any(p.startswith(second) for p in broker.published),
                         "the key's other job to take the place")
+        finally:
+            await driver.close()
+
+    run(keys, scenario())
+
+
+def test_jobs_of_one_key_driven_together_take_its_last_place_once(keys, tmp_path, monkeypatch):
+    """Six jobs of one key kicked at once with one place (SHOAL_JOB_PARTS_IN_FLIGHT=1):
+    each checks the key's parts out and publishes; the check and the record of the
+    publish are one step per key and model here, so exactly one part goes out and the
+    other five wait (when each job checked Redis on its own, several saw the place free
+    and published: 5 parts out in 1 of 3 runs here, and a CI run's wait for "one part
+    out" in the test above timed out). Waited on: every job has gone to wait (its part
+    out, or no place)."""
+    monkeypatch.setattr(part_publisher, "POLL_S", 3600.0)
+    waiting: set[str] = set()
+    sleep = part_publisher.PartPublisher._sleep
+
+    async def recorded_sleep(self: part_publisher.PartPublisher, job_id: str) -> None:
+        waiting.add(job_id)
+        await sleep(self, job_id)
+
+    monkeypatch.setattr(part_publisher.PartPublisher, "_sleep", recorded_sleep)
+    store = keys.store
+    settings = Settings(queue_prefix=store.prefix, job_parts_in_flight=1, job_lease_s=60,
+                        blob_url=str(tmp_path / "blobs"))
+    blobs = BlobStore(settings.blob_url)
+    entry = ModelEntry(id="m", adapter="dense", source=Source(path="/nowhere"), dims=4)
+
+    async def scenario() -> None:
+        broker = Recorder()
+        driver = JobDriver(settings, store, broker, {"m": entry}, lambda: blobs)
+        ids = [await two_part_job(store, blobs) for _ in range(6)]
+        try:
+            await asyncio.gather(*(driver.kick(job_id) for job_id in ids))
+            await until(lambda: waiting >= set(ids), "every job waiting")
+            assert len(broker.published) == 1, broker.published
         finally:
             await driver.close()
 
