@@ -111,6 +111,15 @@ class BatchProfile(BaseModel):
     precision: Precision | None = Field(
         None, description="the forward pass's number format (default: bf16 on a CUDA device "
         "that supports it, else fp16 on CUDA, fp32 on CPU); fp16 is refused on cpu")
+    runtime: str | None = Field(
+        None, description="the engine measured fastest on this device with vectors within "
+        "the parity bound (`shoal onboard`/`shoal tune` write it): it serves the model on "
+        "this device when the entry names no `runtime` and SHOAL_RUNTIME is not set")
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, value: str | None) -> str | None:
+        return None if value is None else engines.known(value, *engines.PER_MODEL)
 
 
 class Prompts(BaseModel):
@@ -201,6 +210,7 @@ class ModelEntry(BaseModel):
             raise ValueError("defaults: lora cannot be a default; a request names its LoRA "
                              "adapter in options.lora")
         self._check_engine()
+        self._check_profile_engines()
         self._check_precisions()
         if self.loras and self.adapter not in LORA_ADAPTERS:
             raise ValueError(f"loras: adapter {self.adapter!r} does not serve LoRA adapters; "
@@ -218,15 +228,28 @@ class ModelEntry(BaseModel):
             raise ValueError(f"loras: the {self.runtime} runtime serves no LoRA adapters; say "
                              f"runtime: {engines.DEFAULT} to serve them per request")
 
+    def _check_profile_engines(self) -> None:
+        for device, profile in self.profiles.items():
+            if profile.runtime is None:
+                continue
+            runs_on = engines.engine(profile.runtime)
+            if self.adapter not in runs_on.families or (self.loras and not runs_on.loras):
+                why = "no LoRA adapters" if self.adapter in runs_on.families else \
+                    f"the adapters {sorted(runs_on.families)}"
+                raise ValueError(f"profiles.{device}.runtime: {profile.runtime} serves {why}, "
+                                 f"not this {self.adapter} entry; say {engines.DEFAULT}")
+
     def _check_precisions(self) -> None:
-        known = engines.engine(self.runtime).precisions
         for device, profile in self.profiles.items():
             if profile.precision is None:
                 continue
+            # A profile's precision is that of the engine it names, else of the entry's.
+            runtime = profile.runtime or self.runtime
+            known = engines.engine(runtime).precisions
             if profile.precision not in known:
                 raise ValueError(f"profiles.{device}.precision: {profile.precision} is not a "
-                                 f"format of runtime {self.runtime}; its formats: {list(known)}")
-            on_cpu = engines.engine(self.runtime).cpu_precisions
+                                 f"format of runtime {runtime}; its formats: {list(known)}")
+            on_cpu = engines.engine(runtime).cpu_precisions
             if device == "cpu" and profile.precision not in on_cpu:
                 raise ValueError(f"profiles.cpu.precision: {profile.precision} is not served "
                                  "on a CPU (its fp16 CPU kernels are slow or missing); use one "
@@ -274,6 +297,12 @@ class ModelEntry(BaseModel):
     def profile(self, device: str) -> BatchProfile | None:
         """The tuned profile for a device type ('cpu', 'l4', 'h100', ...), if any."""
         return self.profiles.get(device)
+
+    @property
+    def names_runtime(self) -> bool:
+        """Whether the entry says `runtime:` itself (pytorch included), which no profile's
+        choice overrides."""
+        return "runtime" in self.model_fields_set
 
 
 def load_entry(path: Path) -> ModelEntry:

@@ -73,6 +73,11 @@ class EngineEntry:
     def takes_over(self, entry: EntryFacts) -> bool:
         if self.takes is not None:
             return self.takes(entry)
+        return self.serves(entry)
+
+    def serves(self, entry: EntryFacts) -> bool:
+        """Whether it can serve the entry at all: its family, and its LoRAs if it has any
+        (what a profile's `runtime` is held to; `takes` may be narrower)."""
         return entry.adapter in self.families and (self.loras or not entry.loras)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from app.tuning.knee import Knee
 from app.tuning.tune import (
@@ -70,7 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="sweeps per setting, the median knee counts (a noisy host "
                         "needs 3 or more)")
     parser.add_argument("--no-calibrate", action="store_true",
-                        help="keep the profile's cost constants (e.g. for a sim runtime)")
+                        help="keep the profile's cost constants and engine (e.g. for a sim "
+                        "runtime)")
+    parser.add_argument("--keep-runtime", action="store_true",
+                        help="do not choose the engine: keep the profile's `runtime`")
     parser.add_argument("--dry-run", action="store_true", help="print, do not write")
     parser.set_defaults(run=tune)
 
@@ -94,8 +98,10 @@ def tune(args: argparse.Namespace) -> int:
     requests = make_requests(300, args.mix_items, args.mix_words)
     profile = entry.profile(args.device) or BatchProfile()
     cost = (profile.cost_a_ms, profile.cost_b_us, profile.cost_c_ns)
+    chosen: dict[str, str] = {}
     if not args.no_calibrate:
-        cost = fit_cost(calibrate(entry, requests))
+        samples, chosen = _engine_samples(entry, requests, args)
+        cost = fit_cost(samples)
         print(f"cost fit: a={cost[0]:.2f} ms, b={cost[1]:.2f} us/token", file=sys.stderr)
     start = {"max_tokens": float(profile.max_tokens), "max_items": float(profile.max_items),
              "max_delay_ms": profile.max_delay_ms,
@@ -110,7 +116,8 @@ def tune(args: argparse.Namespace) -> int:
         "max_delay_ms": best["max_delay_ms"],
         "hold_horizon_batches": best["hold_horizon_batches"],
         "cost_a_ms": round(cost[0], 3), "cost_b_us": round(cost[1], 3),
-        "cost_c_ns": round(cost[2], 3), "measured": measured_line(knee, args, cost),
+        "cost_c_ns": round(cost[2], 3), **chosen,
+        "measured": measured_line(knee, args, cost),
     }
     print(f"{len(history)} settings measured; best: {tuned}")
     if not args.dry_run:
@@ -119,3 +126,22 @@ def tune(args: argparse.Namespace) -> int:
         write_profile(path, args.device, tuned)
         print(f"wrote profiles.{args.device} to {path}")
     return 0
+
+
+def _engine_samples(entry: Any, requests: list[list[str]], args: argparse.Namespace
+                    ) -> tuple[list[tuple[int, int, float]], dict[str, str]]:
+    """The in-process batch times the cost is fitted on, and the profile's `runtime` and
+    `precision`: those of the fastest engine whose outputs hold the parity bound
+    (`app.onboard.engine_choice`), which the live sweeps then run on; the entry's own
+    engine with --keep-runtime or a SHOAL_RUNTIME given in --env."""
+    if args.keep_runtime or "SHOAL_RUNTIME" in args.env:
+        return calibrate(entry, requests), {}
+    from app.onboard.engine_choice import choose_engine
+
+    print("choosing the engine (parity, then in-process rate):", file=sys.stderr)
+    best, _ = choose_engine(entry, requests, args.device, calibrate,
+                            say=lambda line: print(line, file=sys.stderr))
+    if best is None:
+        raise SystemExit(f"{entry.id}: no engine holds the parity bound on {args.device}")
+    args.env["SHOAL_RUNTIME"] = best.runtime  # the private stack's sweeps run on it
+    return best.samples, {"runtime": best.runtime, "precision": best.precision}

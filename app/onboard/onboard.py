@@ -141,12 +141,8 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
             fields, detection, parity_at_each(fields, folder, parity, reference),
             duration=duration, search=search, only=candidates, say=say)
         if values is not None:
-            chosen = report.chosen
-            assert chosen is not None
-            if chosen.runtime != "pytorch":
-                fields = {**fields, "runtime": chosen.runtime}
-                detection.settings["runtime"] = Setting(
-                    chosen.runtime, "the fastest candidate whose parity held (profile below)")
+            # The winner's engine is written in the device's profile (`runtime`), not
+            # as the entry's: a profile for another device may choose another engine.
             profile = (profile_key(device), values, [_candidate_line(c) for c in report.candidates])
             report.status = "tuned"
     elif tune_it:

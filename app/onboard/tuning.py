@@ -93,11 +93,10 @@ def _knee_fields(candidate: Candidate, knee: Knee | None, points: list[Any]) -> 
 
 
 def candidate_fields(fields: dict[str, Any], candidate: Candidate) -> dict[str, Any]:
-    """The entry fields that serve `fields`' model with `candidate`."""
-    out = dict(fields)
-    if candidate.runtime != "pytorch":
-        out["runtime"] = candidate.runtime
-    return out
+    """The entry fields that serve `fields`' model with `candidate`: the same fields, the
+    entry naming no engine (the candidate's engine and precision go in its device
+    profile, `profile_fields`, so another device's profile may choose another)."""
+    return dict(fields)
 
 
 def parity_at_each(fields: dict[str, Any], folder: Path, fp32: Any, reference: Any
@@ -228,7 +227,8 @@ def _sweep(fields: dict[str, Any], detection: Any, candidate: Candidate,
     it); with them, a trial whose points the caller keeps if it wins."""
     from app.tuning.tune import measure_live
 
-    profile = {"precision": candidate.precision, "cost_a_ms": round(cost[0], 3),
+    profile = {"runtime": candidate.runtime, "precision": candidate.precision,
+               "cost_a_ms": round(cost[0], 3),
                "cost_b_us": round(cost[1], 3), "cost_c_ns": round(cost[2], 3)}
     text = render(candidate_fields(fields, candidate), detection, [],
                   ("cpu" if not _cuda() else "cuda", profile, []))
@@ -250,7 +250,9 @@ def _figures(figures: dict[str, float]) -> str:
 
 def profile_fields(candidate: Candidate, setting: dict[str, float],
                    cost: tuple[float, float, float], knee: Knee | None) -> dict[str, Any]:
-    """The `profiles.<device>` fields of the winner, with its provenance line."""
+    """The `profiles.<device>` fields of the winner, with its provenance line: its engine
+    (`runtime`, which the worker serves the entry with on this device unless the entry
+    or SHOAL_RUNTIME names one) and its precision."""
     point = knee.point if knee is not None else None
     parity = _figures(candidate.parity)
     measured = (f"shoal onboard on {dt.date.today().isoformat()} ({device_name()}): "
@@ -263,8 +265,8 @@ def profile_fields(candidate: Candidate, setting: dict[str, float],
         "max_delay_ms": setting["max_delay_ms"],
         "hold_horizon_batches": setting["hold_horizon_batches"],
         "cost_a_ms": round(cost[0], 3), "cost_b_us": round(cost[1], 3),
-        "cost_c_ns": round(cost[2], 3), "precision": candidate.precision,
-        "measured": measured,
+        "cost_c_ns": round(cost[2], 3), "runtime": candidate.runtime,
+        "precision": candidate.precision, "measured": measured,
     }
 
 

@@ -10,10 +10,11 @@ from typing import cast
 
 from runtimes.base import Runtime, StartRuntime
 from runtimes.model_files.footprint import host_tier_bytes
+from runtimes.model_files.precision import device_kind
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.replicas import ReplicaSet, default_replicas
 from tasks import engines
-from tasks.catalog import ModelEntry
+from tasks.catalog import BatchProfile, ModelEntry
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def start_runtime(entries: list[ModelEntry], pinned: set[str], settings: Setting
     if worker_engine.kind == "double":
         # Imported by name: a real worker never loads it, a simulated one never loads torch.
         return _starter(worker_engine)(entries, sorted(pinned), settings)
-    on = runtime_of_models(entries, settings.runtime)
+    on = runtime_of_models(entries, worker_runtime(settings), settings.device)
     runtimes: dict[str, Runtime] = {}
     for name, registered in engines.ENGINES.items():
         if name not in on.values():
@@ -82,16 +83,34 @@ def _process_runtimes(settings: Settings, engine: str, precision: str | None,
     return ReplicaSet(start, count)
 
 
-def runtime_of_models(entries: list[ModelEntry], worker_runtime: str) -> dict[str, str]:
-    """Which engine serves each model: the entry's `runtime` when it is not the default;
-    else the worker's (SHOAL_RUNTIME) if that engine takes the entry (`EngineEntry.takes`:
-    SGLang every causal LM and last-token-pooled (decoder) embedder, ONNX Runtime every
-    entry of its families without LoRA adapters); else the default (PyTorch)."""
-    worker = engines.engine(worker_runtime)
+def worker_runtime(settings: Settings) -> str | None:
+    """SHOAL_RUNTIME where it is set (to pytorch too: it then overrides the profiles'
+    choices), else None."""
+    return settings.runtime if "runtime" in settings.model_fields_set else None
+
+
+def runtime_of_models(entries: list[ModelEntry], worker_runtime: str | None,
+                      device: str = "cpu") -> dict[str, str]:
+    """Which engine serves each model, first that applies: the entry's `runtime:` when it
+    is not the default; the worker's (SHOAL_RUNTIME; None where it is not set) if that
+    engine takes the entry (`EngineEntry.takes`: SGLang every causal LM and
+    last-token-pooled (decoder) embedder, ONNX Runtime every entry of its families
+    without LoRA adapters); the entry's own `runtime: pytorch`; the engine its profile
+    for `device` names (measured fastest with vectors within the parity bound by
+    `shoal onboard` / `shoal tune`) if that engine serves the entry (no LoRAs on ONNX);
+    else the default (PyTorch)."""
+    worker = engines.engine(worker_runtime) if worker_runtime is not None else None
 
     def runtime(e: ModelEntry) -> str:
         if e.runtime != engines.DEFAULT:
             return e.runtime
-        return worker.name if worker.takes_over(e) else engines.DEFAULT
+        if worker is not None and worker.takes_over(e):
+            return worker.name
+        if e.names_runtime:  # `runtime: pytorch`: no profile moves it
+            return e.runtime
+        profiled = (e.profile(device) or e.profile(device_kind(device)) or BatchProfile()).runtime
+        if profiled is not None and engines.engine(profiled).serves(e):
+            return profiled
+        return engines.DEFAULT
 
     return {e.id: runtime(e) for e in entries}

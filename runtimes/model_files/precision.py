@@ -41,8 +41,10 @@ def resolve_precision(entry: ModelEntry, device: str, override: str | None = Non
             raise ValueError(f"precision {override!r} is none of {list(PRECISIONS)}")
         return override  # type: ignore[return-value]
     tuned = entry.profile(profile or device_kind(device))
-    if tuned is not None and tuned.precision is not None:
-        return tuned.precision
+    # A profile's format may be another engine's (int8: the ONNX Runtime its profile
+    # chose); PyTorch serving the model then (SHOAL_RUNTIME=pytorch) uses its default.
+    if tuned is not None and tuned.precision in PRECISIONS:
+        return tuned.precision  # type: ignore[return-value]
     return default_precision(device)
 
 

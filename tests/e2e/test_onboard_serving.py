@@ -75,8 +75,9 @@ def test_onboarding_tunes_and_writes_a_profile(tmp_path: Path):
     profile = entry.profile("cpu")
     assert profile is not None and profile.precision == chosen.precision
     assert "shoal onboard" in profile.measured and "parity" in profile.measured
+    # The engine is the device's choice, in its profile; the entry names none.
     data = yaml.safe_load(outcome.path.read_text())
-    assert data.get("runtime", "pytorch") == chosen.runtime
+    assert profile.runtime == chosen.runtime and "runtime" not in data
     # Every candidate the device offers was tried: parity at its precision, then a
     # sweep, or a note saying why not.
     assert {(c.runtime, c.precision) for c in outcome.report.candidates} >= {
