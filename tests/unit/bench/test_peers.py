@@ -174,7 +174,7 @@ def test_chosen_systems_drop_infinity_onnx_without_optimum(tmp_path: Path) -> No
 
 def _five(clients: int, rnd: int, scale: float) -> list[dict[str, Any]]:
     rates = {"shoal": 100.0, "shoal-onnx": 200.0, "shoal-onnx-int8": 300.0,
-             "infinity": 50.0, "infinity-onnx": 150.0}
+             "shoal-default": 200.0, "infinity": 50.0, "infinity-onnx": 150.0}
     return [_run(s, clients, rnd, rate * scale, p99=1000.0 / rate) for s, rate in rates.items()]
 
 
@@ -202,7 +202,8 @@ def test_systems_table_has_a_row_per_level_and_system() -> None:
 def test_verdicts_check_targets_at_8_and_32_clients() -> None:
     runs = _five(1, 0, 1.0) + _five(8, 0, 1.0)
     lines = peers.verdicts(peers.summarise(runs))
-    assert len(lines) == 4 and all(line.startswith("8 clients") for line in lines)
+    assert len(lines) == 5 and all(line.startswith("8 clients") for line in lines)
+    assert lines[-1].startswith("8 clients, shoal default (make run) vs Infinity: 4.00x")
     assert lines[0].endswith(": met")  # ORT fp32 4x Infinity torch, lower p99
     slow = [{**r, "req_per_s": 90.0} if r["server"] == "shoal-onnx" else r for r in runs]
     assert peers.verdicts(peers.summarise(slow))[0].endswith("NOT met")
