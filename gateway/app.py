@@ -21,6 +21,7 @@ from gateway.broker.link import Broker
 from gateway.calls.blob_offload import sweep_forever
 from gateway.edge.cors import install_cors
 from gateway.edge.gateway_metrics import metrics
+from gateway.edge.hot_requests import serve_hot
 from gateway.edge.outer_middleware import RequestIdMiddleware
 from gateway.edge.sigterm_drain import Drain
 from gateway.edge.tracing import install as install_tracing
@@ -31,7 +32,12 @@ from gateway.routes.cohere_embed import embed_v1 as cohere_embed_v1
 from gateway.routes.cohere_embed import embed_v2 as cohere_embed_v2
 from gateway.routes.completions import create_chat_completion, create_completion
 from gateway.routes.embeddings import create_embeddings
-from gateway.routes.hot_path import HotRoutes, error_response, http_error_response
+from gateway.routes.hot_path import (
+    EdgeRoutes,
+    HotRoutes,
+    error_response,
+    http_error_response,
+)
 from gateway.routes.job_routes import cancel_job, create_job, get_job, get_result
 from gateway.routes.native import classify, encode, extract, score
 from gateway.routes.openai_batches import (
@@ -191,6 +197,11 @@ def create_app(settings: Settings | None = None) -> Starlette:
     install_cors(app, settings)  # outermost: preflights before the keys, headers on errors
     if tracing.ENABLED:  # around even CORS: a request's server span covers all it met
         install_tracing(app)
+    if settings.api_keys_file is None and not tracing.ENABLED:
+        # The hot routes answered by the HTTP edge itself (gateway.edge.hot_requests says
+        # what goes on to the ASGI stack above): keys' rate limits await Redis, and the
+        # server spans are ASGI middleware, so with either on every request goes there.
+        serve_hot(app, EdgeRoutes(settings))
     app.state.settings = settings
     app.state.served = served
     app.state.catalog = catalog

@@ -51,6 +51,15 @@ def _claims_for(parts: list[bytes]) -> list[Claim]:
             for data in parts]
 
 
+def has_claims(kwargs: dict[str, Any], threshold: int) -> bool:
+    """Whether `check_out` would turn any part of `kwargs` into a claim (a text request's
+    items hold no bytes: one type test per item)."""
+    items = kwargs.get("items")
+    return isinstance(items, list) and any(
+        isinstance(item, dict) and isinstance(value := item.get(field), bytes)
+        and len(value) > threshold for item in items for field in BINARY_KEYS)
+
+
 async def check_out(kwargs: dict[str, Any], threshold: int
                     ) -> tuple[dict[str, Any], list[Upload]]:
     """`kwargs` with every binary part over `threshold` bytes replaced by a claim, and the

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 
 from gateway.auth.access import check_model_allowed, models_visible
-from gateway.calls.blob_offload import check_out, submit_claimed
+from gateway.calls.blob_offload import check_out, has_claims, submit_claimed
 from gateway.calls.request_trace import TRACE_HEADER, hop_trace
 from gateway.calls.work_deadline import default_budget_ms
 from gateway.edge.api_errors import ApiError, invalid
@@ -154,15 +156,42 @@ def wire_items(parsed: ParsedRequest) -> list[dict[str, Any]]:
 async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]) -> Reply:
     """Publish the entry's operation with `kwargs` (already checked) and await the result."""
     started = time.perf_counter()
-    sent_ms = sent_timeout_ms(request)
+    sent_timeout_ms(request)  # a bad X-Timeout-Ms is refused before any upload
     broker = request.app.state.broker
     settings = request.app.state.settings
     # Images over SHOAL_CLAIM_CHECK_BYTES travel as claims; their bytes go to the blob
     # store while the message is already queued (gateway.calls.blob_offload).
     kwargs, uploads = await check_out(kwargs, settings.claim_check_bytes)
+    call = prepare_call(request, entry, kwargs, len(uploads), started)
+    if uploads:
+        reply = await submit_claimed(broker, entry.id, call.part, call.budget_ms / 1000,
+                                     uploads, settings.blob_url,
+                                     settings.claim_upload_timeout_s, request.scope)
+    else:
+        # With the request's scope: a caller that hangs up releases its request.
+        reply = await broker.submit(entry.id, call.part, call.budget_ms / 1000, request.scope)
+    return finish_call(request, call, reply)
+
+
+@dataclass(slots=True)
+class Call:
+    """A request's task part as it is published, its deadline and when its call began."""
+
+    part: Any
+    budget_ms: int
+    started: float
+
+
+def prepare_call(request: Request, entry: ModelEntry, kwargs: dict[str, Any], claims: int = 0,
+                 started: float | None = None) -> Call:
+    """The task part of `kwargs` (checked, claims already checked out) with its deadline:
+    X-Timeout-Ms, else the default (as long as a large request's work: see the module)."""
+    started = time.perf_counter() if started is None else started
+    sent_ms = sent_timeout_ms(request)
+    settings = request.app.state.settings
     budget_ms = settings.default_timeout_ms if sent_ms is None else sent_ms
-    part = task_part(entry, kwargs, budget_ms, claims=len(uploads))
-    if sent_ms is None:  # a large request's default is as long as its work (see the module)
+    part = task_part(entry, kwargs, budget_ms, claims=claims)
+    if sent_ms is None:
         work_ms = default_budget_ms(entry, part.annotations, settings)
         if work_ms != budget_ms:
             budget_ms = work_ms
@@ -170,24 +199,41 @@ async def call_model(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
                 part.annotations, deadline_ms=int(part.annotations.sent_ms or 0) + work_ms))
     if tracing.ENABLED:
         call_span(part)
-    if uploads:
-        reply = await submit_claimed(broker, entry.id, part, budget_ms / 1000, uploads,
-                                     settings.blob_url, settings.claim_upload_timeout_s,
-                                     request.scope)
-    else:
-        # With the request's scope: a caller that hangs up releases its request.
-        reply = await broker.submit(entry.id, part, budget_ms / 1000, request.scope)
+    return Call(part, budget_ms, started)
+
+
+def start_call(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
+               ) -> tuple[Awaitable[Any], Callable[[Any], Reply]]:
+    """The HTTP edge's hot path (`gateway.edge.hot_requests`): the call's awaitable (the
+    broker's wait for the reply; `call_model` whole for a request with claims to upload)
+    and what turns what it gives into the Reply. Checks and builds the part now."""
+    if has_claims(kwargs, request.app.state.settings.claim_check_bytes):
+        return call_model(request, entry, kwargs), _as_is
+    call = prepare_call(request, entry, kwargs)
+    waiting = request.app.state.broker.submit(entry.id, call.part, call.budget_ms / 1000,
+                                              request.scope)
+    return waiting, partial(finish_call, request, call)
+
+
+def _as_is(reply: Reply) -> Reply:
+    return reply
+
+
+def finish_call(request: Request, call: Call, reply: dict[str, Any]) -> Reply:
+    """The broker's reply as the result and its response headers; the failure it carries
+    raised as the ShoalError it names."""
     replied = time.time()
     if reply.get("status") != SUCCESS:
         raise ShoalError.from_celery_failure(reply.get("result"))
     result = reply["result"]
     if tracing.ENABLED:
         reply_span(read_served(result).timing, replied)
-    out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - started) * 1000:.1f}",
+    out_headers = {"X-Total-Time-Ms": f"{(time.perf_counter() - call.started) * 1000:.1f}",
                    **reply_headers(result)}
     if header(request, TRACE_HEADER.encode()) is not None:
         # The outer middleware stamped its arrival (`gateway.calls.request_trace`).
         arrived = getattr(request.state, "arrived", replied)
-        out_headers["X-Shoal-Trace"] = hop_trace(arrived, part.annotations.sent_ms,
-                                                 read_served(result).timing, replied, time.time())
+        out_headers["X-Shoal-Trace"] = hop_trace(arrived, call.part.annotations.sent_ms,
+                                                 read_served(result).timing, replied,
+                                                 time.time())
     return Reply(result, out_headers)

@@ -26,13 +26,18 @@ async def read_native(request: Request, op: str) -> tuple[ModelEntry, dict[str, 
     """The path's model (one that performs `op`) and the body, checked for its fields."""
     entry = served_model(request, request.path_params["model"], op)
     body = await read_body(request, body_limit(request, entry))
+    return entry, check_fields(op, body)
+
+
+def check_fields(op: str, body: Any) -> dict[str, Any]:
+    """A decoded native body with no field but those of `op`."""
     fields = {"items", "options"} | ({"query"} if op == SCORE else set())
     if not isinstance(body, dict):
         raise invalid(f"the body must be an object with {sorted(fields)}")
     unknown = set(body) - fields
     if unknown:
         raise invalid(f"unknown fields {names(unknown)}; allowed: {sorted(fields)}")
-    return entry, body
+    return body
 
 
 def checked_kwargs(request: Request, entry: ModelEntry, body: dict[str, Any]

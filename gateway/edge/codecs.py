@@ -32,21 +32,33 @@ def is_msgpack(header: str | None) -> bool:
 
 async def read_body(request: Request, max_bytes: int) -> Any:
     """The decoded body; 413 if over `max_bytes`, 400 if it does not parse."""
-    declared = header(request, b"content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+    check_declared_size(request, max_bytes)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise _too_large(max_bytes)
+            raise too_large(max_bytes)
         chunks.append(chunk)
     raw = b"".join(chunks)
-    request.state.body_bytes = size  # for a limit that depends on what the body names
     # Peak memory: the body twice while it is decoded (`raw` and what msgpack or orjson
     # make of it), once after: `raw` goes when this returns, the pieces go now.
     chunks.clear()
+    return decode_body(request, raw)
+
+
+def check_declared_size(request: Request, max_bytes: int) -> None:
+    """413 before any of the body is read when its Content-Length is over `max_bytes`."""
+    declared = header(request, b"content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(max_bytes)
+
+
+def decode_body(request: Request, raw: bytes) -> Any:
+    """A whole body (read within its limit) decoded by its Content-Type; 400 if it does
+    not parse, 415 for a type that is neither JSON nor msgpack. The HTTP edge's hot path
+    (`gateway.edge.hot_requests`) reads the body itself and calls this."""
+    request.state.body_bytes = len(raw)  # for a limit that depends on what the body names
     kind = media_type(header(request, b"content-type"))
     if kind in _MSGPACK_TYPES:
         try:
@@ -80,10 +92,10 @@ def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
 def check_body_size(request: Request, max_bytes: int) -> None:
     """413 if the body `read_body` read (under a wider limit) is over `max_bytes`."""
     if getattr(request.state, "body_bytes", 0) > max_bytes:
-        raise _too_large(max_bytes)
+        raise too_large(max_bytes)
 
 
-def _too_large(max_bytes: int) -> ApiError:
+def too_large(max_bytes: int) -> ApiError:
     return ApiError(ErrorCode.PAYLOAD_TOO_LARGE, f"body is over the {max_bytes}-byte limit")
 
 
@@ -101,13 +113,18 @@ def wants_msgpack(request: Request) -> bool:
 def encode_response(
     request: Request | None, payload: Any, status: int = 200, headers: dict | None = None
 ) -> Response:
+    body, kind = encode_payload(request, payload)
+    return Response(body, status, headers, media_type=kind)
+
+
+def encode_payload(request: Request | None, payload: Any) -> tuple[bytes, str]:
+    """A response body as the caller accepts it, and its media type (the hot path writes
+    these bytes itself, without a Response)."""
     if request is not None and wants_msgpack(request):
-        body = msgpack.packb(payload, use_bin_type=True, default=_as_list)
-        return Response(body, status, headers, media_type=MSGPACK)
+        return msgpack.packb(payload, use_bin_type=True, default=_as_list), MSGPACK
     # orjson: serialising 384 floats costs 0.02 ms instead of json's 0.3 ms; a numpy
     # array (`gateway.calls.vectors`) is written without a list of floats in between.
-    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), status,
-                    headers, media_type=JSON)
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), JSON
 
 
 def _as_list(value: Any) -> Any:

@@ -38,6 +38,11 @@ EDGE_REFUSALS = Counter(
     "a request: headers_too_large (431), header_timeout, body_timeout (408), "
     "connection_cap (503 at accept)", ["reason"],
 )
+EDGE_SERVED = Counter(
+    "shoal_gateway_edge_served_total", "responses of the hot routes written by the HTTP "
+    "edge itself, without the ASGI stack (gateway.edge.hot_requests); the rest of "
+    "shoal_gateway_requests_total went through it", ["route"],
+)
 # Quorum queues report no head message's age; the gateway knows when each request it awaits
 # came in. The oldest per model is what an operator means by "how long has the oldest
 # message waited", and unlike the queue wait of messages taken it grows while nothing is.

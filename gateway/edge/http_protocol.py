@@ -31,6 +31,10 @@ then only for a request whose headers or body span several reads. Every refusal
 is counted in shoal_gateway_edge_refusals_total{reason}, never logged (a hostile
 client must not flood the log).
 
+The hot routes (`POST /v1/embeddings`, `/v1/encode/{model}`, `/v1/score/{model}`) are
+answered from this protocol's callbacks, without an ASGI task (`gateway.edge.hot_requests`
+says which requests still go the ASGI way).
+
 `shoal gateway` passes `http="gateway.edge.http_protocol:EdgeProtocol"` to uvicorn (a string: the
 supervisor of several gateway processes pickles its config).
 """
@@ -46,6 +50,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.edge.caller_left import caller_left
 from gateway.edge.gateway_metrics import EDGE_REFUSALS
+from gateway.edge.hot_requests import HotCycle, router_of, take
 from gateway.edge.one_write import HeldHeaders
 from gateway.edge.outer_middleware import EDGE_ANSWERED
 from tasks.errors import STATUS_OF_CODE, ErrorCode, ShoalError
@@ -143,6 +148,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refused = False  # answered (or closed) by the edge: nothing more is parsed
         self._drain_timer: asyncio.TimerHandle | None = None  # set while draining
         self._drain_left = 0  # bytes still accepted (and discarded) while draining
+        # The app's hot routes, answered in this protocol's callbacks (gateway.edge.hot_requests)
+        self._hot = router_of(self.app)
 
     # --- connections ------------------------------------------------------------------------
 
@@ -166,6 +173,8 @@ class EdgeProtocol(HttpToolsProtocol):
             # The caller hung up before its answer: what waits for it releases the request
             # (gateway.edge.caller_left); uvicorn alone only tells a handler reading the body.
             caller_left(cycle.scope)
+            if type(cycle) is HotCycle:
+                cycle.lost()
 
     def _refuse(self, reason: str, answer: bool = True) -> None:
         EDGE_REFUSALS.labels(reason).inc()
@@ -279,6 +288,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._started_message = False
         self._tail = b""
         self._cancel_header_timer()
+        if self._hot is not None and take(self, self._hot):
+            return
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:
@@ -290,8 +301,19 @@ class EdgeProtocol(HttpToolsProtocol):
             cycle.transport.flush()
         super().on_response_complete()
 
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is HotCycle:
+            cycle.on_body(body)
+            return
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        cycle = self.cycle
+        if type(cycle) is HotCycle:
+            cycle.on_message_complete()
+        else:
+            super().on_message_complete()
         self._cancel_body_timer()
         self._reading_headers = True
         self._header_bytes = 0

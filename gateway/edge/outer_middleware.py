@@ -76,23 +76,52 @@ def error_for_unexpected(exc: Exception) -> ShoalError:
     return ShoalError(ErrorCode.INTERNAL, "internal error; see the gateway's log")
 
 
+# (route, status) -> its counter and latency histogram (labels() takes a lock)
+_SERIES: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+
+def count_response(route: str, status: int, started: float) -> None:
+    """Count a response by route and status, and its latency since `started`
+    (perf_counter): this middleware's, and the hot path's (`gateway.edge.hot_requests`)."""
+    key = (route, status)
+    series = _SERIES.get(key)
+    if series is None:
+        series = _SERIES[key] = (REQUESTS.labels(route, str(status)), LATENCY.labels(route))
+    series[0].inc()
+    series[1].observe(time.perf_counter() - started)
+
+
+def report_unexpected(method: str, route: str, request_id: str, exc: Exception) -> ShoalError:
+    """Log (and count) an exception no handler expected; what the caller is told."""
+    error = error_for_unexpected(exc)
+    if error.code == ErrorCode.JOB_STORE_UNAVAILABLE:
+        log.warning("%s %s: Redis is not reachable: %s", method, route, exc)
+    else:
+        UNEXPECTED_ERRORS.labels(route).inc()
+        log.error("unexpected error on %s %s (request %s)", method, route, request_id,
+                  exc_info=exc)
+    return error
+
+
+def report_client_left(method: str, route: str, request_id: str) -> None:
+    """The client left mid-body: nobody to answer, nothing the gateway did wrong."""
+    CLIENT_DISCONNECTS.labels(route).inc()
+    log.warning("%s %s: the client disconnected before its body was read "
+                "(request %s)", method, route, request_id)
+
+
+def shutdown_error() -> ShoalError:
+    """What a request still unanswered when the shutdown's grace ran out is told."""
+    return ShoalError(ErrorCode.SHUTTING_DOWN, "the gateway shut down before this request "
+                      "was answered (its grace ran out); retry it", retry_after=1)
+
+
 class RequestIdMiddleware:
     """Echo or assign X-Request-Id, count every response by route and status, and answer
     what escaped every handler."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        # (route, status) -> its counter and latency histogram (labels() takes a lock)
-        self._series: dict[tuple[str, int], tuple[Any, Any]] = {}
-
-    def _count(self, route: str, status: int, started: float) -> None:
-        key = (route, status)
-        series = self._series.get(key)
-        if series is None:
-            series = self._series[key] = (REQUESTS.labels(route, str(status)),
-                                          LATENCY.labels(route))
-        series[0].inc()
-        series[1].observe(time.perf_counter() - started)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -113,7 +142,7 @@ class RequestIdMiddleware:
                 headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
                 headers.append((b"x-request-id", request_id.encode("ascii")))
                 message["headers"] = headers
-                self._count(route, message["status"], started)
+                count_response(route, message["status"], started)
             await send(message)
 
         try:
@@ -122,10 +151,7 @@ class RequestIdMiddleware:
             # gateway.edge.http_protocol timed the body out and said so
             if state.get(EDGE_ANSWERED):
                 return
-            # The client left mid-body: nobody to answer, nothing the gateway did wrong.
-            CLIENT_DISCONNECTS.labels(route).inc()
-            log.warning("%s %s: the client disconnected before its body was read "
-                        "(request %s)", scope["method"], route, request_id)
+            report_client_left(scope["method"], route, request_id)
         except Exception as exc:
             await self._unexpected(scope, exc, route, request_id, response_started,
                                    send_with_id)
@@ -134,20 +160,11 @@ class RequestIdMiddleware:
             # an answer that says so, instead of uvicorn's plain-text 500 and a traceback.
             if response_started:
                 raise
-            error = ShoalError(ErrorCode.SHUTTING_DOWN, "the gateway shut down before this "
-                               "request was answered (its grace ran out); retry it",
-                               retry_after=1)
-            await _answer(scope, error, send_with_id)
+            await _answer(scope, shutdown_error(), send_with_id)
 
     async def _unexpected(self, scope, exc: Exception, route: str, request_id: str,
                           response_started: bool, send) -> None:
-        error = error_for_unexpected(exc)
-        if error.code == ErrorCode.JOB_STORE_UNAVAILABLE:
-            log.warning("%s %s: Redis is not reachable: %s", scope["method"], route, exc)
-        else:
-            UNEXPECTED_ERRORS.labels(route).inc()
-            log.error("unexpected error on %s %s (request %s)", scope["method"], route,
-                      request_id, exc_info=exc)
+        error = report_unexpected(scope["method"], route, request_id, exc)
         if response_started:
             # Part of a response went out (a stream): it cannot become an error now.
             # Returning with it incomplete makes uvicorn close the connection, so the

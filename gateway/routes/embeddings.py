@@ -36,19 +36,35 @@ ENCODING_FORMATS = ("float", "base64")
 
 
 async def create_embeddings(request: Request) -> Response:
-    settings = request.app.state.settings
-    body = await read_body(request, max(settings.max_body_bytes, settings.max_claim_body_bytes))
-    if not isinstance(body, dict):
-        raise invalid("the body must be a JSON object")
-    if request.state.body_bytes > settings.max_body_bytes:  # allowed for images only
-        check_body_size(request, body_limit(request, openai_model(request, body, ENCODE)[0]))
-    urls: list[dict[str, Any]] = []
-    entry, kwargs = embeddings_task(request, body, urls)
+    body = await read_body(request, embeddings_body_limit(request))
+    entry, kwargs, urls = embeddings_call(request, body)
     if urls:  # image URLs on a listed host (SHOAL_IMAGE_URL_HOSTS)
         await fetch_images(urls, image_rules(request, entry))
     reply = await call_model(request, entry, kwargs)
     return encode_response(request, embeddings_payload(body, reply.result),
                            headers=reply.headers)
+
+
+def embeddings_body_limit(request: Request) -> int:
+    """The most body this route reads: images' models take more (checked once the body
+    names its model)."""
+    settings = request.app.state.settings
+    return max(settings.max_body_bytes, settings.max_claim_body_bytes)
+
+
+def embeddings_call(request: Request, body: Any
+                    ) -> tuple[ModelEntry, dict[str, Any], list[dict[str, Any]]]:
+    """A decoded body checked as this route checks it: the model's entry, the task's
+    kwargs and the image URLs still to fetch (this route's sync core, which the HTTP
+    edge's hot path calls too: `gateway.routes.hot_path`)."""
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    if request.state.body_bytes > request.app.state.settings.max_body_bytes:
+        # allowed for images only
+        check_body_size(request, body_limit(request, openai_model(request, body, ENCODE)[0]))
+    urls: list[dict[str, Any]] = []
+    entry, kwargs = embeddings_task(request, body, urls)
+    return entry, kwargs, urls
 
 
 def embeddings_task(request: Request, body: dict[str, Any],

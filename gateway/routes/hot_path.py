@@ -13,6 +13,11 @@ What a caller sees is the same either way: the same handlers, and errors answere
 the same functions Starlette's exception handlers call (`error_response`,
 `http_error_response`). An exception no handler expects goes up to the outer
 middleware, as it would from the router.
+
+`EdgeRoutes` serves the same three routes from the HTTP edge itself, before any ASGI
+(`gateway.edge.hot_requests`: no task, no middleware, no Response per request), with the
+routes' own sync cores (`embeddings_call`, `check_fields` and `checked_kwargs`,
+`gateway.calls.model_call.start_call`); what the edge leaves to ASGI still comes here.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.calls.image_inputs import fetch_images, image_rules
+from gateway.calls.model_call import Reply, call_model, served_model, start_call
+from gateway.calls.native_api import body_limit, check_fields, checked_kwargs, payload
 from gateway.edge import error_shapes
+from gateway.edge.codecs import decode_body, encode_payload
+from gateway.routes.embeddings import embeddings_body_limit, embeddings_call, embeddings_payload
+from tasks.adapters import ENCODE, SCORE
+from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode, ShoalError
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -83,3 +95,105 @@ class HotRoutes:
         except HTTPException as exc:
             response = http_error_response(request, exc)
         await response(scope, receive, send)
+
+
+# --- the same routes from the HTTP edge ------------------------------------------------------
+
+Answer = tuple[int, bytes, str, dict[str, str]]
+
+
+def _ok(request: Request, body: Any, headers: dict[str, str]) -> Answer:
+    data, kind = encode_payload(request, body)
+    return 200, data, kind, headers
+
+
+async def _fetched_then_called(request: Request, entry: ModelEntry, kwargs: dict[str, Any],
+                               urls: list[dict[str, Any]]) -> Reply:
+    await fetch_images(urls, image_rules(request, entry))  # as `create_embeddings` does
+    return await call_model(request, entry, kwargs)
+
+
+class _Embeddings:
+    """POST /v1/embeddings, as `gateway.routes.embeddings.create_embeddings`."""
+
+    def begin(self, request: Request) -> tuple[int, Any]:
+        return embeddings_body_limit(request), None
+
+    def start(self, request: Request, raw: bytes, context: Any
+              ) -> tuple[Awaitable[Any], Callable[[Any], Answer]]:
+        body = decode_body(request, raw)
+        entry, kwargs, urls = embeddings_call(request, body)
+        if urls:
+            waiting: Awaitable[Any] = _fetched_then_called(request, entry, kwargs, urls)
+            finish: Callable[[Any], Reply] = _as_is
+        else:
+            waiting, finish = start_call(request, entry, kwargs)
+
+        def answer(result: Any) -> Answer:
+            reply = finish(result)
+            return _ok(request, embeddings_payload(body, reply.result), reply.headers)
+
+        return waiting, answer
+
+
+class _Native:
+    """POST /v1/{op}/{model}, as `gateway.routes.native` (not as a job: `Prefer:
+    respond-async` stays on the ASGI path)."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+
+    def begin(self, request: Request) -> tuple[int, Any]:
+        entry = served_model(request, request.path_params["model"], self.op)
+        return body_limit(request, entry), entry
+
+    def start(self, request: Request, raw: bytes, entry: Any
+              ) -> tuple[Awaitable[Any], Callable[[Any], Answer]]:
+        body = check_fields(self.op, decode_body(request, raw))
+        parsed, kwargs = checked_kwargs(request, entry, body)
+        del body  # JSON: its base64 images; only the decoded bytes stay alive from here on
+        waiting, finish = start_call(request, entry, kwargs)
+        op = self.op
+
+        def answer(result: Any) -> Answer:
+            reply = finish(result)
+            return _ok(request, payload(op, parsed, reply.result, arrays=True), reply.headers)
+
+        return waiting, answer
+
+
+def _as_is(reply: Reply) -> Reply:
+    return reply
+
+
+class EdgeRoutes:
+    """The hot routes for the HTTP edge (`gateway.edge.hot_requests.HotRouter`)."""
+
+    def __init__(self, settings: Any) -> None:
+        self.exact: dict[str, Any] = {"/v1/embeddings": _Embeddings()}
+        self.prefixed = (("/v1/encode/", _Native(ENCODE)), ("/v1/score/", _Native(SCORE)))
+        # With CORS on, a browser's request (it sends Origin) gets its headers from
+        # Starlette's CORSMiddleware: the ASGI path.
+        self.cors = bool(settings.cors_origins)
+
+    def route(self, path: str, headers: list[tuple[bytes, bytes]]
+              ) -> tuple[Any, dict[str, str]] | None:
+        route = self.exact.get(path)
+        params: dict[str, str] = {}
+        native = route is None
+        if native:
+            for prefix, candidate in self.prefixed:
+                if path.startswith(prefix) and len(path) > len(prefix):
+                    route, params = candidate, {"model": path[len(prefix):]}
+                    break
+            else:
+                return None
+        prefer_seen = False
+        for name, value in headers:
+            if name == b"origin" and self.cors:
+                return None
+            if name == b"prefer" and native and not prefer_seen:
+                prefer_seen = True  # the first one, as `prefers_async` reads it
+                if b"respond-async" in value.lower():
+                    return None
+        return route, params
