@@ -22,6 +22,7 @@ import msgpack
 
 from tasks import ids
 from tasks.names import OPERATION_OF_TASK, TASK_OF_OPERATION
+from tasks.served import RESULT_CONTRACT, give_shared
 from tasks.token_estimate import Estimate
 
 CONTENT_TYPE = "application/x-msgpack"
@@ -29,6 +30,9 @@ CONTENT_ENCODING = "binary"
 # The `status` of a Celery rpc result message: a streamed request's PROGRESS states (its
 # output so far) come before its one SUCCESS or FAILURE.
 SUCCESS, FAILURE, PROGRESS = "SUCCESS", "FAILURE", "PROGRESS"
+# What every Celery rpc result message carries beside its task id, status and result: the
+# same for all results of one reply message (sent once under "envelope", contract 2).
+RPC_ENVELOPE = ("traceback", "children", "date_done")
 
 H_MODEL = "shoal_model"
 H_OP = "shoal_op"
@@ -45,6 +49,13 @@ H_LORA = "shoal_lora"
 H_REPLY_BATCH = "shoal_reply_batch"
 # On a reply message that carries {"results": [...]} instead of one result.
 H_MULTI = "shoal_multi"
+# Set by shoal gateways (new ones): the result contract their reply reader reads
+# (`tasks.served.RESULT_CONTRACT`). From 2 a worker may send what a reply message's
+# results share once, as {"results": [...], "shared": {...}, "envelope": {...}}
+# (`decode_results` puts it back: "shared" into each successful result, "envelope",
+# RPC_ENVELOPE, into each rpc result); without it (a Celery client, an older gateway)
+# every result is whole.
+H_RESULT_CONTRACT = "shoal_result_contract"
 # On a message that carries several requests (see `coalesce`): how many.
 H_COALESCED = "shoal_coalesced"
 # How many of the request's binary parts are claim checks (`tasks.claims`): the worker
@@ -247,12 +258,16 @@ def task_part(entry: EstimatingEntry, kwargs: dict[str, Any], timeout_ms: int,
     return Part(ids.task_id(), annotations, task_body(kwargs))
 
 
-def single_message(part: Part, origin: str, reply_batch: bool = True) -> TaskMessage:
-    """A request as a message of its own: a plain Celery task message."""
+def single_message(part: Part, origin: str, reply_batch: bool = True,
+                   contract: int = RESULT_CONTRACT) -> TaskMessage:
+    """A request as a message of its own: a plain Celery task message. `contract`: the
+    result contract its replies may use (H_RESULT_CONTRACT; 1 says nothing)."""
     headers = task_headers(part.task_id, TASK_OF_OPERATION[part.annotations.op],
                            part.annotations, origin)
     if reply_batch:
         headers[H_REPLY_BATCH] = 1
+    if contract > 1:
+        headers[H_RESULT_CONTRACT] = contract
     return TaskMessage(part.task_id, headers, part.body)
 
 
@@ -272,13 +287,19 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 
 def decode_results(body: bytes, multi: bool) -> list[dict[str, Any]]:
-    """The Celery rpc results in a reply: one, or several under `results` if `multi`."""
+    """The Celery rpc results in a reply: one, or several under `results` if `multi`, each
+    successful result whole (what they share, sent once under `shared`, put back)."""
     decoded = msgpack.unpackb(body, raw=False)
     results = decoded.get("results") if multi and isinstance(decoded, dict) else [decoded]
     if not isinstance(results, list) or not all(
         isinstance(r, dict) and "status" in r for r in results
     ):
         raise ValueError("not a Celery result message")
+    if multi and "envelope" in decoded:
+        give_shared(results, decoded["envelope"], RPC_ENVELOPE)
+    if multi and "shared" in decoded:
+        give_shared((r.get("result") for r in results if r["status"] == SUCCESS),
+                    decoded["shared"])
     return results
 
 
@@ -296,7 +317,7 @@ class Part:
 
 
 def coalesce(model: str, op: str, parts: list[Part], origin: str,
-             reply_batch: bool = True) -> TaskMessage:
+             reply_batch: bool = True, contract: int = RESULT_CONTRACT) -> TaskMessage:
     """One message carrying `parts` (requests of `model`, operation `op`).
 
     Between a shoal gateway and shoal workers only: Celery clients never see it.
@@ -324,6 +345,8 @@ def coalesce(model: str, op: str, parts: list[Part], origin: str,
         headers[H_BULK] = 1  # bulk job parts together (an OpenAI batch's lines): all bulk
     if reply_batch:
         headers[H_REPLY_BATCH] = 1
+    if contract > 1:
+        headers[H_RESULT_CONTRACT] = contract
     if any(p.annotations.traceparent for p in parts):
         headers[H_TRACES] = [[a.traceparent, a.tracestate] if a.traceparent else None
                              for a in (p.annotations for p in parts)]

@@ -9,11 +9,19 @@ Written in two places, read in one:
 - whoever awaits it reads them back with `read_served` (the gateway turns them
   into response headers with `reply_headers`, bench counts device time with it).
 Celery clients get the same dict, so these keys are part of the result contract.
+
+What every result of a batch shares (`SHARED`: model, batch, simulated, worker) travels
+once per message where both ends know it (result contract 2, `RESULT_CONTRACT`): once per
+runtime frame (`runtimes.wire.frames.Outcomes.shared`) and once per reply message to a
+gateway that asked for it (`tasks.envelope.H_RESULT_CONTRACT`); `take_shared` takes the
+facts out of the results, `give_shared` puts them back, so every reader sees whole dicts.
+A sender that did not ask (a Celery client, an older gateway) gets whole results.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +32,11 @@ BATCH = "batch"
 SIMULATED = "simulated"  # the sim's device and constants; absent for a real model
 TIMING = "timing"
 WORKER = "worker"  # the Celery hostname that answered
+# The facts all results of one batch (and one worker) share: sent once per message.
+SHARED = (MODEL, BATCH, SIMULATED, WORKER)
+# 1: every result carries SHARED itself; 2: a multi-result reply may carry them once,
+# under "shared" (`take_shared`), for a reader that said it reads them there.
+RESULT_CONTRACT = 2
 
 
 class BatchStats(TypedDict):
@@ -77,11 +90,63 @@ def stamp_batch(results: Iterable[dict[str, Any]], model: str,
     )
     if device_s is not None:
         batch["device_ms"] = device_s * 1000
+    # One dict each for the whole batch: `take_shared` sends them once per message.
+    shared_simulated = dict(simulated) if simulated is not None else None
     for result in results:
         result[MODEL] = model
         result[BATCH] = batch
-        if simulated is not None:
-            result[SIMULATED] = dict(simulated)
+        if shared_simulated is not None:
+            result[SIMULATED] = shared_simulated
+
+
+def take_shared(results: list[dict[str, Any]], keys: tuple[str, ...] = SHARED
+                ) -> dict[str, Any] | None:
+    """Take the facts (`keys`) that all `results` have alike out of them (in place), and
+    return them; None, the results untouched, where nothing is shared or fewer than two
+    results would share it (one result is smallest whole). A fact that one of them lacks
+    or has otherwise (a split request's joined batch) stays in each result."""
+    if len(results) < 2:
+        return None
+    first = results[0]
+    names = tuple(key for key in keys if key in first)
+    if not names:
+        return None
+    values = tuple(first[key] for key in names)
+    # One batch's results hold the very same objects (`stamp_batch`): a tuple compares
+    # them by identity first, in C; a result that lacks one takes the long way.
+    get = operator.itemgetter(*names) if len(names) > 1 else (lambda r: (r[names[0]],))
+    try:
+        alike = all(get(result) == values for result in results)
+    except KeyError:
+        alike = False
+    if not alike:
+        names = tuple(key for key, value in zip(names, values, strict=True)
+                      if all(r.get(key, _MISSING) == value for r in results))
+        if not names:
+            return None
+        values = tuple(first[key] for key in names)
+    for result in results:
+        for key in names:
+            del result[key]
+    return dict(zip(names, values, strict=True))
+
+
+_MISSING = object()
+
+
+def give_shared(results: Iterable[Any], shared: Any, keys: tuple[str, ...] = SHARED
+                ) -> None:
+    """Put the facts `take_shared` took out back into each of `results` (dicts; anything
+    else is left alone); a fact a result carries itself wins, one not in `keys` is no
+    fact of this contract (ignored)."""
+    if not isinstance(shared, dict) or not shared:
+        return
+    facts = [(key, value) for key, value in shared.items() if key in keys]
+    for result in results:
+        if isinstance(result, dict):
+            for key, value in facts:
+                if key not in result:
+                    result[key] = value
 
 
 def batch_device_ms(results: Iterable[Mapping[str, Any] | None]) -> float | None:
@@ -94,7 +159,7 @@ def batch_device_ms(results: Iterable[Mapping[str, Any] | None]) -> float | None
     return None
 
 
-def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
+def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str | None,
                    received_s: float | None = None, started_s: float | None = None,
                    answered_s: float | None = None) -> None:
     """Mark a result with how long its request queued, which worker answered it, and when
@@ -111,7 +176,8 @@ def stamp_delivery(result: dict[str, Any], queue_ms: float | None, worker: str,
     else:
         timing = {"queue_ms": queue_ms, "inference_ms": inference_ms}
     result[TIMING] = timing
-    result[WORKER] = worker
+    if worker is not None:  # None: its reply message says it once (`Replier.shares`)
+        result[WORKER] = worker
 
 
 @functools.lru_cache(maxsize=16)

@@ -37,6 +37,7 @@ from runtimes.child_side.spans import Stamps
 from runtimes.wire.frames import Failed, Frame, Outcomes, RunOutcome
 from runtimes.wire.protocol import encode_frame
 from tasks import tracing
+from tasks.served import take_shared
 
 if TYPE_CHECKING:
     from runtimes.child_side.host import BatchWork, ModelHost
@@ -79,11 +80,14 @@ def failed_reply(exc: BaseException, device: str, requests: int, model: str
 
 
 def outcomes_reply(outcomes: list[Outcome]) -> Outcomes:
+    """The frame of a batch's outcomes, the facts its results share sent once (their
+    results are the frame's: taken apart in place)."""
+    shared = take_shared([o.result for o in outcomes if o.result is not None])
     return Outcomes([
         RunOutcome(o.id, o.result, None if o.error_code is None else str(o.error_code),
                    o.error_message, o.stats)
         for o in outcomes
-    ])
+    ], shared)
 
 
 def reply_bytes(reply: Frame) -> bytearray:

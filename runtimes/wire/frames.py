@@ -135,9 +135,12 @@ class RunOutcome(msgspec.Struct, array_like=True):
 
 
 class Outcomes(Frame, tag="outcomes"):
-    """The outcomes of a `Run` or `Probe`, one per request, in the order sent."""
+    """The outcomes of a `Run` or `Probe`, one per request, in the order sent; `shared`:
+    what all their results share (model, batch, ...), sent once instead of in each result
+    (`tasks.served.take_shared`; the worker puts it back, `give_shared`)."""
 
     outcomes: list[RunOutcome]
+    shared: dict[str, Any] | None = None
 
 
 class Failed(Frame, tag="failed"):

@@ -55,6 +55,7 @@ from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.supervisor import RestartPending, Supervisor
 from runtimes.worker_side.turns import Stale
 from tasks.errors import ErrorCode
+from tasks.served import give_shared
 
 if TYPE_CHECKING:
     from runtimes.worker_side.turns import Turn
@@ -242,7 +243,7 @@ class BatchChannel:
             return Failure("crash", self._children.replace_dead(child,
                                                                 f"connection lost: {exc}"))
         if isinstance(reply, Outcomes):
-            return self._outcomes(child, reply.outcomes, ids)
+            return self._outcomes(child, reply.outcomes, ids, reply.shared)
         if isinstance(reply, Failed):
             if reply.fatal:
                 how = self._children.replace_dead(child, "fatal device error")
@@ -273,8 +274,12 @@ class BatchChannel:
             except Exception:  # the worker's side of a stream must not fail the batch
                 log.exception("delivering %d deltas failed", len(deltas))
 
-    def _outcomes(self, child: RuntimeChild, raw: list[RunOutcome], ids: list[str]
-                  ) -> list[Outcome]:
+    def _outcomes(self, child: RuntimeChild, raw: list[RunOutcome], ids: list[str],
+                  shared: dict | None = None) -> list[Outcome]:
+        """The outcomes of a reply, each result whole again (the facts its batch's results
+        share came once, as `shared`: the worker's own code reads each result's)."""
+        if shared:
+            give_shared((o.result for o in raw), shared)
         outcomes = [Outcome(o.id, o.result, o.error_code, o.error_message, o.stats)
                     for o in raw]
         if [o.id for o in outcomes] != ids:

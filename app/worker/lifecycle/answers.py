@@ -106,8 +106,10 @@ class Answers:
         assert result is not None
         sent = held.annotations.sent_ms
         started = held.started
+        delivery = held.delivery
         stamp_delivery(result, round(max(0.0, started * 1000 - sent), 2) if sent else None,
-                       self.c.hostname, held.delivery.received, started, now)
+                       None if self.replier.shares(delivery) else self.c.hostname,
+                       delivery.received, started, now)
         choices = result.get("choices")
         if choices and any(c.get("finish_reason") == CANCELLED for c in choices):
             metrics.CANCELLED.labels(model).inc()

@@ -14,7 +14,9 @@ replies.
 A shoal gateway marks its messages with `shoal_reply_batch`; their results
 are collected while a batch is answered and go out as one message per reply
 queue (`{"results": [...]}` with header `shoal_multi`), one broker message
-for many requests.
+for many requests. A gateway that reads result contract 2 (`shoal_result_contract`)
+gets what that message's results share (model, batch, worker: `tasks.served.SHARED`)
+once, under `shared`, instead of in each result; everyone else gets whole results.
 
 Flower learns of every request from the task events sent here, which go out
 only while the worker's event dispatcher takes the `task` group, Celery's own
@@ -41,10 +43,12 @@ from tasks.envelope import (
     FAILURE,
     H_MULTI,
     H_REPLY_BATCH,
+    H_RESULT_CONTRACT,
     PROGRESS,
     SUCCESS,
 )
 from tasks.errors import ErrorCode, ShoalError
+from tasks.served import WORKER, take_shared
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +62,8 @@ class Delivery:
     requeued as a whole at most once, after which nothing more of it is acked (a
     second ack or reject of a tag closes the channel)."""
 
-    __slots__ = ("closed", "message", "on_acked", "open", "received", "reply_batch",
-                 "reply_to", "requests")
+    __slots__ = ("closed", "contract", "message", "on_acked", "open", "received",
+                 "reply_batch", "reply_to", "requests")
 
     def __init__(self, message: Any, requests: int = 1) -> None:
         self.message = message
@@ -68,7 +72,11 @@ class Delivery:
         self.open = requests
         self.closed = False
         self.reply_to: str | None = message.properties.get("reply_to")
-        self.reply_batch = bool((message.headers or {}).get(H_REPLY_BATCH))
+        headers = message.headers or {}
+        self.reply_batch = bool(headers.get(H_REPLY_BATCH))
+        # The result contract its sender reads (1: whole results, as Celery's clients).
+        contract = headers.get(H_RESULT_CONTRACT)
+        self.contract = contract if type(contract) is int else 1
         # Called once the message is acked, never if it is requeued (a claim-checked
         # request's blobs are deleted then: its next delivery needs them).
         self.on_acked: list[Callable[[], None]] | None = None
@@ -158,18 +166,50 @@ class Replier:
         self._done = date_done()
 
     def end_batch(self) -> None:
+        done = self._done or date_done()
         self._batching = False
         self._done = None
         bundles, self._bundles = self._bundles, {}
         for reply_to, entries in bundles.items():
-            body = msgpack.packb({"results": [payload for payload, _ in entries]},
-                                 use_bin_type=True)
+            reply: dict[str, Any] = {"results": [payload for payload, _ in entries]}
+            if entries[0][1].contract >= 2:  # one reply queue: one sender, one contract
+                self._shorten(reply, [p for p, d in entries if d.contract >= 2], done)
+            body = msgpack.packb(reply, use_bin_type=True)
             self._send(reply_to, "", body, [delivery for _, delivery in entries],
                        headers={H_MULTI: 1})
 
+    def shares(self, delivery: Delivery) -> bool:
+        """Whether `delivery`'s answer goes out in a reply message that says what its
+        results share once (result contract 2): its result is stamped without them."""
+        return self._batching and delivery.reply_batch and delivery.contract >= 2 \
+            and delivery.reply_to is not None
+
+    def _shorten(self, reply: dict[str, Any], payloads: list[dict[str, Any]],
+                 done: str) -> None:
+        """A reply message of `payloads` (built short: `_payload`) for a sender that reads
+        result contract 2: the rpc envelope and what its results share, once
+        (`tasks.envelope.decode_results` puts them back into each)."""
+        results = [p["result"] for p in payloads if p["status"] == SUCCESS]
+        if len(payloads) == 1:  # shares nothing: whole is smallest (a lone request's)
+            payloads[0].update(traceback=None, children=[], date_done=done)
+            for result in results:
+                result[WORKER] = self.c.hostname
+            return
+        reply["envelope"] = {"traceback": None, "children": [], "date_done": done}
+        if results:
+            shared = take_shared(results) or {}
+            shared[WORKER] = self.c.hostname  # not stamped into them (`shares`)
+            reply["shared"] = shared
+
+    def _payload(self, delivery: Delivery, task_id: str, status: str, result: Any
+                 ) -> dict[str, Any]:
+        if self.shares(delivery):
+            return {"task_id": task_id, "status": status, "result": result}  # `_shorten`
+        return rpc_result(task_id, status, result, self._done)
+
     def success(self, delivery: Delivery, task_id: str, result: dict[str, Any],
                 runtime_s: float) -> None:
-        self._answer(delivery, task_id, rpc_result(task_id, SUCCESS, result, self._done))
+        self._answer(delivery, task_id, self._payload(delivery, task_id, SUCCESS, result))
         if self._events if self._batching else self.task_events:
             self._event("task-succeeded", task_id, result=f"<{result.get('count')} vectors>",
                         runtime=runtime_s)
@@ -182,7 +222,7 @@ class Replier:
         code = code or ErrorCode.INTERNAL
         error = ShoalError(code, text or "", retry_after, started=started)
         self._answer(delivery, task_id,
-                     rpc_result(task_id, FAILURE, error.as_celery_failure(), self._done))
+                     self._payload(delivery, task_id, FAILURE, error.as_celery_failure()))
         if self._events if self._batching else self.task_events:
             self._event("task-failed", task_id, exception=f"ShoalError({code!r}, {text!r})",
                         traceback="")

@@ -68,7 +68,9 @@ def give_back(model: str, returned: list[Held], queue: str | None, replier: Repl
         return
     for (op, _, reply_batch), helds in handed_on.items():
         members = [Part(h.task_id, h.annotations, h.body, h.returns + 1) for h in helds]
-        message = coalesce(model, op, members, hostname, reply_batch)
+        # The result contract its sender reads (one reply queue: one sender, one contract).
+        message = coalesce(model, op, members, hostname, reply_batch,
+                           helds[0].delivery.contract)
         deadline_ms = message.headers.get(H_DEADLINE)  # its longest-lived request's
         expiration = None if deadline_ms is None else deadline_ms / 1000 - time.time()
         replier.forward([h.delivery for h in helds], queue, message.body,
