@@ -12,7 +12,7 @@ import numpy as np
 from runtimes.families.text import check_lengths
 from runtimes.model_files.files import model_file
 from tasks.catalog import ModelEntry
-from tasks.schema import ParsedRequest, check_encode_output
+from tasks.schema import ParsedRequest
 
 # Each forward pass holds (tokens x vocabulary) float logits; this caps them at
 # 512 MiB whatever the batch's token budget (30k-term vocabularies: ~4k tokens).
@@ -86,9 +86,9 @@ def check_vocabulary(entry: ModelEntry, vocab_size: int) -> None:
 
 def check_sparse_request(parsed: ParsedRequest, entry: ModelEntry, tokenizer: Any,
                          texts: list[str], limit: int) -> None:
-    """A sparse request's output options, and its `texts` (prompted) within `limit`
-    tokens unless it asks for truncation."""
-    check_encode_output(parsed.options, entry.id, "sparse", entry.dims)
+    """A sparse request's `texts` (prompted) within `limit` tokens unless it asks for
+    truncation. Its output options are the entry's to check (`ModelEntry.parse`: the
+    adapter's `prepare` made it, with the same dims)."""
     if not parsed.options.truncate:
         ids = tokenizer(texts, truncation=False, padding=False)["input_ids"]
         check_lengths([len(row) for row in ids], limit)

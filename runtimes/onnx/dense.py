@@ -71,7 +71,8 @@ class OnnxDenseAdapter(OnnxAdapter):
         return self.prompted(parsed, self.do_lower_case)
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
-        check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
+        if self.dims != self.entry.dims:  # else the entry's parse checked it all already
+            check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
         tokens = has_tokens(parsed.items)
         if tokens:
             self.vocab.check(parsed.items, self.entry.id)

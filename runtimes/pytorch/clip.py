@@ -166,7 +166,8 @@ class ClipAdapter(Adapter):
         return ids
 
     def check(self, parsed: ParsedRequest) -> ClipRequest:
-        check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
+        if self.dims != self.entry.dims:  # else the entry's parse checked it all already
+            check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
         tokens = iter(self._tokenize(parsed))
         inputs: list[list[int] | Image.Image] = [
             next(tokens) if item.image is None else decode_image(item.image, i)

@@ -183,7 +183,8 @@ class DenseAdapter(Adapter):
         self.loras.model_id = entry.id
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
-        check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
+        if self.dims != self.entry.dims:  # else the entry's parse checked it all already
+            check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
         tokens = has_tokens(parsed.items)
         if tokens:
             self.encoder.vocab.check(parsed.items, self.entry.id)

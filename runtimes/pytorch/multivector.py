@@ -212,7 +212,8 @@ class MultiVectorAdapter(Adapter):
 
     def check(self, parsed: ParsedRequest) -> ParsedRequest:
         options = parsed.options
-        check_encode_output(options, self.entry.id, "multivector", self.dims)
+        if self.dims != self.entry.dims:  # else the entry's parse checked it all already
+            check_encode_output(options, self.entry.id, "multivector", self.dims)
         if not options.truncate:
             encoded = self.tokenizer(self._texts(parsed), truncation=False, padding=False)
             check_lengths([len(ids) for ids in encoded["input_ids"]], self._limit(parsed))
