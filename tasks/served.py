@@ -108,23 +108,29 @@ def take_shared(results: list[dict[str, Any]], keys: tuple[str, ...] = SHARED
     if len(results) < 2:
         return None
     first = results[0]
-    names = tuple(key for key in keys if key in first)
+    names = [key for key in keys if key in first]
     if not names:
         return None
-    values = tuple(first[key] for key in names)
-    # One batch's results hold the very same objects (`stamp_batch`): a tuple compares
-    # them by identity first, in C; a result that lacks one takes the long way.
-    get = operator.itemgetter(*names) if len(names) > 1 else (lambda r: (r[names[0]],))
+    # One batch's results hold the very same objects (`stamp_batch`): `is`, or a tuple's
+    # comparison (identity first, in C), settles it; one that lacks a fact takes the long
+    # way.
+    get = operator.itemgetter(*names)
+    values = get(first)
+    alike = True
     try:
-        alike = all(get(result) == values for result in results)
+        for result in results:
+            other = get(result)
+            if other is not values and other != values:
+                alike = False
+                break
     except KeyError:
         alike = False
     if not alike:
-        names = tuple(key for key, value in zip(names, values, strict=True)
-                      if all(r.get(key, _MISSING) == value for r in results))
+        names = [key for key in names
+                 if all(r.get(key, _MISSING) == first[key] for r in results)]
         if not names:
             return None
-        values = tuple(first[key] for key in names)
+    values = tuple(first[key] for key in names)
     for result in results:
         for key in names:
             del result[key]

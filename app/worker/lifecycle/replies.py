@@ -63,7 +63,7 @@ class Delivery:
     second ack or reject of a tag closes the channel)."""
 
     __slots__ = ("closed", "contract", "message", "on_acked", "open", "received",
-                 "reply_batch", "reply_to", "requests")
+                 "reply_batch", "reply_to", "requests", "shares")
 
     def __init__(self, message: Any, requests: int = 1) -> None:
         self.message = message
@@ -77,6 +77,9 @@ class Delivery:
         # The result contract its sender reads (1: whole results, as Celery's clients).
         contract = headers.get(H_RESULT_CONTRACT)
         self.contract = contract if type(contract) is int else 1
+        # Its answers, given while a batch is answered, go out in a reply message that says
+        # once what they share (`Replier.shares`).
+        self.shares = self.reply_batch and self.contract >= 2 and self.reply_to is not None
         # Called once the message is acked, never if it is requeued (a claim-checked
         # request's blobs are deleted then: its next delivery needs them).
         self.on_acked: list[Callable[[], None]] | None = None
@@ -181,8 +184,7 @@ class Replier:
     def shares(self, delivery: Delivery) -> bool:
         """Whether `delivery`'s answer goes out in a reply message that says what its
         results share once (result contract 2): its result is stamped without them."""
-        return self._batching and delivery.reply_batch and delivery.contract >= 2 \
-            and delivery.reply_to is not None
+        return self._batching and delivery.shares
 
     def _shorten(self, reply: dict[str, Any], payloads: list[dict[str, Any]],
                  done: str) -> None:
@@ -203,13 +205,17 @@ class Replier:
 
     def _payload(self, delivery: Delivery, task_id: str, status: str, result: Any
                  ) -> dict[str, Any]:
-        if self.shares(delivery):
+        if self._batching and delivery.shares:
             return {"task_id": task_id, "status": status, "result": result}  # `_shorten`
         return rpc_result(task_id, status, result, self._done)
 
     def success(self, delivery: Delivery, task_id: str, result: dict[str, Any],
                 runtime_s: float) -> None:
-        self._answer(delivery, task_id, self._payload(delivery, task_id, SUCCESS, result))
+        # `_payload`, inline: this runs once per answered request.
+        self._answer(delivery, task_id,
+                     {"task_id": task_id, "status": SUCCESS, "result": result}
+                     if self._batching and delivery.shares
+                     else rpc_result(task_id, SUCCESS, result, self._done))
         if self._events if self._batching else self.task_events:
             self._event("task-succeeded", task_id, result=f"<{result.get('count')} vectors>",
                         runtime=runtime_s)

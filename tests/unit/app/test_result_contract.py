@@ -22,10 +22,12 @@ from tasks.envelope import (
 )
 from tasks.served import (
     RESULT_CONTRACT,
+    give_shared,
     read_served,
     stamp_batch,
     stamp_delivery,
     stamp_parts,
+    take_shared,
 )
 from tests.fakes import Message
 
@@ -165,3 +167,18 @@ def test_gateway_messages_ask_for_the_contract_and_celery_headers_do_not():
     assert H_RESULT_CONTRACT not in coalesce(MODEL, "encode", [part], "w", contract=1).headers
     assert Delivery(Message()).contract == 1
     assert Delivery(Message(headers={H_RESULT_CONTRACT: "2"})).contract == 1
+
+
+def test_only_what_every_result_has_alike_is_taken_out():
+    batch = {"requests": 2, "items": 2, "inference_ms": 1.0}
+    lacks = [{"model": MODEL, "batch": batch, "n": 1}, {"model": MODEL, "n": 2}]
+    assert take_shared(lacks) == {"model": MODEL}
+    assert lacks == [{"batch": batch, "n": 1}, {"n": 2}]
+    equal = [{"model": MODEL, "batch": batch}, {"model": MODEL, "batch": dict(batch)}]
+    assert take_shared(equal) == {"model": MODEL, "batch": batch} and equal == [{}, {}]
+    other = [{"model": MODEL}, {"model": "test/other"}]
+    assert take_shared(other) is None and other == [{"model": MODEL}, {"model": "test/other"}]
+    assert take_shared([{"model": MODEL}]) is None  # one result: sent whole
+    given = [{"n": 1}, {"n": 2, "model": "mine"}, "not a result"]
+    give_shared(given, {"model": MODEL, "injected": 1})
+    assert given == [{"n": 1, "model": MODEL}, {"n": 2, "model": "mine"}, "not a result"]
