@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -125,6 +126,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
         # Orphaned claim blobs (requests dead-lettered or lost) go after SHOAL_BLOB_TTL_S.
         sweeper = asyncio.get_running_loop().create_task(sweep_forever(
             settings.blob_url, settings.blob_ttl_s, settings.blob_sweep_interval_s))
+        # Everything imported and built so far lives as long as the process: out of the
+        # collector's sight, a full collection (which the requests in flight trigger now
+        # and then) scans only what requests left behind, not every module and class.
+        gc.freeze()
         yield
         # uvicorn runs this only once the requests in flight were answered (or the grace
         # ran out): the broker, which brings their replies, closes after them.
