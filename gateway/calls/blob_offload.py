@@ -55,9 +55,16 @@ def has_claims(kwargs: dict[str, Any], threshold: int) -> bool:
     """Whether `check_out` would turn any part of `kwargs` into a claim (a text request's
     items hold no bytes: one type test per item)."""
     items = kwargs.get("items")
-    return isinstance(items, list) and any(
-        isinstance(item, dict) and isinstance(value := item.get(field), bytes)
-        and len(value) > threshold for item in items for field in BINARY_KEYS)
+    if not isinstance(items, list):
+        return False
+    for item in items:
+        if type(item) is not dict or (len(item) == 1 and "text" in item):
+            continue  # a plain text item, as most are
+        for field in BINARY_KEYS:
+            value = item.get(field)
+            if isinstance(value, bytes) and len(value) > threshold:
+                return True
+    return False
 
 
 async def check_out(kwargs: dict[str, Any], threshold: int
