@@ -13,6 +13,12 @@ their "overhead" is the client's end to end minus that device's time for the req
 profile's time for one text of its padded tokens). `--stacks all` adds the real CPU MiniLM
 and the zero-cost `sim` runtime.
 
+`--runtime-trees TREE...` measures only the worker's side of the runtime and its child
+process (`ProcessRuntime.send_ahead` + `run_batch` from this process, no gateway, broker or
+worker loop) on the emulated device, with one runtime child per git tree (each imports its
+tree's code), request by request in turn: a runtime-path change is compared on a shared
+machine within one run, where whole stacks (rounds of seconds each) drown it in noise.
+
 `--variant` runs each stack again with more environment, interleaved with the plain one
 in every round: on a shared machine, compare variants within one run, never across runs.
 
@@ -143,6 +149,47 @@ def emulated_or_exit(log_dir: Path) -> None:
         raise SystemExit(f"the worker's runtime did not log an emulated device (logs: {log_dir})")
 
 
+def runtime_round_trips(trees: list[str], texts: list[str], warmup: int = 50
+                        ) -> dict[str, dict[str, float]]:
+    """Per tree: quantiles of a lone batch's round trip to its runtime child (sent ahead,
+    then run, as the worker's loop and runtime thread do) and the child's batch time;
+    the trees' children take the texts in turn, the order alternating text by text."""
+    import contextlib
+
+    from runtimes.base import Request
+    from runtimes.worker_side.process import ProcessRuntime
+
+    trips: dict[str, list[float]] = {t: [] for t in trees}
+    inside: dict[str, list[float]] = {t: [] for t in trees}
+    with contextlib.ExitStack() as stack:
+        runtimes = {t: stack.enter_context(ProcessRuntime(
+            Path(t) / "models", [MINILM], start_timeout=300,
+            env={**EMULATED, "PYTHONPATH": str(Path(t).resolve())})) for t in trees}
+        for i, text in enumerate([*texts[:warmup], *texts]):
+            for tree in (trees if i % 2 == 0 else trees[::-1]):
+                requests = [Request(f"lone-{i}", "encode",
+                                    {"model": MINILM, "items": [{"text": text}]})]
+                started = time.perf_counter()
+                ahead = runtimes[tree].send_ahead(MINILM, requests)
+                (outcome,) = runtimes[tree].run_batch(MINILM, requests, ahead=ahead)
+                elapsed = (time.perf_counter() - started) * 1000
+                if not outcome.ok:
+                    raise SystemExit(f"{tree}: {outcome.error_code} {outcome.error_message}")
+                if i >= warmup:
+                    trips[tree].append(elapsed)
+                    batch = (outcome.result or {}).get("batch") or {}
+                    if "inference_ms" in batch:
+                        inside[tree].append(float(batch["inference_ms"]))
+
+    def q(values: list[float], f: float) -> float:
+        return sorted(values)[int(len(values) * f)] if values else float("nan")
+
+    return {t: {"round_trip_ms": statistics.median(trips[t]), "p10_ms": q(trips[t], 0.1),
+                "p25_ms": q(trips[t], 0.25), "p75_ms": q(trips[t], 0.75),
+                "child_batch_ms": statistics.median(inside[t]) if inside[t] else float("nan")}
+            for t in trees}
+
+
 def variants(specs: list[str]) -> dict[str, dict[str, str]]:
     """Each `--variant LABEL:NAME=VALUE[;NAME=VALUE]` as label -> env, after the plain
     stack (label ""): every stack runs once per variant in each round, interleaved, so
@@ -230,12 +277,28 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="LABEL:NAME=VALUE[;NAME=VALUE]",
                         help="also run every stack with this environment, labelled, "
                              "interleaved with the plain one in each round (repeatable)")
+    parser.add_argument("--runtime-trees", nargs="+", metavar="TREE",
+                        help="measure only a lone batch's round trip to a runtime child, "
+                             "one per git tree, interleaved (see above)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if any("=" not in pair for pair in args.env):
         parser.error("--env takes NAME=VALUE")
     if any(":" not in spec or "=" not in spec for spec in args.variant):
         parser.error("--variant takes LABEL:NAME=VALUE[;NAME=VALUE]")
+    if args.runtime_trees:
+        texts = make_texts(args.requests)
+        rows = runtime_round_trips(args.runtime_trees, texts)
+        device = statistics.median(device_ms(texts))
+        lines = [f"emulated device {DEVICE}, one text: {device:.3f} ms (median); a lone "
+                 f"batch to the runtime child and back, {args.requests} per tree, "
+                 "interleaved", "", *markdown.table(
+                     ["tree", "round trip median", "p10", "p25", "p75", "child's batch"],
+                     [[t, *(f"{r[k]:.3f}" for k in ("round_trip_ms", "p10_ms", "p25_ms",
+                                                     "p75_ms", "child_batch_ms"))]
+                      for t, r in rows.items()], align="lrrrrr")]
+        return emit("\n".join(lines), {"machine": machine_info(), "device": DEVICE,
+                                        "device_ms": device, "trees": rows}, args.json)
     result = run(args)
     return emit(table(result), result, args.json)
 
