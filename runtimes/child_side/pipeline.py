@@ -7,7 +7,9 @@ Each stage has a thread: the connection's reader begins batch N+1 while the devi
 thread runs batch N, and the finisher answers batch N-1. Replies go out in the order
 the batches came (stage queues are FIFO), which is what the worker's side expects
 (`runtimes.worker_side.process`). At most one batch waits between reading and the device, so
-the pipeline holds three batches: one per stage.
+the pipeline holds three batches: one per stage. A lone batch (none other read and not
+answered) is finished by the device thread itself: one thread's wake-up less on a lone
+request's path, and nothing behind it to overlap.
 
 A failure stays with its batch: an exception in any stage answers that batch
 `Failed` (`runtimes.wire.frames`) and the next batch runs. An error that leaves the device unusable
@@ -160,36 +162,48 @@ class Pipeline:
                     item.failure = exc
             if item.stamps is not None:
                 item.stamps.now()
-            self._to_finish.put(item)
+            # A lone batch (the only one read and not answered: none is being finished, none
+            # waits for the device) is answered here, without the finisher's wake-up (a
+            # thread hand-off on its path); with another in flight it goes on to the
+            # finisher, so the device takes the next batch at once and replies keep their
+            # order (the finisher's are all older than this one).
+            if self._in_flight == 1:
+                self._answer(item)
+            else:
+                self._to_finish.put(item)
 
     def _finish(self) -> None:
         while True:
-            item = self._to_finish.get()
-            fatal = False
-            if item.stamps is not None:
-                item.stamps.now()
-            if item.failure is None and item.work is not None:
-                try:
-                    reply = outcomes_reply(self.host.finish(item.work))
-                except Exception as exc:
-                    item.failure = exc
-            if item.failure is not None:
-                reply, fatal = failed_reply(item.failure, self.host.device,
-                                            len(item.requests), item.model)
-            self.host.forget_cancelled(item.requests)
+            self._answer(self._to_finish.get())
+
+    def _answer(self, item: _Item) -> None:
+        """Finish a batch and send its reply (the finisher's, or a lone batch's on the
+        device thread)."""
+        fatal = False
+        if item.stamps is not None:
+            item.stamps.now()
+        if item.failure is None and item.work is not None:
             try:
-                self.conn.sendall(reply_bytes(reply))
-            except OSError:
-                log.info("the worker went away before the reply; exiting")
-                os._exit(0)
-            if item.stamps is not None:
-                item.stamps.now()
-                spans.record(item.model, len(item.requests), item.stamps, item.failure)
-            if fatal:
-                log.error("the device is unusable after that error; exiting so a fresh "
-                          "runtime starts")
-                logging.shutdown()
-                os._exit(EXIT_FATAL)
-            with self._changed:
-                self._in_flight -= 1
-                self._changed.notify_all()
+                reply = outcomes_reply(self.host.finish(item.work))
+            except Exception as exc:
+                item.failure = exc
+        if item.failure is not None:
+            reply, fatal = failed_reply(item.failure, self.host.device,
+                                        len(item.requests), item.model)
+        self.host.forget_cancelled(item.requests)
+        try:
+            self.conn.sendall(reply_bytes(reply))
+        except OSError:
+            log.info("the worker went away before the reply; exiting")
+            os._exit(0)
+        if item.stamps is not None:
+            item.stamps.now()
+            spans.record(item.model, len(item.requests), item.stamps, item.failure)
+        if fatal:
+            log.error("the device is unusable after that error; exiting so a fresh "
+                      "runtime starts")
+            logging.shutdown()
+            os._exit(EXIT_FATAL)
+        with self._changed:
+            self._in_flight -= 1
+            self._changed.notify_all()

@@ -11,6 +11,7 @@ Markers (anywhere in an item's text or in the query):
   @@crash@@  a real segfault (read of address 0), like a broken kernel or extension
   @@raise@@  a Python RuntimeError, like a bad shape or a CUDA error message
   @@slow@@   sleeps SHOAL_FAULTY_SLOW_S seconds (default 3) before computing
+  @@slowfinish@@  computes, then sleeps as long in the results' stage (after the device)
 
 SHOAL_FAULTY_EVERY_BATCH=<marker> makes every batch behave as if it carried
 that marker: a runtime that is broken whatever the input.
@@ -44,7 +45,8 @@ SLOW_LOG_ENV = "SHOAL_FAULTY_SLOW_LOG"
 SLOW_HOLD_ENV = "SHOAL_FAULTY_SLOW_HOLD"
 HOLD_LIMIT_S = 120.0
 CRASH, RAISE, SLOW = "@@crash@@", "@@raise@@", "@@slow@@"
-MARKERS = (CRASH, RAISE, SLOW)
+SLOW_FINISH = "@@slowfinish@@"
+MARKERS = (CRASH, RAISE, SLOW, SLOW_FINISH)
 
 
 class AdapterRefused(RuntimeError):
@@ -111,6 +113,8 @@ class Faulty(Adapter):
         return super().forward(inner)
 
     def finish(self, planned: tuple[frozenset[str], Any], output: Any) -> list[dict[str, Any]]:
+        if SLOW_FINISH in planned[0]:
+            _sleep_slowly()
         return super().finish(planned[1], output)
 
 

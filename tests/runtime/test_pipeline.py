@@ -133,6 +133,29 @@ def test_two_batches_in_flight_get_their_own_results_in_order(runtime):
                                        atol=1e-6)
 
 
+def test_a_batch_off_the_device_while_another_finishes_is_answered_after_it(runtime):
+    """The device thread answers a lone batch itself (no finisher's wake-up on its path),
+    but only a lone one. The first batch sleeps on the device (the second is read
+    meanwhile) and then in its results' stage, on the finisher; the second leaves the
+    device meanwhile, the device queue empty: it must still wait for the finisher, and
+    be answered second."""
+    first = requests("f", ["slow on the device @@slow@@ and then @@slowfinish@@"])
+    second = requests("s", ["the second batch", "another text"])
+    alone = {r.id: vectors(o) for r, o in zip(second, runtime.run_batch(TINY, second),
+                                              strict=True)}
+    before = SLOW.started()
+    flight = InFlight(runtime)
+    flight.start("first", FAULTY, first)
+    SLOW.wait_started(before + 1)  # the first is on the device
+    flight.start("second", TINY, second)
+    outcomes = flight.join()
+    assert flight.finished == ["first", "second"]
+    assert SLOW.started() == before + 2  # it did sleep in its results' stage too
+    assert_all_ok_but(outcomes["first"], None)
+    for request, outcome in zip(second, outcomes["second"], strict=True):
+        np.testing.assert_allclose(vectors(outcome), alone[request.id], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("killed", ["first", "second"])
 def test_a_kill_with_two_batches_in_flight_loses_nothing(runtime, killed):
     """SIGKILL (an OOM kill) while one batch computes and another is in flight: both are
