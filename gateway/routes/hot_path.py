@@ -142,10 +142,18 @@ class _Native:
 
     def __init__(self, op: str) -> None:
         self.op = op
+        # model -> (body limit, entry) of the models found served: the edge serves only
+        # gateways without keys (nothing per caller to check), and the served models and
+        # settings are fixed for the app's life. A model refused is looked up each time.
+        self._found: dict[str, tuple[int, ModelEntry]] = {}
 
     def begin(self, request: Request) -> tuple[int, Any]:
-        entry = served_model(request, request.path_params["model"], self.op)
-        return body_limit(request, entry), entry
+        model = request.path_params["model"]
+        found = self._found.get(model)
+        if found is None:
+            entry = served_model(request, model, self.op)
+            found = self._found[model] = (body_limit(request, entry), entry)
+        return found
 
     def start(self, request: Request, raw: bytes, entry: Any
               ) -> tuple[Awaitable[Any], Callable[[Any], Answer]]:
