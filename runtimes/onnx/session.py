@@ -126,6 +126,9 @@ class OnnxModel:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # No spin-waiting after a run: the idle intra-op threads would burn the cores the
+        # gateway, RabbitMQ and the worker need between batches.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # warnings about unused initializers are noise here
         try:
             self.session = ort.InferenceSession(str(self.graph), options,
