@@ -77,8 +77,15 @@ def inproc_ms(texts: list[str]) -> float:
     return statistics.median(times)
 
 
-def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, float]:
-    """Medians of the client's latency and of the timing headers, one request at a time."""
+def one_at_a_time(url: str, texts: list[str], warmup: int = 30,
+                  pids: list[int] | None = None) -> dict[str, float]:
+    """Medians of the client's latency and of the timing headers, one request at a time;
+    with `pids`, each kind of process's CPU per request over the measured requests
+    (`cpu_us_<kind>`: gateway, worker, runtime, broker, from /proc: 10 ms ticks)."""
+    from app.tuning.cpu import cpu_snapshot, process_kind, process_label
+
+    cpu_before: dict[int, float] = {}
+
     host, port = url.split("//", 1)[1].split(":")
     connection = http.client.HTTPConnection(host, int(port))
     rows: list[tuple[float, ...]] = []
@@ -93,6 +100,8 @@ def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, flo
         elapsed = (time.perf_counter() - started) * 1000
         if response.status != 200:
             raise SystemExit(f"request failed: {response.status}")
+        if i == warmup - 1 and pids:
+            cpu_before = cpu_snapshot(pids)
         if i >= warmup:
             rows.append((elapsed, *(float(response.getheader(h)) for h in HEADERS)))
             hops = parse_trace(response.getheader("x-shoal-trace") or "")
@@ -100,11 +109,17 @@ def one_at_a_time(url: str, texts: list[str], warmup: int = 30) -> dict[str, flo
                 hops["client_http"] = elapsed - sum(hops.values())
                 traces.append(hops)
     connection.close()
+    cpu_after = cpu_snapshot(pids) if pids else {}
     names = ("e2e_ms", "total_ms", "queue_ms", "inference_ms")
     out = {name: statistics.median(r[k] for r in rows) for k, name in enumerate(names)}
     if traces and all(t.keys() == traces[0].keys() for t in traces):
         out.update({f"hop_{hop}": statistics.median(t[hop] for t in traces)
                     for hop in traces[0]})
+    for pid, seconds in cpu_after.items():
+        if pid in cpu_before:
+            kind = process_kind(process_label(pid)).replace("shoal ", "")
+            key = f"cpu_us_{'broker' if kind == 'beam.smp' else kind}"
+            out[key] = out.get(key, 0.0) + (seconds - cpu_before[pid]) * 1e6 / len(texts)
     return out
 
 
@@ -222,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with bench_stack(MINILM, env, prefix=prefix) as stack:
                     if "SHOAL_EMULATE_DEVICE" in env:
                         emulated_or_exit(stack.log_dir)
-                    runs[name].append(one_at_a_time(stack.url, texts))
+                    runs[name].append(one_at_a_time(stack.url, texts, pids=stack.pids))
                 bar.update()
     summary = {name: {key: statistics.median(r[key] for r in rows if key in r)
                       for key in rows[0]} for name, rows in runs.items() if rows}
@@ -257,6 +272,15 @@ def table(result: dict[str, Any]) -> str:
             ["stack", *hops],
             [[name, *(f"{row.get(f'hop_{hop}', float('nan')):.2f}" for hop in hops)]
              for name, row in traced.items()], align="l" + "r" * len(hops))]
+    kinds = sorted({k for row in result["summary"].values() for k in row
+                    if k.startswith("cpu_us_")})
+    if kinds:  # where the path's own time goes in CPU, process by process
+        lines += ["", "CPU per request, median µs (the broker's is shared with any other "
+                  "queues' traffic):", "", *markdown.table(
+                      ["stack", *(k.removeprefix("cpu_us_") for k in kinds)],
+                      [[name, *(f"{row[k]:.0f}" if k in row else "n/a" for k in kinds)]
+                       for name, row in result["summary"].items()],
+                      align="l" + "r" * len(kinds))]
     return "\n".join(lines)
 
 
