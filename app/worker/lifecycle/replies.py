@@ -175,8 +175,11 @@ class Replier:
         bundles, self._bundles = self._bundles, {}
         for reply_to, entries in bundles.items():
             reply: dict[str, Any] = {"results": [payload for payload, _ in entries]}
-            if entries[0][1].contract >= 2:  # one reply queue: one sender, one contract
-                self._shorten(reply, [p for p, d in entries if d.contract >= 2], done)
+            # Senders of both contracts may share a reply queue (the jobs' replies, while
+            # gateways of two versions run): only contract 2's payloads were built short.
+            short = [payload for payload, delivery in entries if delivery.contract >= 2]
+            if short:
+                self._shorten(reply, short, done)
             body = msgpack.packb(reply, use_bin_type=True)
             self._send(reply_to, "", body, [delivery for _, delivery in entries],
                        headers={H_MULTI: 1})

@@ -78,15 +78,17 @@ def _whole(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**copy.deepcopy(r), "worker": Consumer.hostname} for r in results]
 
 
-def _answer(headers: dict[str, Any], results: list[dict[str, Any]]) -> tuple[Any, int]:
-    """`results` answered in one batch to senders of messages with `headers`: the one
-    reply message published, and its size."""
+def _answer(headers: dict[str, Any] | list[dict[str, Any]], results: list[dict[str, Any]]
+            ) -> tuple[Any, int]:
+    """`results` answered in one batch to senders of messages with `headers` (each its
+    own, given a list): the one reply message published, and its size."""
     connection = Connection()
     replier = Replier(Consumer())
     replier.open(connection)
     replier.begin_batch()
     for i, result in enumerate(results):
-        delivery = Delivery(Message(headers=headers))
+        delivery = Delivery(Message(headers=headers[i] if isinstance(headers, list)
+                                    else headers))
         replier.success(delivery, f"t{i}", result, 0.01)
     replier.end_batch()
     ((routing_key, message),) = connection.opened.published
@@ -182,3 +184,19 @@ def test_only_what_every_result_has_alike_is_taken_out():
     given = [{"n": 1}, {"n": 2, "model": "mine"}, "not a result"]
     give_shared(given, {"model": MODEL, "injected": 1})
     assert given == [{"n": 1, "model": MODEL}, {"n": 2, "model": "mine"}, "not a result"]
+
+
+def test_senders_of_both_contracts_on_one_reply_queue_each_read_whole_results():
+    """The jobs' reply queue is every gateway's: while two versions run, one reply message
+    may answer both; an older gateway's results stay whole on the wire."""
+    old, new = _results(2), _results(3, contract=2)
+    stamp_batch(old + new, MODEL, [{"items": [{"text": "x"}]}] * 5, time.perf_counter(),
+                SIMULATED, device_s=0.001)  # one batch
+    whole = copy.deepcopy(old) + _whole(new)
+    message, _ = _answer([{}, {}, {H_RESULT_CONTRACT: 2}, {H_RESULT_CONTRACT: 2},
+                          {H_RESULT_CONTRACT: 2}], old + new)
+    raw = msgpack.unpackb(message.body, raw=False)
+    assert all({"model", "batch", "worker", "date_done"} <= {*e, *e["result"]}
+               for e in raw["results"][:2])
+    assert all("batch" not in e["result"] for e in raw["results"][2:])
+    assert [r["result"] for r in decode_results(message.body, multi=True)] == whole
