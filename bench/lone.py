@@ -19,6 +19,10 @@ worker loop) on the emulated device, with one runtime child per git tree (each i
 tree's code), request by request in turn: a runtime-path change is compared on a shared
 machine within one run, where whole stacks (rounds of seconds each) drown it in noise.
 
+`--stages` runs the runtime child's stages of a lone batch in this process instead
+(`ModelHost.begin`, `forward`, `finish` and the reply's encoding, on the emulated device; no
+threads, no IPC): the runtime's own part of the `batch` hop.
+
 `--variant` runs each stack again with more environment, interleaved with the plain one
 in every round: on a shared machine, compare variants within one run, never across runs.
 
@@ -205,6 +209,38 @@ def runtime_round_trips(trees: list[str], texts: list[str], warmup: int = 50
             for t in trees}
 
 
+def stage_times(texts: list[str], warmup: int = 50) -> dict[str, dict[str, float]]:
+    """Median and p10 µs of each stage of a lone batch in process, on the emulated device
+    (its wait falls in `finish`: the adapter queues the pass and reads its outputs there)."""
+    import os
+
+    os.environ.update(EMULATED)
+    from runtimes.base import Request
+    from runtimes.child_side.host import ModelHost
+    from runtimes.child_side.pipeline import outcomes_reply, reply_bytes
+    from tasks.catalog import load_catalog
+
+    host = ModelHost(engine="pytorch")
+    host.load(load_catalog(Path(__file__).resolve().parents[1] / "models").require([MINILM]))
+    times: dict[str, list[float]] = {k: [] for k in ("begin", "forward", "finish", "reply")}
+    for i, text in enumerate([*texts[:warmup], *texts]):
+        requests = [Request(f"lone-{i}", "encode", {"model": MINILM, "items": [{"text": text}]})]
+        clock = [time.perf_counter()]
+        work = host.begin(MINILM, requests)
+        clock.append(time.perf_counter())
+        host.forward(work)
+        clock.append(time.perf_counter())
+        outcomes = host.finish(work)
+        clock.append(time.perf_counter())
+        reply_bytes(outcomes_reply(outcomes))
+        clock.append(time.perf_counter())
+        if i >= warmup:
+            for n, stage in enumerate(times):
+                times[stage].append((clock[n + 1] - clock[n]) * 1e6)
+    return {stage: {"median_us": statistics.median(v), "p10_us": sorted(v)[len(v) // 10]}
+            for stage, v in times.items()}
+
+
 def variants(specs: list[str]) -> dict[str, dict[str, str]]:
     """Each `--variant LABEL:NAME=VALUE[;NAME=VALUE]` as label -> env, after the plain
     stack (label ""): every stack runs once per variant in each round, interleaved, so
@@ -301,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="LABEL:NAME=VALUE[;NAME=VALUE]",
                         help="also run every stack with this environment, labelled, "
                              "interleaved with the plain one in each round (repeatable)")
+    parser.add_argument("--stages", action="store_true",
+                        help="time a lone batch's runtime stages in this process (see above)")
     parser.add_argument("--runtime-trees", nargs="+", metavar="TREE",
                         help="measure only a lone batch's round trip to a runtime child, "
                              "one per git tree, interleaved (see above)")
@@ -310,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--env takes NAME=VALUE")
     if any(":" not in spec or "=" not in spec for spec in args.variant):
         parser.error("--variant takes LABEL:NAME=VALUE[;NAME=VALUE]")
+    if args.stages:
+        stages = stage_times(make_texts(args.requests))
+        lines = [f"a lone batch's stages in process, emulated device {DEVICE}:", "",
+                 *markdown.table(["stage", "median µs", "p10 µs"],
+                                 [[k, f"{v['median_us']:.0f}", f"{v['p10_us']:.0f}"]
+                                  for k, v in stages.items()], align="lrr")]
+        return emit("\n".join(lines), {"machine": machine_info(), "stages": stages}, args.json)
     if args.runtime_trees:
         texts = make_texts(args.requests)
         rows = runtime_round_trips(args.runtime_trees, texts)
