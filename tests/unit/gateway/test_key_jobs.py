@@ -70,6 +70,17 @@ async def two_part_job(store: JobStore, blobs: BlobStore) -> str:
     return made.id
 
 
+def one_place_driver(store: JobStore, broker: Recorder, tmp_path: Any
+                     ) -> tuple[JobDriver, BlobStore]:
+    """A job driver of model "m" with one place in flight per key
+    (SHOAL_JOB_PARTS_IN_FLIGHT=1), publishing to `broker`, and its blob store."""
+    settings = Settings(queue_prefix=store.prefix, job_parts_in_flight=1, job_lease_s=60,
+                        blob_url=str(tmp_path / "blobs"))
+    blobs = BlobStore(settings.blob_url)
+    entry = ModelEntry(id="m", adapter="dense", source=Source(path="/nowhere"), dims=4)
+    return JobDriver(settings, store, broker, {"m": entry}, lambda: blobs), blobs
+
+
 async def refusal(coro: Any) -> ShoalError:
     with pytest.raises(ShoalError) as caught:
         await coro
@@ -167,14 +178,10 @@ def test_a_place_of_the_keys_share_freed_by_one_job_wakes_the_keys_other_jobs(
     poll (made an hour long here, so that only the wake-up can move it)."""
     monkeypatch.setattr(part_publisher, "POLL_S", 3600.0)
     store = keys.store
-    settings = Settings(queue_prefix=store.prefix, job_parts_in_flight=1, job_lease_s=60,
-                        blob_url=str(tmp_path / "blobs"))
-    blobs = BlobStore(settings.blob_url)
-    entry = ModelEntry(id="m", adapter="dense", source=Source(path="/nowhere"), dims=4)
 
     async def scenario() -> None:
         broker = Recorder()
-        driver = JobDriver(settings, store, broker, {"m": entry}, lambda: blobs)
+        driver, blobs = one_place_driver(store, broker, tmp_path)
         ids = [await two_part_job(store, blobs) for _ in range(2)]
         try:
             for job_id in ids:
@@ -210,14 +217,10 @@ def test_jobs_of_one_key_driven_together_take_its_last_place_once(keys, tmp_path
 
     monkeypatch.setattr(part_publisher.PartPublisher, "_sleep", recorded_sleep)
     store = keys.store
-    settings = Settings(queue_prefix=store.prefix, job_parts_in_flight=1, job_lease_s=60,
-                        blob_url=str(tmp_path / "blobs"))
-    blobs = BlobStore(settings.blob_url)
-    entry = ModelEntry(id="m", adapter="dense", source=Source(path="/nowhere"), dims=4)
 
     async def scenario() -> None:
         broker = Recorder()
-        driver = JobDriver(settings, store, broker, {"m": entry}, lambda: blobs)
+        driver, blobs = one_place_driver(store, broker, tmp_path)
         ids = [await two_part_job(store, blobs) for _ in range(6)]
         try:
             await asyncio.gather(*(driver.kick(job_id) for job_id in ids))
