@@ -208,14 +208,15 @@ def start_call(request: Request, entry: ModelEntry, kwargs: dict[str, Any]
     broker's wait for the reply; `call_model` whole for a request with claims to upload)
     and what turns what it gives into the Reply. Checks and builds the part now."""
     if has_claims(kwargs, request.app.state.settings.claim_check_bytes):
-        return call_model(request, entry, kwargs), _as_is
+        return call_model(request, entry, kwargs), reply_as_is
     call = prepare_call(request, entry, kwargs)
     waiting = request.app.state.broker.submit(entry.id, call.part, call.budget_ms / 1000,
                                               request.scope)
     return waiting, partial(finish_call, request, call)
 
 
-def _as_is(reply: Reply) -> Reply:
+def reply_as_is(reply: Reply) -> Reply:
+    """The `finish` of an awaitable that already gives the Reply (`call_model`)."""
     return reply
 
 

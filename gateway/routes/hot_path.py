@@ -30,10 +30,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.calls.image_inputs import fetch_images, image_rules
-from gateway.calls.model_call import Reply, call_model, served_model, start_call
+from gateway.calls.model_call import (
+    Reply,
+    call_model,
+    reply_as_is,
+    served_model,
+    start_call,
+)
 from gateway.calls.native_api import body_limit, check_fields, checked_kwargs, payload
 from gateway.edge import error_shapes
 from gateway.edge.codecs import decode_body, encode_payload
+from gateway.edge.hot_requests import Answer
 from gateway.routes.embeddings import embeddings_body_limit, embeddings_call, embeddings_payload
 from tasks.adapters import ENCODE, SCORE
 from tasks.catalog import ModelEntry
@@ -99,9 +106,6 @@ class HotRoutes:
 
 # --- the same routes from the HTTP edge ------------------------------------------------------
 
-Answer = tuple[int, bytes, str, dict[str, str]]
-
-
 def _ok(request: Request, body: Any, headers: dict[str, str]) -> Answer:
     data, kind = encode_payload(request, body)
     return 200, data, kind, headers
@@ -125,7 +129,7 @@ class _Embeddings:
         entry, kwargs, urls = embeddings_call(request, body)
         if urls:
             waiting: Awaitable[Any] = _fetched_then_called(request, entry, kwargs, urls)
-            finish: Callable[[Any], Reply] = _as_is
+            finish: Callable[[Any], Reply] = reply_as_is
         else:
             waiting, finish = start_call(request, entry, kwargs)
 
@@ -168,10 +172,6 @@ class _Native:
             return _ok(request, payload(op, parsed, reply.result, arrays=True), reply.headers)
 
         return waiting, answer
-
-
-def _as_is(reply: Reply) -> Reply:
-    return reply
 
 
 class EdgeRoutes:
