@@ -35,10 +35,10 @@ def engine_candidates(entry: Any, device: str) -> list[tuple[str, str]]:
     """(engine, precision) of each process engine that can serve `entry` on `device`: the
     profile's precision where the engine computes in it there, else fp32. An entry that
     names its engine (`runtime:`) has that one only."""
-    from runtimes.model_files.precision import device_kind
+    from runtimes.model_files.precision import device_kind, profile_on
     from tasks import engines
 
-    profile = entry.profile(device) or entry.profile(device_kind(device))
+    profile = profile_on(entry, device)
     wanted = profile.precision if profile is not None else None
     cpu = device_kind(device) != "cuda"
     found = []

@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 from batching.former import BatchLimits
 from batching.latency_model import CostModel
 from runtimes.model_files.footprint import physical_memory_bytes
-from runtimes.model_files.precision import device_kind
+from runtimes.model_files.precision import profile_on
 from tasks.catalog import BatchProfile, ModelEntry
 from tasks.settings import Settings
 
@@ -17,8 +17,7 @@ from tasks.settings import Settings
 def device_profile(entry: ModelEntry, settings: Settings) -> BatchProfile:
     """The catalog's tuned profile for this device ('cuda:1' finds a `cuda` profile, as
     the runtime's precision does), or the profile defaults."""
-    return (entry.profile(settings.device) or entry.profile(device_kind(settings.device))
-            or BatchProfile())
+    return profile_on(entry, settings.device) or BatchProfile()
 
 
 def batch_limits(entry: ModelEntry, settings: Settings) -> BatchLimits:

@@ -10,7 +10,7 @@ from typing import cast
 
 from runtimes.base import Runtime, StartRuntime
 from runtimes.model_files.footprint import host_tier_bytes
-from runtimes.model_files.precision import device_kind
+from runtimes.model_files.precision import profile_on
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.replicas import ReplicaSet, default_replicas
 from tasks import engines
@@ -108,7 +108,7 @@ def runtime_of_models(entries: list[ModelEntry], worker_runtime: str | None,
             return worker.name
         if e.names_runtime:  # `runtime: pytorch`: no profile moves it
             return e.runtime
-        profiled = (e.profile(device) or e.profile(device_kind(device)) or BatchProfile()).runtime
+        profiled = (profile_on(e, device) or BatchProfile()).runtime
         if profiled is not None and engines.engine(profiled).serves(e):
             return profiled
         return engines.DEFAULT

@@ -16,12 +16,18 @@ from tasks.precision import PRECISIONS, Precision
 if TYPE_CHECKING:
     import torch
 
-    from tasks.catalog import ModelEntry
+    from tasks.catalog import BatchProfile, ModelEntry
 
 
 def device_kind(device: str) -> str:
     """The profile key of a torch device: 'cuda:1' -> 'cuda'."""
     return device.split(":", 1)[0].strip().lower()
+
+
+def profile_on(entry: ModelEntry, device: str) -> BatchProfile | None:
+    """The entry's tuned profile for `device`, by its name ('cuda:1') or its kind
+    ('cuda'); None where it has neither."""
+    return entry.profile(device) or entry.profile(device_kind(device))
 
 
 def default_precision(device: str) -> Precision:
