@@ -364,7 +364,7 @@ def run_stack(services: Services, model_dir: Path, device: str, precision: str,
 
     from app.tuning.bench_stack import bench_stack
     from app.tuning.mix import make_texts
-    from bench.gpu_check import write_catalog
+    from bench.lib.minilm import write_catalog
 
     catalog = write_catalog(work / "catalog", {MINILM: model_dir})
     metrics_port = free_port()

@@ -44,8 +44,8 @@ from typing import Any
 
 from app.tuning import markdown
 from app.tuning.cpu import cpu_seconds
-from bench.gpu_check import texts
 from bench.lib.args import int_list
+from bench.lib.minilm import texts
 from bench.lib.output import emit
 from tasks.served import batch_device_ms
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from app.tuning import markdown
-from bench.gpu_check import texts
+from bench.lib.minilm import texts
 from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from bench.gpu_check import Row, fit_cost
+from bench.gpu_check_measure import Row, fit_cost
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
