@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.tuning.load import LoadResult
-from bench import bulk, claims
+from bench import bulk, claims, claims_report
 
 # --------------------------------------------------------------------------- claims
 
@@ -26,44 +26,44 @@ def load(p50: float | None, p99: float | None, *, requests: int = 100, duration:
 
 def test_png_side_solves_rows_of_a_filter_byte_and_three_bytes_a_pixel() -> None:
     for target in (1000, 4_000_000, 12_345_678):
-        side = claims.png_side(target)
+        side = claims_report.png_side(target)
         assert side * (3 * side + 1) <= target < (side + 1) * (3 * side + 4)
     with pytest.raises(ValueError):
-        claims.png_side(2)
+        claims_report.png_side(2)
 
 
 def test_make_png_is_a_png_of_about_the_size_asked_and_differs_by_seed() -> None:
     from PIL import Image
 
-    data = claims.make_png(60_000, seed=1)
+    data = claims_report.make_png(60_000, seed=1)
     assert abs(len(data) - 60_000) / 60_000 < 0.02
     image = Image.open(io.BytesIO(data))
     assert image.format == "PNG" and image.mode == "RGB"
-    assert image.size == (claims.png_side(60_000),) * 2
-    assert claims.make_png(60_000, seed=2) != data
+    assert image.size == (claims_report.png_side(60_000),) * 2
+    assert claims_report.make_png(60_000, seed=2) != data
 
 
 def test_schedule_reverses_the_modes_in_odd_rounds() -> None:
-    assert claims.schedule(3, ("inline", "claim", "text")) == [
+    assert claims_report.schedule(3, ("inline", "claim", "text")) == [
         (0, "inline"), (0, "claim"), (0, "text"),
         (1, "text"), (1, "claim"), (1, "inline"),
         (2, "inline"), (2, "claim"), (2, "text")]
 
 
 def test_memory_peaks_and_what_the_phase_added() -> None:
-    before = claims.Sample(0.0, rss=100, mem_used=50)
-    samples = [claims.Sample(1.0, rss=120),
-               claims.Sample(2.0, rss=180, mem_used=70, queue_memory=3, message_bytes=4),
-               claims.Sample(3.0, rss=90, mem_used=40, queue_memory=5, message_bytes=0)]
-    assert claims.memory_peaks(samples, before) == {
+    before = claims_report.Sample(0.0, rss=100, mem_used=50)
+    samples = [claims_report.Sample(1.0, rss=120),
+               claims_report.Sample(2.0, rss=180, mem_used=70, queue_memory=3, message_bytes=4),
+               claims_report.Sample(3.0, rss=90, mem_used=40, queue_memory=5, message_bytes=0)]
+    assert claims_report.memory_peaks(samples, before) == {
         "rss_peak": 180, "mem_used_peak": 70, "queue_memory_peak": 5,
         "message_bytes_peak": 4, "rss_added": 80, "mem_used_added": 20}
     # Memory the broker freed during the phase is no negative addition; figures never
     # read (the management API down) stay unknown.
-    shrunk = claims.memory_peaks([claims.Sample(1.0, rss=60)], before)
+    shrunk = claims_report.memory_peaks([claims_report.Sample(1.0, rss=60)], before)
     assert shrunk["rss_added"] == 0
     assert shrunk["mem_used_peak"] is None and shrunk["mem_used_added"] is None
-    assert claims.memory_peaks([], claims.Sample(0.0))["rss_added"] is None
+    assert claims_report.memory_peaks([], claims_report.Sample(0.0))["rss_added"] is None
 
 
 def test_cores_by_process_adds_up_processes_of_one_kind() -> None:
@@ -71,7 +71,7 @@ def test_cores_by_process_adds_up_processes_of_one_kind() -> None:
                   cpu={"shoal gateway (11)": 1.0, "shoal gateway (12)": 0.5,
                        "runtime (13)": 20.0, "total": 21.5})
     # ms per request x requests / duration = CPU ms per s.
-    assert claims.cores_by_process(result) == pytest.approx({"shoal gateway": 0.03,
+    assert claims_report.cores_by_process(result) == pytest.approx({"shoal gateway": 0.03,
                                                              "runtime": 0.4})
 
 
@@ -80,7 +80,7 @@ def row(mode: str, round_: int, p50: float, p99: float, rss_added: int,
     memory = {"rss_peak": 300 + rss_added, "rss_added": rss_added, "mem_used_peak": 200,
               "mem_used_added": rss_added // 2, "queue_memory_peak": 1,
               "message_bytes_peak": 0}
-    return claims.phase_row(mode, round_, load(p50, p99, errors=errors), image, memory)
+    return claims_report.phase_row(mode, round_, load(p50, p99, errors=errors), image, memory)
 
 
 def test_summary_takes_medians_per_mode_and_compares_within_rounds() -> None:
@@ -92,7 +92,7 @@ def test_summary_takes_medians_per_mode_and_compares_within_rounds() -> None:
             row("claim", 1, 12, 90, 4_000_000, image, errors=2),
             row("inline", 1, 16, 120, 60_000_000, image),
             row("inline", 2, 30, 110, 70_000_000, image)]  # a round without claim
-    summary = claims.summarise(rows)
+    summary = claims_report.summarise(rows)
     assert list(summary["modes"]) == ["inline", "claim", "text"]
     inline, claim = summary["modes"]["inline"], summary["modes"]["claim"]
     assert inline["text_p50_ms"] == 20 and inline["rounds"] == 3
@@ -104,16 +104,16 @@ def test_summary_takes_medians_per_mode_and_compares_within_rounds() -> None:
     assert rounds["claim-inline rss_added"] == [-78_000_000, -56_000_000]
     assert rounds["claim/text text_p99_ms"] == pytest.approx([1.25, 1.5])
     assert rounds["inline/text text_p99_ms"] == pytest.approx([2.5, 2.0])
-    text = claims.table(summary)
+    text = claims_report.table(summary)
     assert "| images inline | 20.0 | 110.0 |" in text
     assert "| claim-inline rss_added MB | -78.0, -56.0 | **-67.0** |" in text
     assert "| claim/inline text_p50_ms | 0.50, 0.75 | **0.62** |" in text
-    assert "runtime" not in claims.cores_table(summary)  # no CPU measured in these rows
+    assert "runtime" not in claims_report.cores_table(summary)  # no CPU measured in these rows
 
 
 def test_summary_without_pairs_has_no_comparisons() -> None:
-    summary = claims.summarise([row("text", 0, 10, 40, 0)])
-    assert summary["compare"] == {} and "within a round" not in claims.table(summary)
+    summary = claims_report.summarise([row("text", 0, 10, 40, 0)])
+    assert summary["compare"] == {} and "within a round" not in claims_report.table(summary)
 
 
 def test_check_modes_refuses_a_setup_where_the_claim_check_is_not_as_asked() -> None:
@@ -127,7 +127,7 @@ def test_check_modes_refuses_a_setup_where_the_claim_check_is_not_as_asked() -> 
 def test_claims_arguments() -> None:
     args = claims.parse_args([])
     assert (args.rate, args.image_share, args.image_bytes) == (40.0, 0.05, 4_000_000)
-    assert args.modes == ("inline", "claim", "text") and args.json == claims.DEFAULT_JSON
+    assert args.modes == ("inline", "claim", "text") and args.json == claims_report.DEFAULT_JSON
     args = claims.parse_args(["--modes", "claim,inline", "--rounds", "2"])
     assert args.modes == ("claim", "inline")
     assert "--modes claim,inline" in claims.command(args)
