@@ -36,191 +36,23 @@ import asyncio
 import base64
 import contextlib
 import json
-import random
-import statistics
 import sys
-import time
 import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from app.tuning import markdown
 from app.tuning.bench_stack import BenchStack, bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.knee import Point, SweepPolicy, find_knee, next_load
 from app.tuning.mix import make_requests
-from gateway.broker.link import Broker
-from tasks.catalog import load_catalog
-from tasks.envelope import task_part
-from tasks.served import read_served
+from bench.fleet_load import MODEL, SIM_ENV, Publisher, closed_loop, open_loop
+from bench.fleet_report import medians, plot_pull_vs_push, report, whole_ms
 from tasks.settings import Settings, get_settings
 from tasks.topology import queue_for
-
-MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-# One simulated device: 40 ms per batch plus 0.2 ms per padded token, and
-# requests of 4-64 texts. Deliberately slow: the pipeline costs ~3 ms of CPU per
-# request here (client, broker, worker), so eight fast devices would measure
-# the 2-core machine, not how the fleet shares work. The fixed cost per batch
-# makes batching pay, as on a GPU.
-SIM_ENV = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "40", "SHOAL_SIM_COST_B_US": "200",
-           "SHOAL_SIM_COST_C_NS": "0"}
-
-
-@dataclass
-class Outcome:
-    latency_ms: float
-    items: int
-    busy_ms: float  # this request's share of its batch's simulated device time
-    worker: str
-    ok: bool
-    sent: float = 0.0  # perf_counter seconds
-    done: float = 0.0
-    queue_ms: float | None = None  # publish to the start of its batch (the worker's stamp)
-    inference_ms: float = 0.0  # its batch's run time
-
-
-@dataclass
-class Run:
-    label: str
-    offered: float  # clients (closed) or req/s (open)
-    duration: float
-    outcomes: list[Outcome] = field(default_factory=list)
-    dropped: int = 0
-
-    def summary(self, workers: int) -> dict[str, Any]:
-        ok = [o for o in self.outcomes if o.ok]
-        latencies = sorted(o.latency_ms for o in ok)
-        cuts = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
-        busy: dict[str, float] = {}
-        for o in ok:
-            busy[o.worker] = busy.get(o.worker, 0.0) + o.busy_ms
-        # The device time of the counted requests, over the wall time they took to serve
-        # (under overload they finish after the window, so the window alone is too short).
-        span_s = (max(o.done for o in ok) - min(o.sent for o in ok)) if ok else self.duration
-        span_s = max(span_s, self.duration) if all(o.done for o in ok) else self.duration
-        utilisation = sorted(b / (span_s * 1000) for b in busy.values())
-        utilisation += [0.0] * (workers - len(utilisation))
-        # Where the tail's time went: the slowest 1% of requests, split into queueing
-        # (broker and worker, to the start of their batch), their batch, and the rest
-        # (publishing, replies, the client's own loop).
-        tail = sorted(ok, key=lambda o: o.latency_ms)[-max(1, len(ok) // 100):] if ok else []
-        timed = [o for o in tail if o.queue_ms is not None]
-        return {
-            "tail_queue_ms": statistics.fmean(o.queue_ms for o in timed) if timed else None,
-            "tail_inference_ms": statistics.fmean(o.inference_ms for o in tail) if tail else None,
-            "tail_rest_ms": (statistics.fmean(o.latency_ms - o.queue_ms - o.inference_ms
-                                              for o in timed) if timed else None),
-            "label": self.label, "offered": self.offered, "requests": len(ok),
-            "errors": len(self.outcomes) - len(ok), "dropped": self.dropped,
-            "req_per_s": len(ok) / self.duration,
-            "items_per_s": sum(o.items for o in ok) / self.duration,
-            "p50_ms": cuts[49], "p99_ms": cuts[98],
-            "utilisation_mean": statistics.fmean(utilisation) if utilisation else 0.0,
-            "utilisation_min": min(utilisation, default=0.0),
-            "utilisation_max": max(utilisation, default=0.0),
-        }
-
-
-class Publisher:
-    """Publishes shoal task messages to one or more queues (round-robin) and awaits replies."""
-
-    def __init__(self, prefixes: list[str]) -> None:
-        self.brokers = [Broker(Settings(queue_prefix=p, models=[MODEL]), [MODEL])
-                        for p in prefixes]
-        (self.entry,) = load_catalog(Settings().catalog_dir).require([MODEL])
-        self.next = 0
-
-    async def start(self) -> None:
-        for broker in self.brokers:
-            broker.start()
-        deadline = time.monotonic() + 30
-        while not all(b.ready for b in self.brokers):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the broker connections did not come up")
-            await asyncio.sleep(0.05)
-
-    async def close(self) -> None:
-        for broker in self.brokers:
-            await broker.close()
-
-    async def call(self, texts: list[str], timeout_s: float = 60.0) -> Outcome:
-        broker = self.brokers[self.next % len(self.brokers)]
-        self.next += 1
-        kwargs = {"model": MODEL, "items": [{"text": t} for t in texts]}
-        # What the gateway sends: the entry's estimate, batched replies, coalescing.
-        part = task_part(self.entry, kwargs, int(timeout_s * 1000))
-        items = len(texts)
-        started = time.perf_counter()
-        try:
-            reply = await broker.submit(MODEL, part, timeout_s)
-        except Exception:
-            return Outcome((time.perf_counter() - started) * 1000, items, 0.0, "", False)
-        done = time.perf_counter()
-        latency = (done - started) * 1000
-        result = reply.get("result")
-        served = read_served(result if isinstance(result, dict) else {})
-        batch = served.batch or {}
-        ok = reply.get("status") == "SUCCESS"
-        share = batch.get("inference_ms", 0.0) / max(1, batch.get("requests", 1))
-        timing = served.timing or {}
-        queue_ms = timing.get("queue_ms")
-        return Outcome(latency, items, share if ok else 0.0, str(served.worker), ok,
-                       started, done, None if queue_ms is None else float(queue_ms),
-                       float(batch.get("inference_ms", 0.0)))
-
-
-async def closed_loop(publisher: Publisher, requests: list[list[str]], clients: int,
-                      warmup: float, duration: float) -> Run:
-    run = Run(f"closed {clients}", clients, duration)
-    start = time.perf_counter() + warmup
-    end = start + duration
-
-    async def client(k: int) -> None:
-        i = k
-        while time.perf_counter() < end:
-            outcome = await publisher.call(requests[i % len(requests)])
-            i += clients
-            if start <= time.perf_counter() <= end:
-                run.outcomes.append(outcome)
-
-    await asyncio.gather(*(client(k) for k in range(clients)))
-    return run
-
-
-async def open_loop(publisher: Publisher, requests: list[list[str]], rate: float,
-                    warmup: float, duration: float, seed: int = 0,
-                    max_outstanding: int = 2000) -> Run:
-    """Poisson arrivals at `rate` req/s; the schedule never waits for replies."""
-    run = Run(f"open {rate:.0f}/s", rate, duration)
-    rng = random.Random(seed)
-    start = time.perf_counter() + warmup
-    end = start + duration
-    tasks: set[asyncio.Task] = set()
-
-    async def one(texts: list[str], counted: bool) -> None:
-        outcome = await publisher.call(texts)
-        if counted:
-            run.outcomes.append(outcome)
-
-    at, i = time.perf_counter(), 0
-    while at < end:
-        at += rng.expovariate(rate)
-        await asyncio.sleep(max(0.0, at - time.perf_counter()))
-        if len(tasks) >= max_outstanding:
-            run.dropped += 1
-            continue
-        task = asyncio.create_task(one(requests[i % len(requests)], start <= at <= end))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        i += 1
-    await asyncio.gather(*tasks)
-    return run
-
 
 EXTRA_ENV: dict[str, str] = {}  # --env: worker settings for every fleet of this run
 
@@ -357,142 +189,14 @@ async def pull_vs_push_seed(args: argparse.Namespace, seed: int) -> dict[str, An
                     rows.append(summary)
                     print(f"  seed {seed}, {mode} at {fraction:.0%}: p99 "
                           f"{summary['p99_ms']:.0f} ms (slowest 1%: queued "
-                          f"{_ms(summary['tail_queue_ms'])}, batch "
-                          f"{_ms(summary['tail_inference_ms'])}, rest "
-                          f"{_ms(summary['tail_rest_ms'])} ms), utilisation "
+                          f"{whole_ms(summary['tail_queue_ms'])}, batch "
+                          f"{whole_ms(summary['tail_inference_ms'])}, rest "
+                          f"{whole_ms(summary['tail_rest_ms'])} ms), utilisation "
                           f"{summary['utilisation_mean']:.0%}, redelivered {returned} "
                           "[SIMULATED]", file=sys.stderr)
             finally:
                 await publisher.close()
     return {"capacity_req_per_s": capacity, "results": rows}
-
-
-def _mode(row: dict[str, Any]) -> str:
-    return "pull" if row["mode"].startswith("pull") else "push"
-
-
-def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per load, the median over seeds of each side's p50, p99 and utilisation, and of the
-    per-seed ratio pull p99 / push p99 (pairs of one seed: the same mix and schedule)."""
-    out = []
-    for fraction in sorted({r["fraction"] for r in rows}):
-        at = [r for r in rows if r["fraction"] == fraction]
-        row: dict[str, Any] = {"fraction": fraction}
-        for side in ("pull", "push"):
-            mine = [r for r in at if _mode(r) == side]
-            for key in ("p50_ms", "p99_ms", "utilisation_mean", "req_per_s"):
-                row[f"{side}_{key}"] = statistics.median(r[key] for r in mine) if mine else None
-        pairs = [(p, q) for p in at for q in at
-                 if _mode(p) == "pull" and _mode(q) == "push" and p["seed"] == q["seed"]]
-        row["p99_ratio"] = (statistics.median(p["p99_ms"] / q["p99_ms"] for p, q in pairs)
-                            if pairs else None)
-        row["seeds"] = len(pairs)
-        out.append(row)
-    return out
-
-
-_pct = partial(markdown.dash, spec=".0%")
-_ms = partial(markdown.dash, spec=".0f")
-
-
-def pull_vs_push_report(data: dict[str, Any]) -> list[str]:
-    capacities = data["capacity_req_per_s"]
-    if not isinstance(capacities, dict):  # a result file of one seed, before --seeds
-        capacities = {data.get("seed", "-"): capacities}
-    lines = [f"{data['workers']} workers; capacity (closed loop, saturated, pull) per seed: "
-             + ", ".join(f"seed {s}: {c:.0f} req/s" for s, c in capacities.items()), "",
-             *markdown.table(["seed", "load", "pull p50 ms", "pull p99 ms", "push p50 ms",
-                              "push p99 ms", "pull/push p99", "pull util (min-max)",
-                              "push util (min-max)", "pull redelivered"], align="l" * 10)]
-    rows = data["results"]
-    keys = sorted({(r.get("seed", "-"), r["fraction"]) for r in rows}, key=str)
-    for seed, fraction in keys:
-        pull = next((r for r in rows if r.get("seed", "-") == seed and r["fraction"] == fraction
-                     and _mode(r) == "pull"), None)
-        push = next((r for r in rows if r.get("seed", "-") == seed and r["fraction"] == fraction
-                     and _mode(r) == "push"), None)
-
-        def util(r: dict[str, Any] | None) -> str:
-            if r is None:
-                return "-"
-            return (f"{r['utilisation_mean']:.0%} ({r['utilisation_min']:.0%}-"
-                    f"{r['utilisation_max']:.0%})")
-
-        ratio = (_pct(pull["p99_ms"] / push["p99_ms"]) if pull and push and push["p99_ms"]
-                 else "-")
-        returned = pull.get("redelivered") if pull else None
-        lines.append(markdown.row([
-            seed, f"{fraction:.0%}", _ms(pull and pull["p50_ms"]), _ms(pull and pull["p99_ms"]),
-            _ms(push and push["p50_ms"]), _ms(push and push["p99_ms"]), ratio, util(pull),
-            util(push), "-" if returned is None else returned]))
-    lines += ["", f"Median over {len(data.get('seeds') or [1])} seed(s):", "",
-              *markdown.table(
-                  ["load", "pull p50 ms", "pull p99 ms", "push p50 ms", "push p99 ms",
-                   "pull/push p99 (median of seeds)", "pull util", "push util"],
-                  [[f"{m['fraction']:.0%}", _ms(m["pull_p50_ms"]), _ms(m["pull_p99_ms"]),
-                    _ms(m["push_p50_ms"]), _ms(m["push_p99_ms"]), _pct(m["p99_ratio"]),
-                    _pct(m["pull_utilisation_mean"]), _pct(m["push_utilisation_mean"])]
-                   for m in data.get("medians") or medians(rows)], align="l" * 8)]
-    return lines
-
-
-def plot_pull_vs_push(path: Path, data: dict[str, Any]) -> Path:
-    """p99 and utilisation against load: each seed's points and the median line per side."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    left, right = fig.subplots(1, 2)
-    rows = data["results"]
-    for side, style, color in (("pull", "o-", "tab:blue"), ("push", "s--", "tab:orange")):
-        mine = [r for r in rows if _mode(r) == side]
-        meds = data.get("medians") or medians(rows)
-        loads = [m["fraction"] * 100 for m in meds]
-        label = "pull: one shared queue" if side == "pull" else "push: round-robin router"
-        left.plot(loads, [m[f"{side}_p99_ms"] for m in meds], style, color=color,
-                  label=f"{label} (median)")
-        left.scatter([r["fraction"] * 100 for r in mine], [r["p99_ms"] for r in mine],
-                     color=color, alpha=0.35, s=14)
-        right.plot(loads, [m[f"{side}_utilisation_mean"] * 100 for m in meds], style,
-                   color=color, label=side)
-        right.scatter([r["fraction"] * 100 for r in mine],
-                      [r["utilisation_mean"] * 100 for r in mine], color=color, alpha=0.35, s=14)
-    left.set_xlabel("offered load, % of capacity")
-    left.set_ylabel("p99 ms (dots: each seed)")
-    left.legend(fontsize="small")
-    right.set_xlabel("offered load, % of capacity")
-    right.set_ylabel("mean device utilisation, %")
-    right.legend(fontsize="small")
-    seeds = ", ".join(str(s) for s in data.get("seeds") or [])
-    env = "".join(f", {k}={v}" for k, v in (data.get("env") or {}).items())
-    fig.suptitle(f"SIMULATED: pull vs push, {data['workers']} workers, seeds {seeds}{env} "
-                 "(bench.fleet)")
-    fig.savefig(path, dpi=80)
-    return path
-
-
-def report(data: dict[str, Any]) -> str:
-    lines = ["SIMULATED workers (runtimes/doubles/sim, " + ", ".join(
-        f"{k.removeprefix('SHOAL_SIM_COST_').lower()}={v}" for k, v in data["simulated"].items()
-        if k.startswith("SHOAL_SIM_COST")) + ")", ""]
-    if data["experiment"] == "scaling":
-        one = next((r["knee"]["throughput"] for r in data["results"]
-                    if r["workers"] == 1 and r["knee"]), None)
-        rows = []
-        for r in data["results"]:
-            k = r["knee"]
-            if k is None:
-                rows.append([r["workers"], "-", "-", "-", "-", "-"])
-                continue
-            ratio = f"{k['throughput'] / (one * r['workers']):.0%}" if one else "-"
-            rows.append([r["workers"], f"{k['load']:.0f}", f"{k['throughput']:.0f}",
-                         f"{k['p50_ms']:.0f}", f"{k['p99_ms']:.0f}", ratio])
-        lines += markdown.table(["workers", "knee: clients", "req/s", "p50 ms", "p99 ms",
-                                 "vs N x 1 worker"], rows, align="l" * 6)
-    else:
-        lines += pull_vs_push_report(data)
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

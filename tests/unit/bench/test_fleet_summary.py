@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fleet import Outcome, Run
+from bench.fleet_load import Outcome, Run
 
 
 def test_utilisation_is_simulated_busy_time_over_wall_time_per_worker():
