@@ -66,8 +66,9 @@ def pull_vs_push_report(data: dict[str, Any]) -> list[str]:
                  else "-")
         returned = pull.get("redelivered") if pull else None
         lines.append(markdown.row([
-            seed, f"{fraction:.0%}", whole_ms(pull and pull["p50_ms"]), whole_ms(pull and pull["p99_ms"]),
-            whole_ms(push and push["p50_ms"]), whole_ms(push and push["p99_ms"]), ratio, util(pull),
+            seed, f"{fraction:.0%}", whole_ms(pull and pull["p50_ms"]),
+            whole_ms(pull and pull["p99_ms"]), whole_ms(push and push["p50_ms"]),
+            whole_ms(push and push["p99_ms"]), ratio, util(pull),
             util(push), "-" if returned is None else returned]))
     lines += ["", f"Median over {len(data.get('seeds') or [1])} seed(s):", "",
               *markdown.table(
