@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from bench import peers
+from app.tuning.stats import median, ratio
+from bench import peers, peers_report, peers_servers
+from bench.lib.args import parse_levels
 
 
 def _run(server: str, clients: int, rnd: int, req_per_s: float, p50: float | None = 10.0,
@@ -23,12 +25,12 @@ def _run(server: str, clients: int, rnd: int, req_per_s: float, p50: float | Non
 
 
 def test_parse_levels() -> None:
-    assert peers.parse_levels("1,8,32") == [1, 8, 32]
-    assert peers.parse_levels("4") == [4]
-    assert peers.parse_levels("1, 8,") == [1, 8]
+    assert parse_levels("1,8,32") == [1, 8, 32]
+    assert parse_levels("4") == [4]
+    assert parse_levels("1, 8,") == [1, 8]
     for bad in ("", "0,8", "a,b", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError):
-            peers.parse_levels(bad)
+            parse_levels(bad)
 
 
 def test_parse_args_defaults_and_checks() -> None:
@@ -46,19 +48,19 @@ def test_parse_args_defaults_and_checks() -> None:
 
 
 def test_schedule_alternates_servers_and_swaps_order_each_round() -> None:
-    plan = peers.schedule(2, [1, 8])
+    plan = peers_report.schedule(2, [1, 8])
     assert plan == [(0, 1, "shoal"), (0, 1, "infinity"), (0, 8, "shoal"), (0, 8, "infinity"),
                     (1, 1, "infinity"), (1, 1, "shoal"), (1, 8, "infinity"), (1, 8, "shoal")]
 
 
 def test_median_and_ratio_skip_missing_values() -> None:
-    assert peers.median([3.0, None, 1.0, 2.0]) == 2.0
-    assert peers.median([None]) is None
-    assert peers.median([]) is None
-    assert peers.ratio(30.0, 20.0) == 1.5
-    assert peers.ratio(None, 20.0) is None
-    assert peers.ratio(30.0, None) is None
-    assert peers.ratio(30.0, 0.0) is None
+    assert median([3.0, None, 1.0, 2.0]) == 2.0
+    assert median([None]) is None
+    assert median([]) is None
+    assert ratio(30.0, 20.0) == 1.5
+    assert ratio(None, 20.0) is None
+    assert ratio(30.0, None) is None
+    assert ratio(30.0, 0.0) is None
 
 
 def test_summarise_takes_medians_over_rounds_per_server_and_level() -> None:
@@ -66,7 +68,7 @@ def test_summarise_takes_medians_over_rounds_per_server_and_level() -> None:
     runs += [_run("infinity", 8, r, rate, p50=5.0, cpu=None, errors=1)
              for r, rate in enumerate([80.0, 100.0, 120.0])]
     runs += [_run("shoal", 1, 0, 50.0), _run("infinity", 1, 0, 40.0)]
-    one, eight = peers.summarise(runs)
+    one, eight = peers_report.summarise(runs)
     assert one["clients"] == 1 and eight["clients"] == 8
     assert eight["shoal_req_per_s"] == 200.0 and eight["infinity_req_per_s"] == 100.0
     assert eight["ratio_req_per_s"] == 2.0
@@ -81,7 +83,7 @@ def test_summarise_takes_medians_over_rounds_per_server_and_level() -> None:
 def test_table_is_markdown_with_one_row_per_level() -> None:
     runs = [_run("shoal", 1, 0, 50.0, p99=None), _run("infinity", 1, 0, 40.0),
             _run("shoal", 32, 0, 400.0), _run("infinity", 32, 0, 200.0, errors=2)]
-    lines = peers.table(peers.summarise(runs)).splitlines()
+    lines = peers_report.table(peers_report.summarise(runs)).splitlines()
     assert len(lines) == 4
     width = lines[0].count("|")
     assert all(line.count("|") == width for line in lines)
@@ -93,25 +95,26 @@ def test_table_is_markdown_with_one_row_per_level() -> None:
 
 
 def test_infinity_command_serves_the_directory_on_cpu_without_cache() -> None:
-    argv = peers.infinity_argv(Path("/venv"), "/models/minilm", 1234)
+    argv = peers_servers.infinity_argv(Path("/venv"), "/models/minilm", 1234)
     assert argv[:2] == ["/venv/bin/infinity_emb", "v2"]
     flags = dict(itertools.pairwise(argv))
     assert flags["--model-id"] == "/models/minilm"
-    assert flags["--served-model-name"] == peers.MINILM
+    assert flags["--served-model-name"] == peers_report.MINILM
     assert (flags["--engine"], flags["--device"], flags["--batch-size"]) == ("torch", "cpu", "32")
     assert flags["--port"] == "1234" and flags["--host"] == "127.0.0.1"
     assert "--no-vector-disk-cache" in argv
-    assert peers.OFFLINE_ENV["DO_NOT_TRACK"] == "1"
-    assert peers.OFFLINE_ENV["INFINITY_ANONYMOUS_USAGE_STATS"] == "0"
-    assert peers.OFFLINE_ENV["HF_HUB_OFFLINE"] == "1"
+    assert peers_report.OFFLINE_ENV["DO_NOT_TRACK"] == "1"
+    assert peers_report.OFFLINE_ENV["INFINITY_ANONYMOUS_USAGE_STATS"] == "0"
+    assert peers_report.OFFLINE_ENV["HF_HUB_OFFLINE"] == "1"
 
 
 def test_openai_body_is_the_same_for_both_servers() -> None:
-    assert peers.openai_body(["hello"]) == {"model": peers.MINILM, "input": ["hello"]}
+    assert peers_report.openai_body(["hello"]) == {"model": peers_report.MINILM, "input": ["hello"]}
 
 
 def test_missing_peer_venv_says_how_to_install(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="make bench-peers"), peers.infinity("/m", venv=tmp_path):
+    with pytest.raises(SystemExit, match="make bench-peers"), \
+            peers_servers.infinity("/m", venv=tmp_path):
         pass
 
 
@@ -145,20 +148,20 @@ def test_closed_loop_calls_counts_results_and_errors_like_the_raw_loop() -> None
 
 
 def test_schedule_rotates_any_number_of_systems() -> None:
-    plan = peers.schedule(3, [8], peers.SYSTEMS[:3])
+    plan = peers_report.schedule(3, [8], peers_report.SYSTEMS[:3])
     assert [s for _, _, s in plan] == ["shoal", "shoal-onnx", "shoal-onnx-int8",
                                        "shoal-onnx", "shoal-onnx-int8", "shoal",
                                        "shoal-onnx-int8", "shoal", "shoal-onnx"]
-    assert peers.schedule(2, [1], peers.SERVERS) == peers.schedule(2, [1])
+    assert peers_report.schedule(2, [1], peers_report.SERVERS) == peers_report.schedule(2, [1])
 
 
 def test_parse_systems_keeps_the_canonical_order() -> None:
-    assert peers.parse_systems("infinity-onnx,shoal") == ["shoal", "infinity-onnx"]
+    assert peers_report.parse_systems("infinity-onnx,shoal") == ["shoal", "infinity-onnx"]
     assert peers.parse_args(["--systems", "shoal,infinity"]).systems == ["shoal", "infinity"]
     assert peers.parse_args([]).systems is None
     for bad in ("", "shoal,vllm"):
         with pytest.raises(argparse.ArgumentTypeError):
-            peers.parse_systems(bad)
+            peers_report.parse_systems(bad)
 
 
 def test_chosen_systems_drop_infinity_onnx_without_optimum(tmp_path: Path) -> None:
@@ -169,7 +172,7 @@ def test_chosen_systems_drop_infinity_onnx_without_optimum(tmp_path: Path) -> No
     site = tmp_path / "lib/python3.11/site-packages/optimum/onnxruntime"
     site.mkdir(parents=True)
     (site / "modeling.py").write_text("")
-    assert peers.chosen_systems(None, venv=tmp_path) == list(peers.SYSTEMS)
+    assert peers.chosen_systems(None, venv=tmp_path) == list(peers_report.SYSTEMS)
 
 
 def _five(clients: int, rnd: int, scale: float) -> list[dict[str, Any]]:
@@ -180,7 +183,7 @@ def _five(clients: int, rnd: int, scale: float) -> list[dict[str, Any]]:
 
 def test_summarise_ratios_every_shoal_system_to_every_infinity_engine() -> None:
     runs = _five(8, 0, 1.0) + _five(8, 1, 2.0) + _five(8, 2, 1.5)
-    (row,) = peers.summarise(runs)
+    (row,) = peers_report.summarise(runs)
     assert row["shoal-onnx_req_per_s"] == 300.0 and row["infinity-onnx_req_per_s"] == 225.0
     assert row["ratio_req_per_s"] == 2.0  # shoal / Infinity, as before
     assert row["ratio_req_per_s_shoal-onnx_vs_infinity"] == 4.0
@@ -192,8 +195,8 @@ def test_summarise_ratios_every_shoal_system_to_every_infinity_engine() -> None:
 
 def test_systems_table_has_a_row_per_level_and_system() -> None:
     runs = _five(1, 0, 1.0) + _five(32, 0, 1.0)
-    lines = peers.table(peers.summarise(runs), peers.SYSTEMS).splitlines()
-    assert len(lines) == 2 + 2 * len(peers.SYSTEMS)
+    lines = peers_report.table(peers_report.summarise(runs), peers_report.SYSTEMS).splitlines()
+    assert len(lines) == 2 + 2 * len(peers_report.SYSTEMS)
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert lines[3].startswith("| 1 | shoal ORT fp32 | 200 |")
     assert "| 4.00 | 0.25 | 1.33 |" in lines[3]  # vs Infinity torch, then vs its ORT
@@ -201,16 +204,16 @@ def test_systems_table_has_a_row_per_level_and_system() -> None:
 
 def test_verdicts_check_targets_at_8_and_32_clients() -> None:
     runs = _five(1, 0, 1.0) + _five(8, 0, 1.0)
-    lines = peers.verdicts(peers.summarise(runs))
+    lines = peers_report.verdicts(peers_report.summarise(runs))
     assert len(lines) == 5 and all(line.startswith("8 clients") for line in lines)
     assert lines[-1].startswith("8 clients, shoal default (make run) vs Infinity: 4.00x")
     assert lines[0].endswith(": met")  # ORT fp32 4x Infinity torch, lower p99
     slow = [{**r, "req_per_s": 90.0} if r["server"] == "shoal-onnx" else r for r in runs]
-    assert peers.verdicts(peers.summarise(slow))[0].endswith("NOT met")
+    assert peers_report.verdicts(peers_report.summarise(slow))[0].endswith("NOT met")
 
 
 def test_infinity_optimum_command() -> None:
-    flags = dict(itertools.pairwise(peers.infinity_argv(Path("/v"), ".", 1, "optimum")))
+    flags = dict(itertools.pairwise(peers_servers.infinity_argv(Path("/v"), ".", 1, "optimum")))
     assert (flags["--engine"], flags["--model-id"]) == ("optimum", ".")
 
 
@@ -227,7 +230,7 @@ def test_onnx_model_folder_renames_the_output_and_leaves_weights(tmp_path: Path)
     (model / "1_Pooling").mkdir(parents=True)
     for name in ("config.json", "tokenizer.json", "model.safetensors", "1_Pooling/config.json"):
         (model / name).write_text("{}")
-    out = peers.onnx_model_folder(model, tmp_path / "g.onnx", tmp_path / "copy")
+    out = peers_servers.onnx_model_folder(model, tmp_path / "g.onnx", tmp_path / "copy")
     assert (out / "config.json").is_file() and (out / "1_Pooling/config.json").is_file()
     assert not (out / "model.safetensors").exists()
     saved = onnx.load(str(out / "model.onnx"))
