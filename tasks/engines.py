@@ -15,6 +15,10 @@ none of them names an engine. An engine is its folder (`runtimes/<engine>/`, or 
 - `double`: it stands in for every engine of a worker (the simulated device); `start` as
   for `servers`. A catalog entry cannot name it, only SHOAL_RUNTIME.
 
+Onboarding and `shoal tune` ask it what to try for an entry on a device (`candidates`:
+each process engine that serves the entry, in its `trials` formats, the baseline first)
+and what an engine needs before it computes a model (`prepare`: ONNX's graph).
+
 Nothing here imports an engine: `start` and the family maps are strings, imported where
 the engine runs (`resolve`). A test or a plugin adds an engine with `register`.
 """
@@ -33,6 +37,8 @@ Kind = Literal["process", "servers", "double"]
 
 # The engine of an entry that names none, and of a worker that sets no SHOAL_RUNTIME.
 DEFAULT = "pytorch"
+# What onboarding verifies an entry with and holds every other candidate to.
+BASELINE: tuple[str, Precision] = (DEFAULT, "fp32")
 
 
 class EntryFacts(Protocol):
@@ -64,6 +70,12 @@ class EngineEntry:
     # (None: every entry of its families, those with LoRAs only if it serves them).
     takes: Callable[[EntryFacts], bool] | None = None
     summary: str = ""
+    # The formats onboarding tries it in on CUDA, in order, where not all it computes in
+    # are worth a trial there (empty: `precisions`); on a CPU, `cpu_precisions`.
+    cuda_trials: tuple[Precision, ...] = ()
+    # "module:function" run before a host computes an entry with it, as
+    # `prepare(entry, precision)` (imported there, like `start`): ONNX exports the graph.
+    prepare: str = ""
 
     @property
     def module(self) -> str:
@@ -80,6 +92,12 @@ class EngineEntry:
         (what a profile's `runtime` is held to; `takes` may be narrower)."""
         return entry.adapter in self.families and (self.loras or not entry.loras)
 
+    def trials(self, cuda: bool) -> tuple[Precision, ...]:
+        """The formats onboarding tries it in on a CUDA device or a CPU, in order."""
+        if not cuda:
+            return self.cpu_precisions
+        return self.cuda_trials or self.precisions
+
 
 def _sglang_takes(entry: EntryFacts) -> bool:
     # What SGLang is built for: causal LMs and last-token-pooled (decoder) embedders; an
@@ -92,7 +110,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("pytorch", "process", "runtimes.pytorch.engine:TorchEngine",
                 frozenset(ADAPTERS), PRECISIONS, CPU_PRECISIONS,
                 imports=("runtimes.pytorch.loading",), loras=True,
-                summary="shoal's runtime process on PyTorch (transformers): every family"),
+                summary="shoal's runtime process on PyTorch (transformers): every family",
+                cuda_trials=("fp32", "bf16", "fp16")),
     EngineEntry("onnx", "process", "runtimes.onnx.engine:OnnxEngine",
                 frozenset({"dense", "sparse", "cross-encoder", "token-classification",
                            "sequence-classification", "zero-shot"}),
@@ -101,7 +120,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 ("fp32", "fp16", "int8"), ("fp32", "int8"),
                 imports=("runtimes.onnx.session",),
                 summary="ONNX Runtime in shoal's runtime process: the text encoders, from "
-                        "a graph `shoal export` makes; no torch"),
+                        "a graph `shoal export` makes; no torch",
+                cuda_trials=("fp32", "fp16"), prepare="runtimes.onnx.prepare:prepare"),
     EngineEntry("sglang", "servers", "runtimes.sglang:start_runtime",
                 frozenset({"causal-lm", "dense"}), PRECISIONS, CPU_PRECISIONS,
                 takes=_sglang_takes,
@@ -118,6 +138,23 @@ def engine(name: str) -> EngineEntry:
     found = ENGINES.get(name)
     if found is None:
         raise ValueError(f"unknown runtime {name!r}; allowed: {names()}")
+    return found
+
+
+def is_double(name: str) -> bool:
+    """Whether the engine of that name stands in for a worker's engines (the simulated
+    device)."""
+    return engine(name).kind == "double"
+
+
+def candidates(entry: EntryFacts, cuda: bool) -> list[tuple[str, Precision]]:
+    """(engine, precision) pairs onboarding and tuning try for `entry` on a CUDA device or
+    a CPU, in order: `BASELINE` first, then each process engine that serves the entry
+    (the registry's order) in its `trials`."""
+    found: list[tuple[str, Precision]] = []
+    for name, registered in sorted(ENGINES.items(), key=lambda item: item[0] != DEFAULT):
+        if registered.kind == "process" and registered.serves(entry):
+            found += [(name, precision) for precision in registered.trials(cuda)]
     return found
 
 

@@ -6,34 +6,26 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from app.cli.models import catalog_dir
 from tasks.catalog import load_catalog
-from tasks.engines import engine
 
 
 def export(args: argparse.Namespace) -> int:
-    from runtimes.families.splade import read_splade_config
-    from runtimes.model_files.files import encoder_ref
     from runtimes.onnx.export import export_graph
-    from tasks.sources import resolve_source
+    from runtimes.onnx.graphs import HEADS
+    from runtimes.onnx.prepare import graph_folder
 
     entry = load_catalog(catalog_dir(args)).get(args.model)
     if entry is None:
         print(f"{args.model!r} is not in the catalog (shoal models list)", file=sys.stderr)
         return 1
-    onnx = engine("onnx").families
-    if entry.adapter not in onnx:
+    if entry.adapter not in HEADS:  # the families ONNX serves (tests/unit/tasks/test_engines.py)
         print(f"{entry.id} is a {entry.adapter} model; the ONNX runtime serves "
-              f"{sorted(onnx)}", file=sys.stderr)
+              f"{sorted(HEADS)}", file=sys.stderr)
         return 1
-    ref = resolve_source(entry.source)
-    folder = ref
-    if entry.adapter == "sparse":  # the MLM transformer may sit in a subfolder
-        folder = encoder_ref(ref, read_splade_config(ref).encoder_dir)
     started = time.perf_counter()
-    out = export_graph(Path(folder), entry.adapter, args.precision)
+    out = export_graph(graph_folder(entry), entry.adapter, args.precision)
     print(f"{entry.id} ({args.precision}): {out} ({out.stat().st_size / 2**20:.1f} MiB, "
           f"{time.perf_counter() - started:.1f}s)")
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from app.onboard.results import Candidate, ModelReport
+from tasks.engines import BASELINE, DEFAULT
 
 
 def _state(path: Path) -> dict[str, Any]:
@@ -41,11 +42,11 @@ def run_one(entry: Any, folder: Path, tune_it: bool, duration: float,
     from app.onboard.tuning import parity_at_each, tune
 
     fields = entry.model_dump(exclude_none=True, exclude={"profiles", "tasks"})
-    fields["runtime"] = "pytorch"
+    fields["runtime"] = DEFAULT
     base = entry.model_validate(fields)
     parity, reference = check_parity(base, folder)
     report = ModelReport(model=entry.id, adapter=entry.adapter, status="verified",
-                         candidates=[Candidate("pytorch", "fp32", parity.figures, parity.ok,
+                         candidates=[Candidate(*BASELINE, parity.figures, parity.ok,
                                                parity.tolerance)])
     if not parity.ok:
         report.status, report.reason = "refused", f"parity failed: {parity.detail}"

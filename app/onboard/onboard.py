@@ -13,6 +13,7 @@ from app.onboard.detect import Detection, Setting, detect
 from app.onboard.entry import entry_fields, file_name, header_lines, locate, model_id, render
 from app.onboard.files import ModelFiles, OnboardError
 from app.onboard.results import Candidate, ModelReport
+from tasks.engines import BASELINE
 
 
 class ParityRefused(Exception):
@@ -49,7 +50,7 @@ def verify(fields: dict[str, Any], detection: Detection, folder: Path,
 
     entry = ModelEntry.model_validate(fields)
     result, reference = check_parity(entry, folder)
-    say(f"parity (pytorch fp32, {result.library}): {'ok' if result.ok else 'FAILED'} "
+    say(f"parity ({' '.join(BASELINE)}, {result.library}): {'ok' if result.ok else 'FAILED'} "
         f"{_headline(result.figures)}")
     if result.ok:
         return fields, result, reference
@@ -130,7 +131,7 @@ def onboard(source: str, catalog_dir: Path, *, given_id: str | None = None,
     fields, parity, reference = verify(fields, detection, folder, say)
     report = ModelReport(model=model, adapter=detection.adapter, status="verified",
                          choices=detection.choices())
-    fp32 = Candidate("pytorch", "fp32", parity.figures, True, parity.tolerance)
+    fp32 = Candidate(*BASELINE, parity.figures, True, parity.tolerance)
     report.candidates = [fp32]
     profile = None
     if tune_it and detection.adapter in TUNABLE:

@@ -5,9 +5,10 @@ candidate whose parity holds wins.
 A full `shoal tune` coordinate search restarts the stack for every setting (minutes per
 model). Onboarding spends its live sweeps where they decide something: every candidate's
 cost is fitted and its full-batch throughput measured in process (seconds), the live
-sweep runs for PyTorch fp32 (the baseline every profile is compared with) and for each
-candidate within `SCREEN_MARGIN` of the best in process, and the winner's token budget
-is searched over `TOKEN_BUDGETS`.
+sweep runs for the baseline (`tasks.engines.BASELINE`, PyTorch fp32, which every profile
+is compared with) and for each candidate within `SCREEN_MARGIN` of the best in process,
+and the winner's token budget is searched over `TOKEN_BUDGETS`. The candidates are the
+engine registry's (`tasks.engines.candidates`): an engine registered there is tried.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from app.onboard.entry import render
 from app.onboard.results import Candidate, CurvePoint
 from app.tuning.knee import Knee
+from tasks.engines import BASELINE, EntryFacts, candidates
 
 # Candidates within this fraction of the best in-process throughput get a live sweep.
 SCREEN_MARGIN = 0.25
@@ -35,17 +37,11 @@ START = {"max_tokens": 4096.0, "max_items": 64.0, "max_delay_ms": 0.0,
          "hold_horizon_batches": 2.0}
 
 
-def device_candidates(adapter: str, only: list[str] | None = None) -> list[tuple[str, str]]:
-    """(runtime, precision) pairs this machine can serve the adapter with; `only`:
-    those named as 'runtime:precision' among them."""
-    from tasks.engines import engine
-
-    cuda = _cuda()
-    found = [("pytorch", "fp32"), ("pytorch", "bf16")]
-    if cuda:
-        found.append(("pytorch", "fp16"))
-    if adapter in engine("onnx").families:
-        found += [("onnx", "fp32"), ("onnx", "fp16" if cuda else "int8")]
+def device_candidates(entry: EntryFacts, only: list[str] | None = None
+                      ) -> list[tuple[str, str]]:
+    """(runtime, precision) pairs this machine can serve the entry with, the registry's
+    (`tasks.engines.candidates`); `only`: those named as 'runtime:precision' among them."""
+    found: list[tuple[str, str]] = list(candidates(entry, _cuda()))
     if only:
         found = [c for c in found if f"{c[0]}:{c[1]}" in only]
     return found
@@ -107,7 +103,7 @@ def parity_at_each(fields: dict[str, Any], folder: Path, fp32: Any, reference: A
     from tasks.catalog import ModelEntry
 
     def parity_at(runtime: str, precision: str) -> Any:
-        if (runtime, precision) == ("pytorch", "fp32"):
+        if (runtime, precision) == BASELINE:
             return fp32
         entry = ModelEntry.model_validate(candidate_fields(fields, Candidate(runtime, precision)))
         return check_parity(entry, folder, engine=runtime, precision=precision,
@@ -132,7 +128,7 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
     candidates: list[Candidate] = []
     costs: dict[int, tuple[float, float, float]] = {}
     rates: dict[int, float] = {}  # in-process tokens/s of full batches
-    for runtime, precision in device_candidates(fields["adapter"], only):
+    for runtime, precision in device_candidates(ModelEntry.model_validate(fields), only):
         candidate = Candidate(runtime, precision)
         candidates.append(candidate)
         try:
@@ -165,7 +161,7 @@ def tune(fields: dict[str, Any], detection: Any, parity_at: Callable[[str, str],
             cost = costs.get(id(candidate))
             if cost is None:
                 continue
-            baseline = (candidate.runtime, candidate.precision) == ("pytorch", "fp32")
+            baseline = (candidate.runtime, candidate.precision) == BASELINE
             # The baseline is swept even when slower: every profile is compared with it.
             if not baseline and rates[id(candidate)] < (1 - SCREEN_MARGIN) * best_rate:
                 candidate.note = (f"not swept: in process {rates[id(candidate)] / best_rate:.0%}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from app.tuning.knee import Knee, SweepPolicy, find_knee, next_load
+from tasks.engines import DEFAULT
 
 # What the search varies: the catalog profile field, the worker setting that overrides it,
 # and the candidate values tried.
@@ -124,10 +125,10 @@ def write_profile(path: Path, device: str, profile: dict[str, Any]) -> None:
 
 
 def calibrate(entry: Any, requests: list[list[str]], sizes: Iterable[int] = (1, 4, 16, 64),
-              reps: int = 3, engine: str = "pytorch", precision: str | None = None
+              reps: int = 3, engine: str = DEFAULT, precision: str | None = None
               ) -> list[tuple[int, int, float]]:
     """(estimated padded tokens, estimated longest, seconds) of in-process batches, on
-    `engine` (pytorch, onnx) at `precision` (None: the entry's)."""
+    `engine` (a process engine of `tasks.engines`) at `precision` (None: the entry's)."""
     from runtimes.base import Request
     from runtimes.child_side.host import ModelHost
 

@@ -32,6 +32,7 @@ from app.onboard.parity.figures import compare
 from app.onboard.parity.ours import generation_items, shoal_outputs
 from app.onboard.parity.references import reference_outputs
 from app.onboard.parity.tolerances import TOLERANCES, precision_class, stated, tolerance_of
+from tasks.engines import DEFAULT
 
 if TYPE_CHECKING:
     from tasks.catalog import ModelEntry
@@ -42,7 +43,7 @@ __all__ = ["NEW_TOKENS", "TOLERANCES", "Outputs", "ParityResult", "Reference", "
            "reference_outputs", "settings_key", "shoal_outputs", "stated", "tolerance_of"]
 
 
-def check_parity(entry: ModelEntry, folder: Path, engine: str = "pytorch",
+def check_parity(entry: ModelEntry, folder: Path, engine: str = DEFAULT,
                  precision: str = "fp32",
                  reference: Reference | None = None) -> tuple[ParityResult, Reference]:
     """Shoal on `engine` at `precision` against the reference: the one given, else one

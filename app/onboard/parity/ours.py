@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from app.onboard import probes
 from app.onboard.parity.common import NEW_TOKENS, Outputs, ShoalRefused, prompt_kinds
+from tasks.engines import DEFAULT
 
 if TYPE_CHECKING:
     from runtimes.child_side.host import ModelHost
@@ -137,32 +137,18 @@ _SHOAL: dict[str, Callable[[ModelHost, ModelEntry], Outputs]] = {
 }
 
 
-def _graph_folder(entry: ModelEntry) -> Path:
-    """Where the graph's transformer sits: a SparseEncoder save keeps it in a subfolder."""
-    from runtimes.families.splade import read_splade_config
-    from runtimes.model_files.files import encoder_ref
-    from tasks.sources import resolve_source
-
-    ref = resolve_source(entry.source)
-    if entry.adapter == "sparse":
-        return Path(encoder_ref(ref, read_splade_config(ref).encoder_dir))
-    return Path(ref)
-
-
-def shoal_outputs(entry: ModelEntry, engine: str = "pytorch", precision: str = "fp32") -> Outputs:
-    """Shoal's adapter on the probes, loaded by a `ModelHost` on the CPU. For engine
-    "onnx" the graph at `precision` is exported first when it is missing."""
+def shoal_outputs(entry: ModelEntry, engine: str = DEFAULT, precision: str = "fp32") -> Outputs:
+    """Shoal's adapter on the probes, loaded by a `ModelHost` on the CPU, after the
+    engine's `prepare` step if it has one (ONNX exports the graph at `precision` when it
+    is missing)."""
     from runtimes.child_side.host import ModelHost
+    from tasks import engines
 
     if entry.adapter not in _SHOAL:
         raise ValueError(f"no parity probes for adapter {entry.adapter!r}")
-    if engine == "onnx":
-        from runtimes.onnx.export import export_graph
-        from runtimes.onnx.graphs import HEADS
-
-        if entry.adapter not in HEADS:
-            raise ValueError(f"the ONNX runtime does not serve {entry.adapter!r}")
-        export_graph(_graph_folder(entry), entry.adapter, precision)
+    prepare = engines.engine(engine).prepare
+    if prepare:
+        engines.resolve(prepare)(entry, precision)
     host = ModelHost(device="cpu", precision=precision, engine=engine)
     try:
         host.load([entry])

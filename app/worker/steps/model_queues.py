@@ -43,6 +43,7 @@ from batching.hold import HoldLimits
 from batching.lanes import Lane
 from runtimes.worker_side.pool import Pool
 from tasks.catalog import load_catalog
+from tasks.engines import is_double
 from tasks.queues import kombu_queues
 from tasks.settings import get_settings
 from tasks.topology import queue_for
@@ -113,7 +114,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.c: Any = None
 
     def _profile_load_s(self) -> dict[str, float]:
-        speed = self.settings.sim_speed if self.settings.runtime == "sim" else 1.0
+        speed = self.settings.sim_speed if is_double(self.settings.runtime) else 1.0
         return {e.id: device_profile(e, self.settings).load_ms / 1000 / speed
                 for e in self.entries}
 

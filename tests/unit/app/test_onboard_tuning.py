@@ -24,10 +24,22 @@ def test_the_screen_measures_full_batches_not_the_fit():
     assert measured_throughput(samples) == 800 / 0.2
 
 
+class _Facts:
+    """What the registry reads of an entry (`tasks.engines.EntryFacts`)."""
+
+    def __init__(self, adapter: str) -> None:
+        self.adapter, self.pooling, self.loras = adapter, None, {}
+
+
 def test_candidates_and_the_only_filter():
     import torch
 
-    reduced_onnx = "fp16" if torch.cuda.is_available() else "int8"
-    assert ("onnx", reduced_onnx) in device_candidates("dense")
-    assert all(runtime == "pytorch" for runtime, _ in device_candidates("causal-lm"))
-    assert device_candidates("dense", ["pytorch:fp32"]) == [("pytorch", "fp32")]
+    cuda = torch.cuda.is_available()
+    reduced_onnx = "fp16" if cuda else "int8"
+    assert ("onnx", reduced_onnx) in device_candidates(_Facts("dense"))
+    assert all(runtime == "pytorch" for runtime, _ in device_candidates(_Facts("causal-lm")))
+    assert device_candidates(_Facts("dense"), ["pytorch:fp32"]) == [("pytorch", "fp32")]
+    # The same pairs in the same order as before the registry was asked (issue 55).
+    expected = ([("pytorch", "fp32"), ("pytorch", "bf16")] + [("pytorch", "fp16")] * cuda
+                + [("onnx", "fp32"), ("onnx", reduced_onnx)])
+    assert device_candidates(_Facts("dense")) == expected

@@ -65,3 +65,32 @@ def test_what_each_worker_wide_engine_takes():
     # SGLang serves no LoRA adapters: a causal LM with some stays where they are served.
     assert not sglang.takes_over(_Entry("causal-lm", loras=True))
     assert {"dense", "causal-lm"} == LORA_ADAPTERS
+
+
+def test_onboarding_tries_each_process_engine_that_serves_the_entry_baseline_first():
+    # The pairs onboarding tried before it asked the registry, in the same order.
+    assert engines.candidates(_Entry("dense"), cuda=False) == [
+        ("pytorch", "fp32"), ("pytorch", "bf16"), ("onnx", "fp32"), ("onnx", "int8")]
+    assert engines.candidates(_Entry("dense"), cuda=True) == [
+        ("pytorch", "fp32"), ("pytorch", "bf16"), ("pytorch", "fp16"),
+        ("onnx", "fp32"), ("onnx", "fp16")]
+    assert engines.candidates(_Entry("clip"), cuda=False) == [("pytorch", "fp32"),
+                                                              ("pytorch", "bf16")]
+    # Neither SGLang (its own servers) nor the double is a candidate; ONNX serves no LoRAs.
+    assert engines.candidates(_Entry("causal-lm"), cuda=True)[0] == engines.BASELINE
+    assert {e for e, _ in engines.candidates(_Entry("dense", loras=True), True)} == {"pytorch"}
+    for name in engines.names():
+        registered = engines.engine(name)
+        assert set(registered.trials(True)) <= set(registered.precisions)
+        assert set(registered.trials(False)) <= set(registered.cpu_precisions)
+
+
+def test_an_engine_declares_what_it_needs_before_computing_and_the_double_is_known_by_kind():
+    from runtimes.onnx.graphs import HEADS
+    from runtimes.onnx.prepare import prepare
+
+    assert engines.resolve(engines.engine("onnx").prepare) is prepare
+    # `shoal export` checks a family against the graphs' heads: the same families.
+    assert set(HEADS) == engines.engine("onnx").families
+    assert not engines.engine("pytorch").prepare
+    assert [name for name in engines.names() if engines.is_double(name)] == ["sim"]
