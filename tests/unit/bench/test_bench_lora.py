@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.tuning.stats import median as p50
-from bench.coldstart import logged_loads
+from bench.coldstart_report import logged_loads
 from bench.lora import CASES, assign_loras, encode_body, lora_entry, schedule, summarise
 
 

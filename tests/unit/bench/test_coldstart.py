@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from bench.coldstart import e2e_table, engine_order, runtime_table, tree_rss_mib
+from bench.coldstart import tree_rss_mib
+from bench.coldstart_report import e2e_table, engine_order, runtime_table
 
 
 def test_engines_alternate_which_runs_first_repeat_by_repeat():
