@@ -1,16 +1,17 @@
-"""Adding an engine touches its own folder and one registry line (issue 39).
+"""Adding an engine touches its own folder and one registry line (issues 39 and 55).
 
 The toy engine below is a package of its own, written into a temporary folder: an engine
-class (`runtimes.child_side.host.Engine`) with its family map, and one adapter. Its
-registry line is the `EngineEntry` that `register` adds, the line a real engine writes
-into `tasks.engines.ENGINES`:
+class (`runtimes.child_side.host.Engine`) with its family map, one adapter, and the step
+it needs before computing a model (optional; ONNX's exports the graph). Its registry
+line is the `EngineEntry` that `register` adds, the line a real engine writes into
+`tasks.engines.ENGINES`:
 
     EngineEntry("toy", "process", "toy_engine.engine:ToyEngine", frozenset({"dense"}),
-                ("fp32",), ("fp32",)),
+                ("fp32",), ("fp32",), prepare="toy_engine.prepare:prepare"),
 
 Nothing else changes, yet settings, the catalog, the worker's choice of engine, the
 runtime process's command line and the model host all take it, and the host serves a
-batch with it.
+batch with it; onboarding and `shoal tune` try it, and its parity computes through it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from app.onboard import probes
+from app.onboard.parity import Reference, settings_key
+from app.onboard.tuning import device_candidates, parity_at_each
 from app.worker.runtime import runtime_of_models
 from runtimes.base import Request
 from runtimes.child_side import server
@@ -33,7 +38,7 @@ from tasks.results import embedding_rows
 from tasks.settings import Settings
 
 TOY = EngineEntry("toy", "process", "toy_engine.engine:ToyEngine", frozenset({"dense"}),
-                  ("fp32",), ("fp32",))
+                  ("fp32",), ("fp32",), prepare="toy_engine.prepare:prepare")
 
 # The toy engine's folder: what `runtimes/<engine>/` holds for a real one.
 ENGINE_PY = '''
@@ -119,6 +124,18 @@ class ToyDenseAdapter(Adapter):
 '''
 
 
+# What it needs before a host computes an entry (ONNX's exports the graph): a mark here.
+PREPARE_PY = '''
+from pathlib import Path
+
+from tasks.catalog import ModelEntry
+
+
+def prepare(entry: ModelEntry, precision: str) -> None:
+    (Path(entry.source.path) / f"prepared-{precision}").touch()
+'''
+
+
 @pytest.fixture
 def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineEntry]:
     package = tmp_path / "toy_engine"
@@ -126,6 +143,7 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineEntry
     (package / "__init__.py").write_text('"""A toy engine: its own folder."""\n')
     (package / "engine.py").write_text(textwrap.dedent(ENGINE_PY))
     (package / "dense.py").write_text(textwrap.dedent(DENSE_PY))
+    (package / "prepare.py").write_text(textwrap.dedent(PREPARE_PY))
     monkeypatch.syspath_prepend(str(tmp_path))
     engines.register(TOY)
     try:
@@ -199,3 +217,33 @@ def test_a_double_or_a_server_engine_is_no_entry_runtime_nor_a_host_engine(tmp_p
         make_engine("sglang", "cpu")
     with pytest.raises(ValueError, match="registered already"):
         engines.register(engines.engine("onnx"))
+
+
+def _toy_vectors(texts: tuple[str, ...]) -> np.ndarray:
+    return np.array([[len(t), len(t.split()), 1.0, 0.0] for t in texts], dtype=np.float32)
+
+
+def test_onboarding_tries_it_and_its_parity_computes_through_it(toy, tmp_path):
+    entry = _entry(tmp_path)  # names no engine, as onboarding's detected entry
+    # The registry's candidates, after those of the engines before it; none on a family
+    # it does not serve.
+    assert engines.candidates(entry, cuda=False)[0] == engines.BASELINE
+    assert engines.candidates(entry, cuda=False)[-1] == ("toy", "fp32")
+    assert engines.candidates(entry, cuda=True)[-1] == ("toy", "fp32")
+    assert device_candidates(entry)[-1] == ("toy", "fp32")
+    assert device_candidates(entry, ["toy:fp32"]) == [("toy", "fp32")]
+    clip = ModelEntry.model_validate({"id": "toy/clip", "adapter": "clip", "dims": 4,
+                                      "source": {"path": str(tmp_path)}})
+    assert all(name != "toy" for name, _ in engines.candidates(clip, cuda=False))
+    # Onboarding's parity of a candidate: its prepare step, then the probes on a host of
+    # it, held to the reference (here the toy's own vectors, then other ones).
+    fields = entry.model_dump(exclude_none=True)
+    right = Reference("dense", "by hand", {"document": _toy_vectors(probes.TEXTS)},
+                      settings_key(entry))
+    parity = parity_at_each(fields, tmp_path, None, right)("toy", "fp32")
+    assert parity.ok and parity.figures["cosine_min"] > 0.9999, parity.detail
+    assert (tmp_path / "prepared-fp32").is_file()
+    wrong = Reference("dense", "by hand",
+                      {"document": _toy_vectors(probes.TEXTS)[:, ::-1].copy()},
+                      settings_key(entry))
+    assert not parity_at_each(fields, tmp_path, None, wrong)("toy", "fp32").ok
