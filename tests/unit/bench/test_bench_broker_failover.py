@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.broker_failover import Cluster, Request, _percentile, _same, summarize
+from bench.broker_failover import Request, _percentile, _same, summarize
+from bench.broker_failover_cluster import Cluster
 
 
 def _request(i: int, sent: float, done: float | None, answers: int = 1, **kw) -> Request:
