@@ -94,3 +94,23 @@ def test_an_engine_declares_what_it_needs_before_computing_and_the_double_is_kno
     assert set(HEADS) == engines.engine("onnx").families
     assert not engines.engine("pytorch").prepare
     assert [name for name in engines.names() if engines.is_double(name)] == ["sim"]
+
+
+def test_engine_names_are_written_only_in_the_registry_and_the_engines_own_folders():
+    """Issue 55: everything else asks the registry (`DEFAULT`, `BASELINE`, `candidates`,
+    `is_double`, an entry's `prepare`), so a registered engine is served and onboarded."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    spelled = {*engines.names(), "emulated", "faulty"}
+    own = [root / "runtimes" / name for name in ("onnx", "pytorch", "sglang", "doubles")]
+    found = []
+    for folder in ("app", "gateway", "batching", "tasks", "runtimes"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path == root / "tasks" / "engines.py" or any(path.is_relative_to(o) for o in own):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and node.value in spelled:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert not found, found
