@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.pool import SCENARIOS, parser, plans_for, resolve, scaling
+from bench.pool import parser, scaling
 from bench.pool_fleet import MIB, deployments
 from bench.pool_mux import MuxRouter
+from bench.pool_scenarios import SCENARIOS, plans_for, resolve
 from bench.pool_stats import bucket_p99, burst_stats, ratios, recovery_s, rotation_stats
 from bench.pool_traffic import (
     Burst,
