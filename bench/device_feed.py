@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,67 +63,14 @@ from app.tuning.markdown import dash as _f
 from app.tuning.mix import make_texts
 from bench.lib import profiles
 from bench.lib.args import int_list
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
+from bench.lib.worker_metrics import WorkerCounters, counters_over
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_PROFILE = "h100-conservative/minilm"  # issue 26's H100-class MiniLM: 0.25 ms + 0.2 us
 KINDS = {"shoal gateway": "gateway", "shoal worker": "worker", "runtime": "runtime",
          "beam.smp": "rabbitmq"}
 TARGET = 1.2  # device time per batch over the CPU side's, issue 26's target profile
-
-
-# --- the worker's /metrics ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerCounters:
-    device_busy_s: float
-    batches: float
-    batch_items: float
-    at: float  # perf_counter when read
-    messages: float = 0.0  # the gateway's published task messages
-    messages_requests: float = 0.0  # and the requests they carried
-
-
-def _samples(url: str, wanted: dict[str, float], model: str | None) -> dict[str, float]:
-    """The named samples of a /metrics page summed (those of `model` only, if given)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted and (model is None or sample.labels.get("model") == model):
-                wanted[sample.name] += sample.value
-    return wanted
-
-
-def read_counters(metrics_url: str, model: str, gateway_url: str | None = None
-                  ) -> WorkerCounters:
-    """The worker's device-busy and batch counters of `model`, and the gateway's messages
-    and the requests they carried, now."""
-    worker = _samples(metrics_url, {"shoal_device_busy_seconds_total": 0.0,
-                                    "shoal_batch_seconds_count": 0.0,
-                                    "shoal_batch_items_sum": 0.0}, model)
-    at = time.perf_counter()
-    gateway = _samples(gateway_url, {"shoal_gateway_requests_per_message_count": 0.0,
-                                     "shoal_gateway_requests_per_message_sum": 0.0}, None) \
-        if gateway_url else {}
-    return WorkerCounters(worker["shoal_device_busy_seconds_total"],
-                          worker["shoal_batch_seconds_count"], worker["shoal_batch_items_sum"],
-                          at, gateway.get("shoal_gateway_requests_per_message_count", 0.0),
-                          gateway.get("shoal_gateway_requests_per_message_sum", 0.0))
-
-
-async def counters_over(metrics_url: str, model: str, start: float, end: float,
-                        gateway_url: str | None = None
-                        ) -> tuple[WorkerCounters, WorkerCounters]:
-    """The counters at `start` and at `end` (perf_counter instants), read off the loop."""
-    await asyncio.sleep(max(0.0, start - time.perf_counter()))
-    before = await asyncio.to_thread(read_counters, metrics_url, model, gateway_url)
-    await asyncio.sleep(max(0.0, end - time.perf_counter()))
-    after = await asyncio.to_thread(read_counters, metrics_url, model, gateway_url)
-    return before, after
 
 
 # --- one measured window -----------------------------------------------------------------------

@@ -162,7 +162,8 @@ async def measure(endpoint: str, texts: list[str], clients: int, per_request: in
     import asyncio
 
     from app.tuning.load import prepare, run_load
-    from bench.device_feed import counters_over, summarise
+    from bench.device_feed import summarise
+    from bench.lib.worker_metrics import counters_over
 
     requests = [[texts[(i * per_request + j) % len(texts)] for j in range(per_request)]
                 for i in range(len(texts))]
