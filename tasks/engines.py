@@ -15,9 +15,9 @@ none of them names an engine. An engine is its folder (`runtimes/<engine>/`, or 
 - `double`: it stands in for every engine of a worker (the simulated device); `start` as
   for `servers`. A catalog entry cannot name it, only SHOAL_RUNTIME.
 
-Onboarding and `shoal tune` ask it what to try for an entry on a device (`candidates`:
-each process engine that serves the entry, in its `trials` formats, the baseline first)
-and what an engine needs before it computes a model (`prepare`: ONNX's graph).
+Onboarding and `shoal tune` ask it which engines to try for an entry (`computing`) and
+in which formats on a device (`candidates`: the baseline first, then each engine's
+`trials`), and what an engine needs before it computes a model (`prepare`: ONNX's graph).
 
 Nothing here imports an engine: `start` and the family maps are strings, imported where
 the engine runs (`resolve`). A test or a plugin adds an engine with `register`.
@@ -147,15 +147,17 @@ def is_double(name: str) -> bool:
     return engine(name).kind == "double"
 
 
+def computing(entry: EntryFacts) -> list[EngineEntry]:
+    """The engines onboarding and `shoal tune` try for `entry`: each that computes in
+    shoal's runtime process and serves it, `DEFAULT` first, then in the registry's order."""
+    ordered = sorted(ENGINES.values(), key=lambda registered: registered.name != DEFAULT)
+    return [e for e in ordered if e.kind == "process" and e.serves(entry)]
+
+
 def candidates(entry: EntryFacts, cuda: bool) -> list[tuple[str, Precision]]:
-    """(engine, precision) pairs onboarding and tuning try for `entry` on a CUDA device or
-    a CPU, in order: `BASELINE` first, then each process engine that serves the entry
-    (the registry's order) in its `trials`."""
-    found: list[tuple[str, Precision]] = []
-    for name, registered in sorted(ENGINES.items(), key=lambda item: item[0] != DEFAULT):
-        if registered.kind == "process" and registered.serves(entry):
-            found += [(name, precision) for precision in registered.trials(cuda)]
-    return found
+    """(engine, precision) pairs onboarding tries for `entry` on a CUDA device or a CPU,
+    in order: `BASELINE` first, then each engine of `computing` in its `trials`."""
+    return [(e.name, precision) for e in computing(entry) for precision in e.trials(cuda)]
 
 
 def names(*kinds: Kind) -> list[str]:

@@ -32,9 +32,10 @@ class EngineTrial:
 
 
 def engine_candidates(entry: Any, device: str) -> list[tuple[str, str]]:
-    """(engine, precision) of each process engine that can serve `entry` on `device`: the
-    profile's precision where the engine computes in it there, else fp32. An entry that
-    names its engine (`runtime:`) has that one only."""
+    """(engine, precision) of each engine the registry tries for `entry`
+    (`tasks.engines.computing`) on `device`: the profile's precision where the engine
+    computes in it there, else fp32. An entry that names its engine (`runtime:`) has that
+    one only."""
     from runtimes.model_files.precision import device_kind, profile_on
     from tasks import engines
 
@@ -42,13 +43,11 @@ def engine_candidates(entry: Any, device: str) -> list[tuple[str, str]]:
     wanted = profile.precision if profile is not None else None
     cpu = device_kind(device) != "cuda"
     found = []
-    for name, registered in engines.ENGINES.items():
-        if registered.kind != "process" or not registered.serves(entry):
-            continue
-        if entry.names_runtime and name != entry.runtime:
+    for registered in engines.computing(entry):
+        if entry.names_runtime and registered.name != entry.runtime:
             continue
         allowed = registered.cpu_precisions if cpu else registered.precisions
-        found.append((name, wanted if wanted in allowed else "fp32"))
+        found.append((registered.name, wanted if wanted in allowed else "fp32"))
     return found
 
 

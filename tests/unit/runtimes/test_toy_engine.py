@@ -25,6 +25,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.onboard import probes
+from app.onboard.engine_choice import engine_candidates
 from app.onboard.parity import Reference, settings_key
 from app.onboard.tuning import device_candidates, parity_at_each
 from app.worker.runtime import runtime_of_models
@@ -232,6 +233,7 @@ def test_onboarding_tries_it_and_its_parity_computes_through_it(toy, tmp_path):
     assert engines.candidates(entry, cuda=True)[-1] == ("toy", "fp32")
     assert device_candidates(entry)[-1] == ("toy", "fp32")
     assert device_candidates(entry, ["toy:fp32"]) == [("toy", "fp32")]
+    assert engine_candidates(entry, "cpu")[-1] == ("toy", "fp32")  # `shoal tune`'s choice
     clip = ModelEntry.model_validate({"id": "toy/clip", "adapter": "clip", "dims": 4,
                                       "source": {"path": str(tmp_path)}})
     assert all(name != "toy" for name, _ in engines.candidates(clip, cuda=False))
