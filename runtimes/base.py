@@ -83,58 +83,81 @@ class LoadFailed(RuntimeError):
     the models it had."""
 
 
-class Runtime(Protocol):
-    """What the worker runs batches on: one batch of one model at a time.
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine can do, declared as data and read once by the worker's loop."""
 
-    Implementations: in a child process that may crash without taking the
-    worker down (`runtimes.worker_side.process.ProcessRuntime`, several of them on one device in
-    `runtimes.worker_side.replicas.ReplicaSet`), SGLang servers (`runtimes.sglang.SGLangRuntime`),
-    several engines by model (`runtimes.worker_side.router.RuntimeRouter`), and simulated devices
-    (`runtimes.doubles.sim.SimRuntime`). Every member here is one the worker reads or calls.
-    The in-process `runtimes.child_side.host.ModelHost` computes the same batches but is no
-    Runtime: it has nothing to restart.
-    """
+    pipeline_depth: int = 1  # batches run_batch may run at once (the worker's runtime threads)
+    parallel: int = 1  # batches run side by side (replicas): the scheduler starts that many
+    send_ahead: bool = False  # send_ahead() can ship a lone batch's frame from the loop
 
-    # Counters the worker's metrics read: child restarts so far, and requests
-    # blamed as POISON_INPUT so far (0 where nothing can crash).
-    restarts: int
-    poison_isolated: int
+
+class SentAhead(Protocol):
+    """A runtime's handle of a frame sent ahead (opaque to the worker): `run_batch` with it
+    reads the reply; a batch that will not run discards it."""
+
+    def discard(self) -> None: ...
+
+
+class NotContinuous(RuntimeError):
+    """`submit` on a model its runtime does not batch continuously (`continuous` is False)."""
+
+
+class BatchesOnly:
+    """The `Compute` members of a runtime that only runs the worker's batches: no model is
+    continuous, and nothing is sent ahead unless the runtime says otherwise."""
+
+    def continuous(self, model_id: str) -> bool:
+        return False
+
+    def send_ahead(self, model_id: str, requests: list[Request]) -> SentAhead | None:
+        return None
+
+    def submit(self, model_id: str, request: Request,
+               on_deltas: OnDeltas | None = None) -> Future[Outcome]:
+        raise NotContinuous(f"{model_id} runs in the worker's batches, not continuously")
+
+    def load_of(self, model_id: str) -> Load:
+        raise NotContinuous(f"{model_id} runs in the worker's batches, not continuously")
+
+
+class Compute(Protocol):
+    """Running batches: what an engine can do, and the calls that use it."""
 
     @property
-    def spare_promotions(self) -> int:
-        """Restarts that promoted a spare child (0 where there is none): a worker gauge."""
+    def capabilities(self) -> Capabilities:
+        """Read once by the worker when it starts (constant for the runtime's life)."""
         ...
-
-    @property
-    def start_failures(self) -> int:
-        """Replacement children that failed to start (0 where nothing restarts): a gauge."""
-        ...
-
-    @property
-    def pipeline_depth(self) -> int:
-        """Batches `run_batch` may run at once: the worker's runtime threads (1: one)."""
-        ...
-
-    @property
-    def parallel(self) -> int:
-        """Batches run side by side (replicas): the worker's scheduler starts that many."""
-        ...
-
-    @property
-    def pid(self) -> int | None:
-        """The process the models run in now; None where there is no child process."""
-        ...
-
-    # The models loaded now (and LoRA adapters, as `runtimes.worker_side.pool.lora_key`), with the
-    # device bytes each takes; and the device's memory
-    # (None: unknown, the worker's settings decide the budget).
-    resident: dict[str, int]
-    device_bytes: int | None
 
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+                  on_deltas: OnDeltas | None = None, ahead: SentAhead | None = None
+                  ) -> list[Outcome]:
         """Run one batch; the deltas of its `stream` requests go to `on_deltas` as they are
-        made (a runtime that cannot stream sends none: the final result holds all)."""
+        made (a runtime that cannot stream sends none: the final result holds all).
+        `ahead`: its frame went out already (`send_ahead`, same model and requests)."""
+        ...
+
+    def send_ahead(self, model_id: str, requests: list[Request]) -> SentAhead | None:
+        """Ship a batch's first frame now, from the worker's loop, which must not wait;
+        None (nothing sent) where it would wait or the runtime cannot
+        (`capabilities.send_ahead` False: always None). A handle whose batch will not run
+        must be discarded."""
+        ...
+
+    def continuous(self, model_id: str) -> bool:
+        """Whether the model's runtime batches continuously (`submit` one request at a
+        time) rather than running the worker's batches."""
+        ...
+
+    def submit(self, model_id: str, request: Request,
+               on_deltas: OnDeltas | None = None) -> Future[Outcome]:
+        """Start one request of a continuous model; its outcome when it ends (never raises:
+        a failure is an outcome). Thread-safe. `NotContinuous` for a batched model."""
+        ...
+
+    def load_of(self, model_id: str) -> Load:
+        """What a continuous model holds and has room for (the worker's feeder reads it).
+        `NotContinuous` for a batched model."""
         ...
 
     def cancel(self, request_ids: list[str]) -> None:
@@ -142,10 +165,20 @@ class Runtime(Protocol):
         running one ends at its next token with what it has (finish_reason "cancelled")."""
         ...
 
-    def continuous(self, model_id: str) -> bool:
-        """Whether the model's runtime batches continuously (`ContinuousRuntime.submit`
-        one request at a time) rather than running the worker's batches."""
-        ...
+    def close(self) -> None: ...
+
+
+class ModelStore(Protocol):
+    """The models on the device: what they take, loading and freeing them."""
+
+    # The models loaded now (and LoRA adapters, as `batching.pool.lora_key`), with the
+    # device bytes each takes; and the device's memory
+    # (None: unknown, the worker's settings decide the budget).
+    @property
+    def resident(self) -> dict[str, int]: ...
+
+    @property
+    def device_bytes(self) -> int | None: ...
 
     def estimate_bytes(self, model_id: str, lora: str | None = None) -> int:
         """What the model (or its LoRA adapter `lora`) should take once loaded (made
@@ -162,7 +195,64 @@ class Runtime(Protocol):
         """Free a model with its LoRA adapters, or one adapter (never one a batch uses)."""
         ...
 
-    def close(self) -> None: ...
+
+class RuntimeStatistics(Protocol):
+    """What the worker's metrics and pool states read of the runtime's supervision."""
+
+    # Child restarts so far, and requests blamed as POISON_INPUT so far (0 where nothing
+    # can crash).
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def poison_isolated(self) -> int: ...
+
+    @property
+    def spare_promotions(self) -> int:
+        """Restarts that promoted a spare child (0 where there is none): a worker gauge."""
+        ...
+
+    @property
+    def start_failures(self) -> int:
+        """Replacement children that failed to start (0 where nothing restarts): a gauge."""
+        ...
+
+    @property
+    def pid(self) -> int | None:
+        """The process the models run in now; None where there is no child process."""
+        ...
+
+    def ready_in(self, model_id: str) -> float | None:
+        """While the model's batches are refused MODEL_UNAVAILABLE (a failed restart's
+        replacement imports): the seconds until it should serve; else None."""
+        ...
+
+    def watch_availability(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (any thread, must not block) whenever `ready_in` may have
+        changed (a child changed, refusals started or stopped); nothing where it cannot."""
+        ...
+
+
+class Runtime(Compute, ModelStore, RuntimeStatistics, Protocol):
+    """What the worker runs batches on: compute, the model store and statistics
+    (docs/runtimes.md, "The runtime contract").
+
+    Implementations: in a child process that may crash without taking the
+    worker down (`runtimes.worker_side.process.ProcessRuntime`, several of them on one device
+    in `runtimes.worker_side.replicas.ReplicaSet`), SGLang servers
+    (`runtimes.sglang.SGLangRuntime`), several engines by model
+    (`runtimes.worker_side.router.RuntimeRouter`), and simulated devices
+    (`runtimes.doubles.sim.SimRuntime`). Every member here is one the worker reads or calls.
+    The in-process `runtimes.child_side.host.ModelHost` computes the same batches but is no
+    Runtime: it has nothing to restart.
+    """
+
+    # Until the worker's loop reads `capabilities` (then they go).
+    @property
+    def pipeline_depth(self) -> int: ...
+
+    @property
+    def parallel(self) -> int: ...
 
 
 class StartRuntime(Protocol):
@@ -179,15 +269,8 @@ class StartRuntime(Protocol):
 
 class ContinuousRuntime(Runtime, Protocol):
     """A runtime that forms its own batches as requests arrive (SGLang): the worker hands
-    each request over at once while `load` says it has room, instead of batching."""
-
-    def submit(self, model_id: str, request: Request,
-               on_deltas: OnDeltas | None = None) -> Future[Outcome]:
-        """Start one request; its outcome when it ends (never raises: a failure is an
-        outcome). Thread-safe."""
-        ...
-
-    def load_of(self, model_id: str) -> Load: ...
+    each request over at once (`submit`) while `load_of` says it has room, instead of
+    batching."""
 
 
 # The file an emulated device's queue lives in, shared by the processes of one device

@@ -44,12 +44,20 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from batching.feeder import Load
-from runtimes.base import LoadFailed, OnDeltas, Outcome, Request, failed
+from runtimes.base import (
+    Capabilities,
+    LoadFailed,
+    OnDeltas,
+    Outcome,
+    Request,
+    SentAhead,
+    failed,
+)
 from runtimes.model_files.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.sglang.client import SGLangClient
 from runtimes.sglang.live import Live, LiveRequests
@@ -132,9 +140,18 @@ class SGLangRuntime:
     # SGLang restarts a dead server in place: no spare to promote, no failed start counted.
     spare_promotions = 0
     start_failures = 0
-    # It forms its own batches (`submit`): the worker hands it none, so one slot suffices.
+    # It forms its own batches (`submit`): the worker hands it none, so one slot suffices,
+    # and there is no frame to send ahead.
+    capabilities = Capabilities()
     pipeline_depth = 1
     parallel = 1
+
+    def ready_in(self, model_id: str) -> float | None:
+        """None: a restarting server's requests wait for it (`Recovery`), none is refused."""
+        return None
+
+    def watch_availability(self, callback: Callable[[], None]) -> None:
+        """Nothing to watch (`ready_in` is always None)."""
 
     @property
     def requests_sent(self) -> int:
@@ -226,8 +243,12 @@ class SGLangRuntime:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
+    def send_ahead(self, model_id: str, requests: list[Request]) -> SentAhead | None:
+        return None
+
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+                  on_deltas: OnDeltas | None = None, ahead: SentAhead | None = None
+                  ) -> list[Outcome]:
         futures = [self.submit(model_id, r, on_deltas) for r in requests]
         return [f.result() for f in futures]
 

@@ -57,7 +57,15 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from runtimes.base import LoadFailed, OnDeltas, Outcome, Request
+from runtimes.base import (
+    BatchesOnly,
+    Capabilities,
+    LoadFailed,
+    OnDeltas,
+    Outcome,
+    Request,
+    SentAhead,
+)
 from runtimes.model_files.footprint import UNKNOWN_BYTES, estimate_bytes
 from runtimes.wire.frames import Failed, Load, Loaded, Rejected, Unload
 from runtimes.worker_side.batch_channel import Ahead, BatchCall, BatchChannel, unavailable
@@ -74,7 +82,7 @@ from tasks.sources import resolve_source
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-class ProcessRuntime:
+class ProcessRuntime(BatchesOnly):
     """`runtimes.base.Runtime` backed by a child process; see the module doc for the policy.
 
     `run_batch` is called from up to `pipeline_depth` threads at a time (their batches
@@ -115,8 +123,10 @@ class ProcessRuntime:
         self.start_timeout = start_timeout
         # Batches `run_batch` may be running at once (from as many threads): the child
         # computes one while it prepares the next (`runtimes.child_side.pipeline`).
+        # One child computes one batch at a time (`ReplicaSet` has more side by side).
+        self.capabilities = Capabilities(pipeline_depth=pipeline_depth, send_ahead=True)
         self.pipeline_depth = pipeline_depth
-        self.parallel = 1  # one child computes one batch at a time (`ReplicaSet` has more)
+        self.parallel = 1
         self._catalog_dir = catalog_dir
         self.poison_isolated = 0
         argv = [
@@ -261,11 +271,12 @@ class ProcessRuntime:
         return self._batches.send_ahead(model_id, requests)
 
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None, ahead: Ahead | None = None
+                  on_deltas: OnDeltas | None = None, ahead: SentAhead | None = None
                   ) -> list[Outcome]:
-        """`Runtime.run_batch`; `ahead`: its frame was sent by `send_ahead`."""
+        """`Runtime.run_batch`; `ahead`: its frame was sent by this runtime's `send_ahead`."""
         if not requests:
             return []
+        assert ahead is None or isinstance(ahead, Ahead), ahead
         call = BatchCall(on_deltas if any(r.stream for r in requests) else None)
         ids = {r.id for r in requests}
         with self._lock:
@@ -301,9 +312,6 @@ class ProcessRuntime:
     def _cancelled_among(self, ids: list[str]) -> list[str]:
         with self._lock:
             return [i for i in ids if i in self._cancelled]
-
-    def continuous(self, model_id: str) -> bool:
-        return False
 
     def estimate_bytes(self, model: str, lora: str | None = None) -> int:
         """What `model` (or its LoRA adapter `lora`) should take once loaded, from its

@@ -33,7 +33,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from runtimes.base import EMULATED_QUEUE_ENV, LoadFailed, OnDeltas, Outcome, Request
+from runtimes.base import (
+    EMULATED_QUEUE_ENV,
+    BatchesOnly,
+    Capabilities,
+    LoadFailed,
+    OnDeltas,
+    Outcome,
+    Request,
+    SentAhead,
+)
 from runtimes.worker_side.process import ProcessRuntime
 
 log = logging.getLogger(__name__)
@@ -52,7 +61,23 @@ def default_replicas(device: str, cores: int | None = None) -> int:
     return max(1, min(8, (cores or os.cpu_count() or 1) // 4))
 
 
-class ReplicaSet:
+class _ReplicaAhead:
+    """A frame sent ahead to one replica, which keeps that replica's slot until its batch
+    ran there or it is discarded."""
+
+    __slots__ = ("ahead", "index", "release")
+
+    def __init__(self, index: int, ahead: SentAhead, release: Callable[[int, bool], None]) -> None:
+        self.index = index
+        self.ahead = ahead
+        self.release = release
+
+    def discard(self) -> None:
+        self.ahead.discard()
+        self.release(self.index, False)
+
+
+class ReplicaSet(BatchesOnly):
     """`runtimes.base.Runtime` over `count` ProcessRuntimes on one device (module doc).
 
     `start(index, env)` starts replica `index` with `env` added to its child's
@@ -81,8 +106,13 @@ class ReplicaSet:
         if errors:
             self.close()
             raise errors[0]
-        self.pipeline_depth = sum(r.pipeline_depth for r in self.replicas)
-        self.parallel = count  # batches that run side by side (the worker's scheduler)
+        # Batches side by side: one per replica (the worker's scheduler starts that many).
+        self.capabilities = Capabilities(
+            pipeline_depth=sum(r.capabilities.pipeline_depth for r in self.replicas),
+            parallel=count,
+            send_ahead=all(r.capabilities.send_ahead for r in self.replicas))
+        self.pipeline_depth = self.capabilities.pipeline_depth
+        self.parallel = count
         log.info("%d runtime replicas on one device: pids %s", count,
                  [r.pid for r in self.replicas])
 
@@ -140,8 +170,8 @@ class ReplicaSet:
         for replica in self.replicas:
             replica.watch_availability(callback)
 
-    @contextmanager
-    def _least_busy(self) -> Iterator[ProcessRuntime]:
+    def _take_least_busy(self) -> int:
+        """The replica the next batch goes to, its slot taken (`_release` gives it back)."""
         # A replica that refuses batches while its replacement imports answers at once,
         # so it would look the least busy and take every batch: the others go first.
         refusing = [r.ready_in("") is not None for r in self.replicas]
@@ -150,23 +180,54 @@ class ReplicaSet:
                         key=lambda i: (refusing[i], self._in_flight[i]))
             self._in_flight[index] += 1
             self.batches[index] += 1
+        return index
+
+    def _release(self, index: int, ran: bool = True) -> None:
+        with self._lock:
+            self._in_flight[index] -= 1
+            if not ran:
+                self.batches[index] -= 1
+
+    @contextmanager
+    def _least_busy(self) -> Iterator[ProcessRuntime]:
+        index = self._take_least_busy()
         try:
             yield self.replicas[index]
         finally:
-            with self._lock:
-                self._in_flight[index] -= 1
+            self._release(index)
+
+    def send_ahead(self, model_id: str, requests: list[Request]) -> SentAhead | None:
+        """The frame sent to the replica the batch will run on (the least busy, whose slot
+        it keeps until the batch ran or the handle is discarded); None where that replica
+        would wait, or where not every replica can send ahead."""
+        if not self.capabilities.send_ahead:
+            return None
+        index = self._take_least_busy()
+        try:
+            ahead = self.replicas[index].send_ahead(model_id, requests)
+        except BaseException:
+            self._release(index, ran=False)
+            raise
+        if ahead is None:  # the batch's own thread picks its replica again
+            self._release(index, ran=False)
+            return None
+        return _ReplicaAhead(index, ahead, self._release)
 
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+                  on_deltas: OnDeltas | None = None, ahead: SentAhead | None = None
+                  ) -> list[Outcome]:
+        if isinstance(ahead, _ReplicaAhead):  # its replica, whose slot it holds
+            try:
+                return self.replicas[ahead.index].run_batch(model_id, requests, on_deltas,
+                                                            ahead.ahead)
+            finally:
+                self._release(ahead.index)
         with self._least_busy() as replica:
             return replica.run_batch(model_id, requests, on_deltas)
 
     def cancel(self, request_ids: list[str]) -> None:
         for replica in self.replicas:
             replica.cancel(request_ids)
-
-    def continuous(self, model_id: str) -> bool:
-        return False
 
     # --- models ---------------------------------------------------------------------------
 

@@ -11,21 +11,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
 
 from batching.feeder import Load
-from runtimes.base import OnDeltas, Outcome, Request
+from runtimes.base import Capabilities, OnDeltas, Outcome, Request, Runtime, SentAhead
 from tasks.engines import DEFAULT
 
 
 class RuntimeRouter:
-    def __init__(self, runtimes: Mapping[str, Any], model_runtime: Mapping[str, str]) -> None:
+    """Every call about a model goes to the runtime of its engine (module doc)."""
+
+    def __init__(self, runtimes: Mapping[str, Runtime],
+                 model_runtime: Mapping[str, str]) -> None:
         """`runtimes` by engine name; `model_runtime`: each model's engine (a model it does
         not name goes to the default engine's)."""
         self.runtimes = dict(runtimes)
         self.model_runtime = dict(model_runtime)
+        each = [r.capabilities for r in self.runtimes.values()]
+        # The batching runtimes' threads and replicas (continuous ones take one of each);
+        # send-ahead where a runtime has it (`send_ahead` of another's model gives None).
+        self.capabilities = Capabilities(
+            pipeline_depth=max((c.pipeline_depth for c in each), default=1),
+            parallel=max((c.parallel for c in each), default=1),
+            send_ahead=any(c.send_ahead for c in each))
 
-    def _of(self, model_id: str) -> Any:
+    def _of(self, model_id: str) -> Runtime:
         return self.runtimes[self.model_runtime.get(model_id, DEFAULT)]
 
     @property
@@ -46,13 +55,11 @@ class RuntimeRouter:
 
     @property
     def pipeline_depth(self) -> int:
-        """Batches in flight at once: the batching runtimes' (continuous ones get none)."""
-        return max((r.pipeline_depth for r in self.runtimes.values()), default=1)
+        return self.capabilities.pipeline_depth
 
     @property
     def parallel(self) -> int:
-        """Batches run side by side: the replicas of the batching runtimes."""
-        return max((r.parallel for r in self.runtimes.values()), default=1)
+        return self.capabilities.parallel
 
     @property
     def pid(self) -> int | None:
@@ -71,22 +78,22 @@ class RuntimeRouter:
                      if r.device_bytes is not None), None)
 
     def ready_in(self, model_id: str) -> float | None:
-        """The model's runtime's `ready_in`, where it has one (a runtime process)."""
-        ready_in = getattr(self._of(model_id), "ready_in", None)
-        return ready_in(model_id) if ready_in is not None else None
+        return self._of(model_id).ready_in(model_id)
 
     def watch_availability(self, callback: Callable[[], None]) -> None:
         for runtime in self.runtimes.values():
-            watch = getattr(runtime, "watch_availability", None)
-            if watch is not None:
-                watch(callback)
+            runtime.watch_availability(callback)
 
     def continuous(self, model_id: str) -> bool:
         return self._of(model_id).continuous(model_id)
 
+    def send_ahead(self, model_id: str, requests: list[Request]) -> SentAhead | None:
+        return self._of(model_id).send_ahead(model_id, requests)
+
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
-        return self._of(model_id).run_batch(model_id, requests, on_deltas)
+                  on_deltas: OnDeltas | None = None, ahead: SentAhead | None = None
+                  ) -> list[Outcome]:
+        return self._of(model_id).run_batch(model_id, requests, on_deltas, ahead)
 
     def submit(self, model_id: str, request: Request,
                on_deltas: OnDeltas | None = None) -> Future[Outcome]:

@@ -111,6 +111,30 @@ def test_a_batch_goes_to_the_replica_with_the_least_in_flight(replicas):
     assert_all_ok_but(outcomes["fast"], bad=None)
 
 
+def test_a_frame_sent_ahead_through_the_set_runs_on_its_replica_with_the_same_results(
+        replicas):
+    """`ReplicaSet.send_ahead`: the lone batch's frame goes to the least busy replica now,
+    and its batch runs there; a discarded one leaves every replica serving."""
+    assert replicas.capabilities.send_ahead and replicas.capabilities.parallel == 2
+    batch = requests("s", ["The cat sits on the mat.", "word " * 40])
+    usual = replicas.run_batch(TINY, batch)
+    sent_before = [sent(r) for r in replicas.replicas]
+    ahead = replicas.send_ahead(TINY, batch)
+    assert ahead is not None
+    went_to = [sent(r) - b for r, b in zip(replicas.replicas, sent_before, strict=True)]
+    assert sorted(went_to) == [0, 1]  # one frame, on one replica's connection, already
+    for a, b in zip(replicas.run_batch(TINY, batch, ahead=ahead), usual, strict=True):
+        np.testing.assert_allclose(vectors(a), vectors(b), rtol=1e-5, atol=1e-6)
+    assert [sent(r) - b for r, b in zip(replicas.replicas, sent_before, strict=True)] == \
+        went_to  # it ran on that frame: nothing sent again
+    discarded = replicas.send_ahead(TINY, batch)
+    assert discarded is not None
+    discarded.discard()
+    assert replicas._in_flight == [0, 0]
+    for _ in range(2):  # the replica of the discarded frame serves on (its next frame too)
+        assert_all_ok_but(replicas.run_batch(TINY, batch), bad=None)
+
+
 def test_a_replica_killed_mid_batch_loses_nothing_and_the_others_serve_on(replicas):
     """SIGKILL of one replica with batches in flight on both: every request answered once,
     nobody blamed, only that replica restarted."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +34,14 @@ import numpy as np
 
 from batching.latency_model import BatchShape, CostModel
 from runtimes.base import (
+    BatchesOnly,
+    Capabilities,
     LoadFailed,
     OnDeltas,
     Outcome,
     Request,
     RuntimeClosed,
+    SentAhead,
     failed,
     prepare_each,
 )
@@ -207,7 +211,7 @@ def _keys(parsed: ParsedRequest) -> list[Any]:
             else item.messages or item.text for item in parsed.items]
 
 
-class SimRuntime:
+class SimRuntime(BatchesOnly):
     """The `Runtime` protocol on simulated devices: real checks, simulated time and numbers.
 
     `device` picks the constants (`runtimes.doubles.sim.devices`); `speed` divides
@@ -240,7 +244,8 @@ class SimRuntime:
         self.poison_isolated = 0
         self.spare_promotions = 0  # no child, so no spare either
         self.start_failures = 0
-        self.pipeline_depth = 1  # one simulated batch at a time
+        self.capabilities = Capabilities()  # one simulated batch at a time
+        self.pipeline_depth = 1
         self.parallel = 1
         self.pid: int | None = None
         self._closed = False
@@ -306,11 +311,15 @@ class SimRuntime:
     def cancel(self, request_ids: list[str]) -> None:
         """Nothing to stop: a simulated batch streams nothing and ends on its own."""
 
-    def continuous(self, model_id: str) -> bool:
-        return False
+    def ready_in(self, model_id: str) -> float | None:
+        return None  # nothing restarts
+
+    def watch_availability(self, callback: Callable[[], None]) -> None:
+        """Nothing to watch: `ready_in` is always None."""
 
     def run_batch(self, model_id: str, requests: list[Request],
-                  on_deltas: OnDeltas | None = None) -> list[Outcome]:
+                  on_deltas: OnDeltas | None = None, ahead: SentAhead | None = None
+                  ) -> list[Outcome]:
         if self._closed:
             raise RuntimeClosed("the runtime is closed")
         model = self._models.get(model_id) if model_id in self.resident else None
