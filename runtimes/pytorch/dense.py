@@ -1,65 +1,38 @@
-"""Dense text embeddings: a transformer encoder, pooling, optional normalisation.
+"""Dense text embeddings on PyTorch: the dense family's `Embedder` (`runtimes.families.dense`).
 
 `DenseEncoder` matches `sentence_transformers.SentenceTransformer.encode` on
 the same weights: same truncation, same pooling, same normalisation. Texts
 are sorted by token length and run in chunks bounded by padded tokens, so one
-long text does not pad a whole batch. `DenseAdapter` serves it: prompts,
-Matryoshka dimensions, output dtypes and LoRA adapters (texts of different
-LoRAs in one forward pass, `runtimes.pytorch.lora`), and token-id items beside texts
-(`runtimes.families.token_ids`: no prompt, no tokenizer, the same vector as their text).
+long text does not pad a whole batch; vectors are pooled on the device and only they
+come back to the host. `DenseAdapter` is the family's adapter over it, with LoRA
+adapters (texts of different LoRAs in one forward pass, `runtimes.pytorch.lora`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoModel
 
-from runtimes.families.st_config import read_st_config
-from runtimes.families.token_ids import (
-    Input,
-    encode_inputs,
-    has_tokens,
-    input_lengths,
-    vocabulary,
-    with_token_ids,
-)
-from runtimes.families.vectors import dense_results, normalize_rows
+from runtimes.families import dense
+from runtimes.families.dense import DenseConfig, Tokenized, dense_config, tokenize
+from runtimes.families.token_ids import Input, vocabulary
+from runtimes.families.vectors import normalize_rows
+from runtimes.model_files.precision import torch_dtype
 from runtimes.pytorch import buckets, device_double
-from runtimes.pytorch.adapter import Adapter
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import (
     HostCopy,
-    check_lengths,
     host_chunks,
     max_length,
     to_device,
 )
-from tasks.catalog import ModelEntry
-from tasks.schema import ParsedRequest, check_encode_output
 
-
-@dataclass(frozen=True)
-class Tokenized:
-    input_ids: list[list[int]]
-    token_type_ids: list[list[int]] | None
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """A batch between `DenseAdapter.plan` and `finish`."""
-
-    prepared: list[ParsedRequest]
-    tokens: Tokenized
-    loras: list[str | None] | None
-    chunks: list[tuple[list[int], dict[str, torch.Tensor]]]
+__all__ = ["DenseAdapter", "DenseEncoder", "Tokenized"]
 
 
 class DenseEncoder:
@@ -76,13 +49,13 @@ class DenseEncoder:
         chunk_tokens: int = 16_384,
         dtype: torch.dtype | None = None,
     ) -> None:
-        st = read_st_config(Path(model_ref))
+        st = dense_config(model_ref, pooling, normalize)
         self.tokenizer, self.model, self.pad_id = load_model(
             AutoModel, model_ref, device, dtype, bucket_tokens=chunk_tokens,
             bucket_width=max_seq_length or st.max_seq_length)
         self.device = device
-        self.pooling = pooling or st.pooling or "mean"
-        self.normalize = st.normalize if normalize is None else normalize
+        self.pooling = st.pooling
+        self.normalize = st.normalize
         self.do_lower_case = st.do_lower_case
         # The catalog wins, then the sentence-transformers files, then the tokenizer.
         self.max_seq_length = max_length(self.tokenizer, self.model.config, max_seq_length,
@@ -94,20 +67,9 @@ class DenseEncoder:
         self.vocab = vocabulary(self.tokenizer, getattr(
             self.model.get_input_embeddings(), "num_embeddings", None))
 
-    def _prepare(self, texts: list[Input]) -> list[Input]:
-        # A tokens item's ids are the model's input as they are: never lowercased.
-        if not self.do_lower_case:
-            return texts
-        return [t.lower() if type(t) is str else t for t in texts]
-
     def tokenize(self, texts: list[Input]) -> Tokenized:
-        """The model's inputs for texts and tokens items' ids (`runtimes.families.token_ids`)."""
-        return Tokenized(*encode_inputs(self.tokenizer, self._prepare(texts),
-                                        self.max_seq_length, self.vocab))
-
-    def untruncated_lengths(self, texts: list[str]) -> list[int]:
-        encoded = self.tokenizer(self._prepare(texts), truncation=False, padding=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+        """The model's inputs for texts and tokens items' ids (the family's `tokenize`)."""
+        return tokenize(self, texts, self.do_lower_case)
 
     def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.pooling == "cls":
@@ -165,52 +127,18 @@ class DenseEncoder:
         return vectors
 
 
-class DenseAdapter(Adapter):
-    """Catalog `adapter: dense`: the entry's prompts go before each text."""
+class DenseAdapter(dense.DenseAdapter):
+    """Catalog `adapter: dense` on PyTorch, with LoRA adapters."""
 
     encoder_class: type[DenseEncoder] = DenseEncoder
     supports_lora = True
 
-    def __init__(self, entry: ModelEntry, ref: str, **kwargs: Any) -> None:
-        super().__init__(entry, ref, **kwargs)
-        self.encoder = self.encoder_class(
-            ref, device=self.device, pooling=entry.pooling,
-            normalize=entry.normalize, max_seq_length=entry.max_seq_length,
-            chunk_tokens=self.chunk_tokens, dtype=self.dtype,
+    def embedder(self, ref: str, config: DenseConfig) -> DenseEncoder:
+        encoder = self.encoder_class(
+            ref, device=self.device, pooling=config.pooling,
+            normalize=config.normalize, max_seq_length=self.entry.max_seq_length,
+            chunk_tokens=self.chunk_tokens, dtype=torch_dtype(self.precision),
         )
-        self.dims = self.encoder.dims
-        self.loras = self.encoder.loras
-        self.loras.model_id = entry.id
-
-    def check(self, parsed: ParsedRequest) -> ParsedRequest:
-        if self.dims != self.entry.dims:  # else the entry's parse checked it all already
-            check_encode_output(parsed.options, self.entry.id, "dense", self.dims)
-        tokens = has_tokens(parsed.items)
-        if tokens:
-            self.encoder.vocab.check(parsed.items, self.entry.id)
-        if not parsed.options.truncate:
-            lengths = self.encoder.untruncated_lengths(self.prompted(parsed))
-            check_lengths(input_lengths(lengths, parsed.items) if tokens else lengths,
-                          self.encoder.max_seq_length)
-        return parsed
-
-    def run(self, prepared: list[ParsedRequest]) -> list[dict[str, Any]]:
-        planned = self.plan(prepared)
-        return self.finish(planned, self.forward(planned))
-
-    def plan(self, prepared: list[ParsedRequest]) -> _Planned:
-        texts = [t for parsed in prepared
-                 for t in with_token_ids(self.prompted(parsed), parsed.items)]
-        loras = [parsed.options.lora for parsed in prepared for _ in parsed.items]
-        tokens = self.encoder.tokenize(texts)
-        return _Planned(prepared, tokens, loras if any(loras) else None,
-                        self.encoder.chunks(tokens))
-
-    def forward(self, planned: _Planned) -> HostCopy:
-        return self.encoder.forward(planned.chunks, planned.loras)
-
-    def finish(self, planned: _Planned, output: HostCopy) -> list[dict[str, Any]]:
-        tokens = planned.tokens
-        vectors = self.encoder.gather(planned.chunks, output, len(tokens.input_ids))
-        return dense_results(planned.prepared, vectors, tokens.input_ids,
-                             self.encoder.normalize)
+        self.loras = encoder.loras
+        self.loras.model_id = self.entry.id
+        return encoder
