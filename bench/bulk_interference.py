@@ -34,6 +34,7 @@ from app.tuning.bench_stack import bench_stack
 from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import table
 from app.tuning.mix import make_texts
+from bench.lib.args import add_env, env_of
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 POLL_S = 0.2
@@ -121,14 +122,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=2, help="closed-loop callers")
     p.add_argument("--duration", type=float, default=20.0, help="callers' window, seconds")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set in the stack's environment (repeatable)")
+    add_env(p, "set in the stack's environment (repeatable)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = dict(e.split("=", 1) for e in args.env)
+    env = env_of(args.env)
     body = ndjson(make_texts(args.texts, seed=1))
     print(f"`python -m bench.bulk_interference {' '.join(sys.argv[1:])}`", flush=True)
     with bench_stack(MINILM, env) as stack:

@@ -62,7 +62,7 @@ from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import dash as _f
 from app.tuning.mix import make_texts
 from bench.lib import profiles
-from bench.lib.args import int_list
+from bench.lib.args import add_env, env_of, int_list
 from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 from bench.lib.worker_metrics import WorkerCounters, counters_over
@@ -265,8 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout, seconds")
     p.add_argument("--batch-items", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=16_384)
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="more environment for the stack (repeatable)")
+    add_env(p, "more environment for the stack (repeatable)")
     p.add_argument("--json", type=Path, help="also write every round's numbers here")
     p.add_argument("--py-spy", type=Path, metavar="DIR",
                    help="after each load's rounds, one more round with `py-spy record` on "
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
            "SHOAL_RUNTIME_SPARE": "0",
            "SHOAL_BATCH_MAX_ITEMS": str(args.batch_items),
            "SHOAL_BATCH_MAX_TOKENS": str(args.batch_tokens),
-           **dict(item.split("=", 1) for item in args.env)}
+           **env_of(args.env)}
     texts = make_texts(256)
     rounds: list[dict[str, Any]] = []
     loads: list[Round] = []

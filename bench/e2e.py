@@ -29,7 +29,7 @@ from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import fmt, table
 from app.tuning.mix import make_texts
 from app.tuning.stack import gateway_ready
-from bench.lib.args import int_list
+from bench.lib.args import add_env, env_of, int_list
 
 if TYPE_CHECKING:
     pass
@@ -132,8 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
     p.add_argument("--start-stack", action="store_true",
                    help="start a private worker + gateway for this run (ignores --url)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra environment for --start-stack (repeatable)")
+    add_env(p, "extra environment for --start-stack (repeatable)")
     args = p.parse_args(argv)
     if args.inproc_reps < 1 or args.texts < 1 or args.duration <= 0 or args.warmup < 0:
         p.error("--inproc-reps and --texts must be >= 1, --duration > 0, --warmup >= 0")
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.tuning.bench_stack import bench_stack
 
     print("starting a private stack...", file=sys.stderr)
-    extra_env = dict(item.split("=", 1) for item in args.env)
+    extra_env = env_of(args.env)
     with bench_stack(args.model, extra_env) as stack:
         args.url = stack.url
         args.pids = [*stack.pids, *args.pids]

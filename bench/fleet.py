@@ -51,6 +51,7 @@ from app.tuning.knee import Point, SweepPolicy, find_knee, next_load
 from app.tuning.mix import make_requests
 from bench.fleet_load import MODEL, SIM_ENV, Publisher, closed_loop, open_loop
 from bench.fleet_report import medians, plot_pull_vs_push, report, whole_ms
+from bench.lib.args import add_env, env_of
 from tasks.settings import Settings, get_settings
 from tasks.topology import queue_for
 
@@ -223,10 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. 1,2,3; reports each seed and the medians")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="worker settings, e.g. SHOAL_BATCH_MAX_TOKENS=2048")
+    add_env(parser, "worker settings, e.g. SHOAL_BATCH_MAX_TOKENS=2048")
     args = parser.parse_args(argv)
-    EXTRA_ENV.update(item.split("=", 1) for item in args.env)
+    EXTRA_ENV.update(env_of(args.env))
     run = scaling if args.experiment == "scaling" else pull_vs_push
     data = asyncio.run(run(args))
     data.update(machine=machine_info(), command=" ".join(sys.argv), env=EXTRA_ENV)

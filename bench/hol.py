@@ -33,6 +33,7 @@ from app.tuning.bench_stack import bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.mix import make_texts
+from bench.lib.args import add_env, env_of
 from bench.lib.output import emit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -77,7 +78,7 @@ def _row(load: LoadResult) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(kv.split("=", 1) for kv in args.env)
+    env = env_of(args.env)
     rounds: list[dict[str, Any]] = []
     with bench_stack(MINILM, env) as stack:
         endpoint = f"{stack.url}/v1/encode/{MINILM}"
@@ -129,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big-lead-s", type=float, default=2.0,
                         help="seconds between sending the big request and the window")
     parser.add_argument("--big-timeout-s", type=float, default=300.0)
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="worker and gateway settings (repeatable)")
+    add_env(parser, "worker and gateway settings (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result = run(args)

@@ -47,6 +47,7 @@ from app.tuning.bench_stack import bench_stack
 from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import table
 from app.tuning.mix import make_texts
+from bench.lib.args import add_env, env_of
 from gateway.auth.key_file import hash_key, new_key
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -179,20 +180,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the most seconds the two keys' jobs run before their progress "
                    "is read (it is read when B's job is done, if sooner)")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set in the stack's environment (repeatable)")
+    add_env(p, "set in the stack's environment (repeatable)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     a, b = new_key(), new_key()
-    args.part_items = dict(e.split("=", 1) for e in args.env).get("SHOAL_JOB_PART_ITEMS", "64")
+    args.part_items = env_of(args.env).get("SHOAL_JOB_PART_ITEMS", "64")
     keys_file = Path(tempfile.mkdtemp(prefix="shoal-keys-")) / "keys.yaml"
     keys_file.write_text(yaml.safe_dump({"keys": [{"name": "A", "hash": hash_key(a)},
                                                   {"name": "B", "hash": hash_key(b)}]}))
     env = {"SHOAL_API_KEYS_FILE": str(keys_file), "SHOAL_JOBS_PER_KEY": str(args.jobs),
-           "SHOAL_JOB_PART_ITEMS": "64", **dict(e.split("=", 1) for e in args.env)}
+           "SHOAL_JOB_PART_ITEMS": "64", **env_of(args.env)}
     body = ndjson(make_texts(args.texts, seed=1))
     print(f"`python -m bench.key_fairness {' '.join(sys.argv[1:])}`", flush=True)
     with bench_stack(MINILM, env, probe_headers=auth(a)) as stack:

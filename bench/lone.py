@@ -56,6 +56,7 @@ from app.tuning.bench_stack import bench_stack
 from app.tuning.inproc import machine_info
 from app.tuning.mix import make_texts
 from bench.baselines import ZERO_COST_SIM
+from bench.lib.args import add_env, env_of
 from bench.lib.output import emit
 from gateway.calls.request_trace import HOPS, parse_trace
 
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The in-process floor loads the CPU model: only for the real MiniLM's stacks.
     floor = inproc_ms(texts) if any(n.startswith("minilm") for n in chosen) else None
     device = statistics.median(device_ms(texts)) if any(n in TARGETS for n in chosen) else None
-    extra = dict(pair.split("=", 1) for pair in args.env)
+    extra = env_of(args.env)
     configs = {f"{name}{f' [{label}]' if label else ''}": {**env, **extra, **more}
                for name, env in chosen.items()
                for label, more in variants(args.variant).items()}
@@ -331,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                              "zero-cost sim")
     parser.add_argument("--only", default="",
                         help="run only the stacks whose name holds this (e.g. 'sim')")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="set in every stack's environment (repeatable)")
+    add_env(parser, "set in every stack's environment (repeatable)")
     parser.add_argument("--variant", action="append", default=[],
                         metavar="LABEL:NAME=VALUE[;NAME=VALUE]",
                         help="also run every stack with this environment, labelled, "

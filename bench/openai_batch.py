@@ -37,6 +37,7 @@ from app.tuning.bench_stack import bench_stack
 from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import table
 from app.tuning.mix import make_texts
+from bench.lib.args import add_env, env_of
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 POLL_S = 0.5
@@ -159,8 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=2, help="closed-loop sync callers")
     p.add_argument("--duration", type=float, default=20.0, help="callers' window, seconds")
     p.add_argument("--url", help="a running gateway (default: start a stack of its own)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set in the stack's environment (repeatable)")
+    add_env(p, "set in the stack's environment (repeatable)")
     return p.parse_args(argv)
 
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     data = batch_file(make_texts(args.lines, seed=1))
     print(f"`python -m bench.openai_batch {' '.join(sys.argv[1:])}`", flush=True)
     with (contextlib.nullcontext(None) if args.url else
-          bench_stack(MINILM, dict(e.split("=", 1) for e in args.env))) as stack:
+          bench_stack(MINILM, env_of(args.env))) as stack:
         result = asyncio.run(run(args.url or stack.url, args, data))
     print(report(result, args))
     return 0 if result["once"] and result["batch"]["status"] == "completed" else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 
 def int_list(value: str) -> list[int]:
@@ -26,3 +27,13 @@ def parse_levels(spec: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError(f"client counts must be >= 1: {spec!r}")
     return levels
+
+
+def add_env(parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str) -> None:
+    """`--env NAME=VALUE`, repeatable: settings for the stack a benchmark starts."""
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help=help)
+
+
+def env_of(pairs: Iterable[str]) -> dict[str, str]:
+    """`--env`'s NAME=VALUE pairs as a mapping (a value may itself hold '=')."""
+    return dict(pair.split("=", 1) for pair in pairs)
