@@ -28,11 +28,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batching.pool import keys_of, lora_key
 from runtimes.base import Delta, OnDeltas, Outcome, Request, failed, prepare_each
 from runtimes.child_side.adapter import Adapter, Stream
 from runtimes.child_side.before_device import DeviceFloor, unwanted
 from runtimes.child_side.host_tier import HostTier
-from runtimes.worker_side.pool import keys_of, lora_key
 from tasks import engines
 from tasks.catalog import ModelEntry
 from tasks.errors import ErrorCode

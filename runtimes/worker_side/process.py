@@ -57,6 +57,7 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from batching.pool import keys_of, lora_key
 from runtimes.base import (
     BatchesOnly,
     Capabilities,
@@ -71,7 +72,6 @@ from runtimes.wire.frames import Failed, Load, Loaded, Rejected, Unload
 from runtimes.worker_side.batch_channel import Ahead, BatchCall, BatchChannel, unavailable
 from runtimes.worker_side.bisection import Failure, bisect
 from runtimes.worker_side.control_channel import ControlChannel
-from runtimes.worker_side.pool import keys_of, lora_key
 from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.supervisor import RestartPending, Supervisor
 from runtimes.worker_side.watcher import ChildWatcher

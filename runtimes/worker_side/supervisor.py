@@ -56,10 +56,10 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from batching.pool import LORA_SEPARATOR
 from runtimes.base import RuntimeClosed, RuntimeStartError
 from runtimes.wire.frames import Load
 from runtimes.worker_side.children import describe_exit
-from runtimes.worker_side.pool import LORA_SEPARATOR
 from runtimes.worker_side.runtime_child import RuntimeChild
 from runtimes.worker_side.start_times import StartTimes
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import yaml
 
+from batching.pool import lora_key
 from runtimes.base import CANCELLED, EMULATED_QUEUE_ENV, LoadFailed, Outcome, Request
 from runtimes.child_side.host import ModelHost
-from runtimes.worker_side.pool import lora_key
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.replicas import ReplicaSet, default_replicas
 from tasks.catalog import Catalog

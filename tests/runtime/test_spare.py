@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import yaml
 
+from batching.pool import lora_key
 from runtimes.base import Outcome, Request, RuntimeStartError
-from runtimes.worker_side.pool import lora_key
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.supervisor import RESTART_ATTEMPTS
 from tests.slow_batches import SlowBatches

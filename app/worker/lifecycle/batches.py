@@ -37,10 +37,10 @@ from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.streams import Streams
 from batching.former import batch_tokens
 from batching.lanes import Batch
+from batching.pool import lora_key
 from batching.scheduler import Scheduler
 from batching.shapes import BatchShape
 from runtimes.base import Outcome, Request, Runtime
-from runtimes.worker_side.pool import lora_key
 from tasks import tracing
 from tasks.claims import substitute
 from tasks.envelope import decode_body, now_ms

@@ -54,9 +54,9 @@ from app.worker.lifecycle.streams import Streams
 from batching.feeder import Feeder
 from batching.hold import HoldLimits
 from batching.lanes import Actions, Lane
+from batching.pool import Pool
 from batching.scheduler import Scheduler
 from runtimes.base import Runtime
-from runtimes.worker_side.pool import Pool
 from tasks.envelope import EstimatingEntry, now_ms
 from tasks.errors import ErrorCode
 from tasks.pool_state import RESIDENT

@@ -28,8 +28,8 @@ from typing import Any
 
 from app.worker.lifecycle.replies import Delivery
 from batching.feeder import Feeder
+from batching.pool import lora_key
 from batching.scheduler import Scheduler
-from runtimes.worker_side.pool import lora_key
 from tasks.envelope import Annotations
 
 FETCHING, PARKED, SCHEDULED, RUNNING, WAITING, GENERATING = (

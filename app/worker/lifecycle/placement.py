@@ -1,6 +1,6 @@
 """Which models this worker holds: loads on first request, LRU evictions, pinned models.
 
-The bookkeeping is `runtimes.worker_side.pool.Pool`'s; this class drives it from the worker's event
+The bookkeeping is `batching.pool.Pool`'s; this class drives it from the worker's event
 loop thread and runs the loads and unloads on a thread of its own, beside the batches
 of the models already loaded (the runtime takes them on a connection of their own), so
 the event loop (and with it the broker heartbeats) never waits for a load.
@@ -39,8 +39,8 @@ from typing import Any
 
 from app.worker import metrics
 from batching.fleet import Demand, DemandMeter, Plan, eviction_value
+from batching.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
 from runtimes.base import Runtime
-from runtimes.worker_side.pool import LORA_SEPARATOR, DoesNotFit, Pool, lora_key
 from tasks.pool_state import COLD, LOADING, RESIDENT
 
 log = logging.getLogger(__name__)

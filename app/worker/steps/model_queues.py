@@ -41,7 +41,7 @@ from app.worker.runtime import start_runtime
 from app.worker.steps.health import HealthServer
 from batching.hold import HoldLimits
 from batching.lanes import Lane
-from runtimes.worker_side.pool import Pool
+from batching.pool import Pool
 from tasks.catalog import load_catalog
 from tasks.engines import is_double
 from tasks.queues import kombu_queues

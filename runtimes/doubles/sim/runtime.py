@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from batching.latency_model import BatchShape, CostModel
+from batching.pool import keys_of, lora_key
 from runtimes.base import (
     BatchesOnly,
     Capabilities,
@@ -48,7 +49,6 @@ from runtimes.base import (
 from runtimes.child_side.host_tier import HostTier
 from runtimes.doubles.sim.devices import SimConstants, sim_constants
 from runtimes.families.vectors import dense_result
-from runtimes.worker_side.pool import keys_of, lora_key
 from tasks.adapters import CLASSIFY, ENCODE, EXTRACT, GENERATE, MULTIVECTOR, SCORE, SPARSE
 from tasks.catalog import BatchProfile, ModelEntry
 from tasks.errors import ErrorCode

@@ -21,8 +21,8 @@ from batching.former import BatchLimits
 from batching.hold import HoldLimits
 from batching.lanes import Lane
 from batching.latency_model import CostModel
+from batching.pool import lora_key
 from runtimes.base import Outcome, Request
-from runtimes.worker_side.pool import lora_key
 from tasks.envelope import (
     H_MULTI,
     Annotations,

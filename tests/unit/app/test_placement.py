@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.worker.lifecycle.placement import Placement
-from runtimes.worker_side.pool import Pool
+from batching.pool import Pool
 from tasks.pool_state import COLD, LOADING, RESIDENT
 
 MB = 2**20

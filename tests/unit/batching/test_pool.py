@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtimes.worker_side.pool import DoesNotFit, Pool, lora_key
+from batching.pool import DoesNotFit, Pool, lora_key
 
 MB = 2**20
 
