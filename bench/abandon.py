@@ -43,9 +43,9 @@ import orjson
 
 from app.tuning.bench_stack import bench_stack
 from app.tuning.stack import free_port, wait_for
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 GATEWAY_COUNTERS = ("shoal_gateway_callers_left_total", "shoal_gateway_revoke_messages_total")
 
 

@@ -37,9 +37,9 @@ from app.tuning.load import prepare, run_load
 from app.tuning.markdown import fmt, table
 from app.tuning.mix import make_texts
 from bench.amqp_loop import run_loop
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 NAIVE_WORKER = [sys.executable, "-m", "celery", "-A", "bench.naive_celery", "worker",
                 "--pool", "prefork", "--concurrency", "1", "--loglevel", "warning"]
 ZERO_COST_SIM = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "0", "SHOAL_SIM_COST_B_US": "0",

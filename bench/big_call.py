@@ -20,8 +20,8 @@ import time
 import httpx
 
 from app.tuning.bench_stack import bench_stack
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 WAYS = {"no X-Timeout-Ms": None, "X-Timeout-Ms: 30000": "30000", "X-Timeout-Ms: 5000": "5000"}
 
 

@@ -42,8 +42,8 @@ from typing import Any
 
 from app.tuning.stats import percentile
 from bench.broker_failover_cluster import REPO, Cluster, running_cluster
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 RETRYABLE = {503}

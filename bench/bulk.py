@@ -49,8 +49,8 @@ import numpy as np
 from app.tuning import markdown
 from app.tuning.markdown import dash as _num
 from app.tuning.stats import median
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 DIMS = 384
 DEFAULT_JSON = Path("bench/out/bulk.json")
 TARGET = 0.9  # issue 13: a job runs at >= 0.9x the in-process ceiling

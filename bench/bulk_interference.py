@@ -35,8 +35,8 @@ from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import table
 from app.tuning.mix import make_texts
 from bench.lib.args import add_env, env_of
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 POLL_S = 0.2
 P99_TARGET = 1.5
 JOB_TARGET = 0.8

@@ -59,7 +59,6 @@ from bench.claims_report import (
     DEFAULT_JSON,
     INLINE_CLAIM_BYTES,
     MB,
-    MINILM,
     MODES,
     NAMES,
     cores_table,
@@ -72,6 +71,7 @@ from bench.claims_report import (
     summarise,
     table,
 )
+from bench.lib.minilm import MINILM
 
 
 def write_catalog(directory: Path, model_dir: Path) -> Path:

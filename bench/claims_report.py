@@ -15,7 +15,6 @@ from app.tuning import markdown
 from app.tuning.load import LoadResult
 from app.tuning.stats import median, ratio
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 CLIP_ID = "bench/tiny-clip"
 MODES = ("inline", "claim", "text")
 NAMES = {"inline": "images inline", "claim": "claim-checked", "text": "no images (reference)"}

@@ -51,9 +51,9 @@ from tqdm import tqdm
 from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
 from app.tuning.stats import median, percentile
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 BEFORE_S, GAP_AFTER_S, P99_AFTER_S = 1.0, 30.0, 5.0
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from app.tuning.stats import median
-
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+from bench.lib.minilm import MINILM
 
 
 def start_once(runtime_env: str | None) -> dict[str, float]:

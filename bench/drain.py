@@ -45,9 +45,9 @@ from app.tuning import markdown
 from app.tuning.stack import Process, Stack, delete_queues, free_port, prefix_queues, queue_counts
 from app.tuning.stack import wait_for as _wait_for
 from app.tuning.stats import median
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TEXTS_RUN = "shoal_batch_items_sum"  # texts a worker ran (requests split in parts count once)
 SENTENCE = "the quick brown fox jumps over the lazy dog while a shoal of fish swims past"
 WORDS = SENTENCE.split(" ")

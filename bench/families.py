@@ -33,8 +33,8 @@ from app.tuning import markdown
 from app.tuning.inproc import machine_info
 from app.tuning.load import BodyFn, items_body, prepare, run_load
 from app.tuning.mix import make_texts
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 QUERY = "which animal sits near the river"
 LABELS = ["animals", "travel", "work"]
 

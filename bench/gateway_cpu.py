@@ -34,10 +34,9 @@ from app.tuning.inproc import machine_info
 from app.tuning.mix import make_texts
 from bench.baselines import ZERO_COST_SIM
 from bench.gateways import cpu_roles
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 from bench.lib.trees import ROOT, worktree
-
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def _loads(text: str) -> list[tuple[int, int]]:

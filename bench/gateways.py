@@ -33,8 +33,8 @@ from typing import Any
 
 from app.tuning import markdown
 from app.tuning.stats import median
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 ZERO_COST_SIM = {"SHOAL_RUNTIME": "sim", "SHOAL_SIM_COST_A_MS": "0", "SHOAL_SIM_COST_B_US": "0",
                  "SHOAL_SIM_COST_C_NS": "0"}
 _PID = re.compile(r"\((\d+)\)$")

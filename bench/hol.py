@@ -34,9 +34,8 @@ from app.tuning.inproc import machine_info
 from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.mix import make_texts
 from bench.lib.args import add_env, env_of
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
-
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def big_body(items: int, chars: int) -> dict[str, Any]:

@@ -48,9 +48,9 @@ from app.tuning.load import LoadResult, prepare, run_load
 from app.tuning.markdown import table
 from app.tuning.mix import make_texts
 from bench.lib.args import add_env, env_of
+from bench.lib.minilm import MINILM
 from gateway.auth.key_file import hash_key, new_key
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 P99_TARGET = 1.5
 POLL_S = 0.25
 

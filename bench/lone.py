@@ -57,10 +57,10 @@ from app.tuning.inproc import machine_info
 from app.tuning.mix import make_texts
 from bench.baselines import ZERO_COST_SIM
 from bench.lib.args import add_env, env_of
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 from gateway.calls.request_trace import HOPS, parse_trace
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 HEADERS = ("x-total-time-ms", "x-queue-time-ms", "x-inference-time-ms")
 DEVICE = "h100-conservative/minilm"  # bench.device_feed.DEFAULT_PROFILE: issue 26's H100 MiniLM
 

@@ -54,8 +54,8 @@ import yaml
 from app.tuning import markdown
 from app.tuning.markdown import dash as _num
 from app.tuning.stats import median, ratio
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PACKAGED_ENTRY = Path(__file__).resolve().parent.parent / "models" / "all-minilm-l6-v2.yaml"
 CASES = ("none", "mixed", "split", "base_rows")
 LABELS = {"none": "no LoRA", "mixed": "LoRAs mixed in batches",

@@ -40,9 +40,9 @@ from app.tuning import markdown
 from app.tuning.markdown import dash
 from app.tuning.stats import median, ratio
 from bench.lib.args import parse_levels
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 # name -> (ModelHost engine, precision)
 ENGINES = {"pytorch": ("pytorch", None), "ort-fp32": ("onnx", "fp32"),
            "ort-int8": ("onnx", "int8")}

@@ -13,8 +13,8 @@ from typing import Any
 from app.tuning import markdown
 from app.tuning.markdown import dash as _num
 from app.tuning.stats import median, ratio
+from bench.lib.minilm import MINILM
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PEERS_VENV = Path(__file__).resolve().parent.parent / ".venv-peers"
 SERVERS = ("shoal", "infinity")  # the two-system comparison (its table keeps its shape)
 SYSTEMS = ("shoal", "shoal-onnx", "shoal-onnx-int8", "shoal-default", "infinity",

@@ -15,7 +15,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.peers_report import MINILM, OFFLINE_ENV, PEERS_VENV, Server, openai_body
+from bench.lib.minilm import MINILM
+from bench.peers_report import OFFLINE_ENV, PEERS_VENV, Server, openai_body
 
 
 def infinity_argv(venv: Path, model_dir: str, port: int, engine: str = "torch") -> list[str]:

@@ -45,11 +45,10 @@ from typing import Any
 from app.tuning import markdown
 from app.tuning.cpu import cpu_seconds
 from bench.lib.args import int_list
-from bench.lib.minilm import texts
+from bench.lib.minilm import MINILM, texts
 from bench.lib.output import emit
 from tasks.served import batch_device_ms
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 BATCH_TEXTS = 256
 ENV = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 CORES = os.cpu_count() or 1

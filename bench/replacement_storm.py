@@ -45,7 +45,8 @@ from tqdm import tqdm
 from app.tuning import markdown
 from app.tuning.bench_stack import bench_stack
 from app.tuning.stats import median
-from bench.crash_gap import MINILM, kill_the_replacement, runtime_children, spare_ready, wait
+from bench.crash_gap import kill_the_replacement, runtime_children, spare_ready, wait
+from bench.lib.minilm import MINILM
 from bench.lib.output import emit
 
 FIRST_SUCCESS_WAIT_S = 120.0

@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from app.tuning import markdown
-from bench.lib.minilm import texts
+from bench.lib.minilm import MINILM, texts
 from bench.lib.output import emit
 
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 HEADER_BYTES = 4  # runtimes.wire.protocol's length prefix
 STAGES = ("frames in", "parse", "tokenize", "pack", "host->device", "forward", "pool",
           "device->host", "results", "frames out")
