@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 from app.worker import metrics
 from app.worker.lifecycle import traces
 from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.loop import Identity
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.splits import merged_result
 from batching.lanes import Late
@@ -46,9 +46,9 @@ def refusal_message(late: Late) -> str:
 class Answers:
     """Settles held requests with their outcome or an error (loop thread)."""
 
-    def __init__(self, replier: Replier, consumer: Any, drain: Drain) -> None:
+    def __init__(self, replier: Replier, loop: Identity, drain: Drain) -> None:
         self.replier = replier
-        self.c = consumer  # the Celery consumer: its hostname goes into each result
+        self.loop = loop  # its hostname goes into each result
         self.drain = drain  # while it is on, answers are counted
 
     def answer_batch(self, model: str, held: list[Held], outcomes: list[Outcome]) -> None:
@@ -108,7 +108,7 @@ class Answers:
         started = held.started
         delivery = held.delivery
         stamp_delivery(result, round(max(0.0, started * 1000 - sent), 2) if sent else None,
-                       None if self.replier.shares(delivery) else self.c.hostname,
+                       None if self.replier.shares(delivery) else self.loop.hostname,
                        delivery.received, started, now)
         choices = result.get("choices")
         if choices and any(c.get("finish_reason") == CANCELLED for c in choices):

@@ -32,6 +32,7 @@ from celery.worker import state as worker_state
 from app.worker import metrics
 from app.worker.lifecycle import traces
 from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.loop import Loop
 from app.worker.lifecycle.placement import Placement
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.streams import Streams
@@ -112,14 +113,14 @@ class Batches:
     """The batches in flight. `_run` runs on the runtime's thread, the rest on the loop."""
 
     def __init__(self, runtime: Runtime, scheduler: Scheduler, placement: Placement,
-                 streams: Streams, replier: Replier, consumer: Any, depth: int,
+                 streams: Streams, replier: Replier, loop: Loop, depth: int,
                  done: Callable[[int, Future], None]) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
         self.placement = placement
         self.streams = streams
         self.replier = replier
-        self.c = consumer  # the Celery consumer: its hub wakes the loop
+        self.loop = loop  # wakes the loop when a batch is done
         self.done = done  # the loop's: (generation, future), on the loop
         self.executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shoal-runtime")
         self.futures: dict[Future, Batch] = {}  # of the batches in flight
@@ -158,7 +159,7 @@ class Batches:
             raise
         self.futures[future] = batch
         future.add_done_callback(
-            lambda f: self.c.hub.call_soon(self.done, generation, f)
+            lambda f: self.loop.call_soon(self.done, generation, f)
         )
 
     def _ahead(self, model: str, batch: list[Held]

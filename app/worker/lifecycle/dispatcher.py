@@ -1,30 +1,25 @@
 """The worker's loop: the one owner of what happens to a request on this worker, and when.
 
 Everything here runs on the Celery consumer's event loop thread (kombu channels are not
-thread-safe) except the batch itself, which runs on the runtime's own thread. Its step:
+thread-safe) except the batch itself, which runs on the runtime's own thread. Its events:
 
-- a message → `Intake` holds its requests → each is placed (`_place`): in its model's
-  scheduler lane, the continuous feeder, or parked for its LoRA adapter; loads start;
-- tick → the scheduler's `Actions` applied: refusals, `Batches.start`, prefetch, returns;
+- a message -> `Intake` decides what each of its requests becomes (`decisions`: placed
+  where `Entries` says, its claims fetched first, refused, failed) -> applied here: in its
+  model's scheduler lane, the continuous feeder, or parked for its LoRA adapter; loads
+  start;
+- tick -> the scheduler's `Actions` applied: refusals, `Batches.start`, prefetch, returns;
   the continuous `Feed` fed;
-- a batch done → the next parts of split requests, the next batch (started before this
-  one's answers are published), its streams, its answers (`Answers`), the drain check.
+- a batch done, a continuous request done, a load done, a claim fetched (each handed back
+  from another thread through the loop handle, `app.worker.lifecycle.loop`) -> the next
+  parts of split requests, the next batch (started before this one's answers are
+  published), its streams, its answers (`Answers`), the drain check.
 
-Every decision is `batching.scheduler.Scheduler`'s (or, for a continuously batching
-runtime, `batching.feeder`'s); this class feeds them events and hands what they decide to
-its collaborators, each a class of its own that takes what it needs at construction and
-never sees this one: `Intake` (a message becomes held requests, and what each becomes where
-it waits), `Batches` (the runtime's thread, the batches in flight, their outcomes), `Feed`
-(the continuous runtime), `Drain` (a shutdown's drain, its state in one object), `Answers`,
-`Returns` (given back to the queue), `Revokes` (released at once), `Streams`, `Holdings`
-(every request held, by state), `Consumers` (prefetch, priority, peers), `Placement` (loads
-beside the batches), the `Replier` and the claims' fetcher. They report back through the
-callbacks they were given (`Intake` hands over each request, `Batches` and `Feed` what
-ended, `Placement` a load's end), so a request's life reads here from its delivery to its
-answer. What this class keeps is what the step needs between events: the connection's
-generation (bumped on its loss: an answer of an older one is dropped), the tick's timer,
-and `on_placement` (the pool-state step's; the shutdown step sets the drain's
-`on_drained`).
+Every decision is a collaborator's (the scheduler's, the feeder's, `Intake`'s, ...), which
+returns it; this class applies it. The collaborators take what they need at construction
+and never see this one; the only callbacks they hold are the other threads' events above.
+What this class keeps is what the step needs between events: the connection's generation
+(bumped on its loss: an answer of an older one is dropped), the tick's timer, and
+`on_placement` (the pool-state step's; the shutdown step sets the drain's `on_drained`).
 """
 
 from __future__ import annotations
@@ -35,27 +30,42 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from celery.worker import state as worker_state
+
 from app.worker import metrics
 from app.worker.lifecycle.answers import Answers, refusal_message
 from app.worker.lifecycle.batches import Batches
-from app.worker.lifecycle.claims import ClaimFetcher
+from app.worker.lifecycle.claims import ClaimFetcher, Fetched
 from app.worker.lifecycle.consumers import Consumers
+from app.worker.lifecycle.decisions import (
+    Decision,
+    Fail,
+    Fetch,
+    LoopSettings,
+    Place,
+    Refuse,
+    Reject,
+)
 from app.worker.lifecycle.drain import Drain
+from app.worker.lifecycle.entries import Entries
 from app.worker.lifecycle.feed import Feed
 from app.worker.lifecycle.fleet import FleetRow
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.intake import Intake
+from app.worker.lifecycle.loop import Loop
 from app.worker.lifecycle.placement import Placement
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.returns import Returns
 from app.worker.lifecycle.revokes import Revokes
 from app.worker.lifecycle.splits import next_parts
 from app.worker.lifecycle.streams import Streams
-from batching.feeder import Feeder
+from app.worker.lifecycle.ticks import TIMER_SLACK_S, Ticks
+from batching.feeder import Feeder, Waiting
 from batching.hold import HoldLimits
 from batching.lanes import Actions, Lane
 from batching.pool import Pool
 from batching.scheduler import Scheduler
+from batching.shapes import Pending
 from runtimes.base import Runtime
 from tasks.envelope import EstimatingEntry, now_ms
 from tasks.errors import ErrorCode
@@ -63,21 +73,17 @@ from tasks.pool_state import RESIDENT
 
 log = logging.getLogger(__name__)
 
-# A wake-up this close to the one already set needs no new timer.
-TIMER_SLACK_S = 0.001
-
 
 class Dispatcher:
     """The worker's loop and what it keeps between events (see the module)."""
 
-    def __init__(self, consumer: Any, runtime: Runtime, lanes: dict[str, Lane],
-                 hold: HoldLimits, entries: dict[str, EstimatingEntry],
-                 part_target_s: float | None = None, pool: Pool | None = None,
-                 pinned: set[str] | None = None, prefetch: int = 64,
-                 load_s: dict[str, float] | None = None,
-                 lora_mixed_batches: bool = True, feed_return_after_s: float = 0.2,
-                 blob_url: str = "", claim_upload_timeout_s: float = 10.0) -> None:
-        self.c = consumer
+    def __init__(self, loop: Loop, runtime: Runtime, lanes: dict[str, Lane],
+                 hold: HoldLimits, *, entries: dict[str, EstimatingEntry],
+                 settings: LoopSettings | None = None, pool: Pool | None = None,
+                 pinned: set[str] | None = None,
+                 load_s: dict[str, float] | None = None) -> None:
+        self.loop = loop
+        settings = settings or LoopSettings()
         self.runtime = runtime
         # A pipelined runtime takes the next batch while it computes one (its
         # `pipeline_depth`); each batch in flight waits for its answer on a thread here.
@@ -87,71 +93,90 @@ class Dispatcher:
         self.scheduler = Scheduler(lanes, hold, lambda model, now: self.consumers.peers(model, now),
                                    depth=depth, parallel=parallel)
         self.continuous = {model for model in lanes if runtime.continuous(model)}
-        self.feeder = Feeder(feed_return_after_s, hold.delivery_limit)
+        self.feeder = Feeder(settings.feed_return_after_s, hold.delivery_limit)
         # Every request held here, in whichever state (scheduled, parked for a LoRA,
         # fetching its claims, waiting for or handed to a continuous runtime).
         self.holdings = Holdings(self.scheduler, self.feeder)
-        self.replier = Replier(consumer)
-        self.claims = ClaimFetcher(blob_url, claim_upload_timeout_s,
-                                   lambda fn: self.c.hub.call_soon(fn))
-        self.streams = Streams(runtime, self.replier, consumer, lambda: self.generation)
-        self._timer: Any = None
-        self._timer_at = 0.0
-        self._tick_queued = False
+        self.replier = Replier(loop)
+        self.claims = ClaimFetcher(settings.blob_url, settings.claim_upload_timeout_s,
+                                   loop.call_soon)
+        self.streams = Streams(runtime, self.replier, loop, lambda: self.generation)
+        self.ticks = Ticks(loop, self.tick)
         self.generation = 0  # bumped on connection loss: old messages cannot be acked
         self.on_placement: Callable[[], None] = lambda: None  # a model's state changed
         self.placement = Placement(
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
-            lambda fn, *args: self.c.hub.call_soon(fn, *args), self.holdings.in_use,
+            loop.call_soon, self.holdings.in_use,
             self._on_state, self._on_load_failed, load_s or {}, self._on_lora)
         self.placement.running = lambda: {b.lane.model for b in self.scheduler.in_flight}
-        self.consumers = Consumers(self.scheduler, self.placement, prefetch)
+        self.consumers = Consumers(self.scheduler, self.placement, settings.prefetch)
         self.fleet = FleetRow(self.placement, self.consumers)  # the pool-state step's timer
-        self.returns = Returns(self.consumers, self.replier, consumer)
+        self.returns = Returns(self.consumers, self.replier, loop)
         self.batches = Batches(runtime, self.scheduler, self.placement, self.streams,
-                               self.replier, consumer, depth, self._on_batch_done)
+                               self.replier, loop, depth, self._on_batch_done)
         # Draining for a shutdown (`begin`, `check`, `on_drained`: `app.worker.steps.drain`).
         self.drain = Drain(self.scheduler, self.holdings, self.consumers, self.returns,
                            self.batches, self.replier, hold.delivery_limit)
         self.replier.on_confirmed = self.drain.check
-        self.answers = Answers(self.replier, consumer, self.drain)
-        self.revokes = Revokes(self.holdings, self.answers, runtime, self._queue_tick)
+        self.answers = Answers(self.replier, loop, self.drain)
+        self.revokes = Revokes(self.holdings, self.answers, runtime, self.ticks.queue)
         self.feed = Feed(runtime, self.feeder, self.continuous, self.placement, self.consumers,
-                         self.answers, self.returns, self.streams, self.replier, consumer,
+                         self.answers, self.returns, self.streams, self.replier, loop,
                          self._on_request_done)
-        self.intake = Intake(self.scheduler.lanes, entries, self.replier, self.answers,
-                             self.holdings, self.claims, self._place, self._queue_tick,
-                             lambda: self.generation, part_target_s, lora_mixed_batches)
+        # Where a request waits (pure); `Intake` decides with it what each message becomes.
+        self.entries = Entries(self.scheduler.lanes, entries, self.continuous,
+                               settings.part_target_s, settings.lora_mixed_batches)
+        self.intake = Intake(self.entries, self.replier, self.claims)
         for model, lane in lanes.items():
             lane.ready = self.placement.state(model) == RESIDENT
 
     # --- the step: a message in -------------------------------------------------------------
 
     def on_message(self, message: Any) -> None:
-        """A delivered message: its requests held and placed, a tick queued."""
+        """A delivered message: what `Intake` decides of its requests applied (held and
+        placed, fetching their claims, or answered), a tick queued."""
         if self.drain.active:
             self.drain.refuse(message)  # delivered before the broker saw the cancel
             return
         try:
-            if self.intake.take(message):
-                self._queue_tick()
+            tick = False
+            for decision in self.intake.take(message):
+                tick = self._decided(decision) or tick
+            if tick:
+                self.ticks.queue()
         except Exception:
             # Whatever a message holds, it must not take the consumer down.
             log.exception("message dead-lettered: it could not be held")
             message.reject(requeue=False)
 
-    def _place(self, model: str, held: Held, deliveries: int) -> None:
+    def _decided(self, decision: Decision) -> bool:
+        """Apply what `Intake` (or `Entries`) decided of a request; whether it calls for
+        a tick (a request was held or answered)."""
+        if type(decision) is Place:
+            self._place(*decision)
+        elif type(decision) is Refuse:
+            self.answers.refuse(*decision)
+        elif type(decision) is Fetch:
+            self._fetch(*decision)
+        elif type(decision) is Fail:
+            self.replier.failure(*decision)
+            return False
+        elif type(decision) is Reject:
+            decision.message.reject(requeue=False)
+            return False
+        return True
+
+    def _place(self, model: str, held: Held, deliveries: int, entry: Pending | Waiting
+               ) -> None:
         """A held request, its inputs at hand, joins its model's feeder or scheduler, or is
         parked until its LoRA adapter is loaded; what it needs starts loading."""
         # Asked for = used: a popular model stays recent while its requests wait.
         self.placement.touch(model)
-        if model in self.continuous:
-            self.feeder.add(model, self.intake.waiting(held, deliveries))
+        if isinstance(entry, Waiting):  # a continuously batching runtime's
+            self.feeder.add(model, entry)
             if self.placement.state(model) != RESIDENT:
                 self._ensure(model)
             return
-        if (held := self.intake.first_part(model, held)) is None:
-            return  # refused: it cannot finish within its whole deadline
         lora = held.annotations.lora
         if lora is not None and not self.placement.lora_resident(model, lora):
             self.holdings.park(model, lora, held, deliveries)
@@ -159,9 +184,35 @@ class Dispatcher:
             if why is not None:
                 self._on_lora(model, lora, why)
             return
-        self.scheduler.append(model, self.intake.pending(held, deliveries))
+        self.scheduler.append(model, entry)
         if not self.scheduler.lanes[model].ready:
             self._ensure(model)
+
+    def _fetch(self, model: str, held: Held, deliveries: int) -> None:
+        """Fetch a request's claimed inputs (on the fetcher's threads) before it is placed:
+        it enters the scheduler only when its inputs are here (`_on_fetched`)."""
+        generation = self.generation
+        a = held.annotations
+        self.holdings.fetch(model, held)
+        self.claims.fetch(held.body, a.sent_ms, a.deadline_ms,
+                          lambda: held.task_id in worker_state.revoked,
+                          lambda fetched: self._on_fetched(generation, model, held,
+                                                           deliveries, fetched))
+
+    def _on_fetched(self, generation: int, model: str, held: Held, deliveries: int,
+                    outcome: Fetched) -> None:
+        """A request's claimed inputs came (or could not be had): it is placed."""
+        if generation != self.generation:
+            return  # the connection was lost: the message is redelivered
+        if not self.holdings.fetched(held):
+            return  # handed back when the drain began
+        if outcome.error_code is not None:
+            self.answers.refuse(model, held, outcome.error_message or "",
+                                ErrorCode(outcome.error_code))
+            return
+        held.blobs = outcome.blobs
+        self._decided(self.entries.place(model, held, deliveries))
+        self.ticks.queue()
 
     def _ensure(self, model: str) -> None:
         """Have `model` loaded; if it cannot be, what is held for it is answered."""
@@ -171,38 +222,17 @@ class Dispatcher:
 
     # --- the step: tick -----------------------------------------------------------------
 
-    def _queue_tick(self) -> None:
-        # Let the loop finish reading the frames at hand first, so messages delivered
-        # together land in one batch. A timer due now, not `call_soon`: kombu's loop runs
-        # what `call_soon` adds from its own thread only after its next poll returns, so
-        # from a callback that itself came by `call_soon` (a load's end) the tick waited
-        # for the next frame or timer (0.03-1.2 s measured after loads, bench.coldstart);
-        # due timers fire before that poll.
-        if not self._tick_queued:
-            self._tick_queued = True
-            self.c.hub.call_later(0, self.tick)
-
     def tick(self) -> None:
         """The scheduler's decisions (and the feed's, the parked requests' deadlines)
         applied."""
-        self._tick_queued = False
+        self.ticks.ticking()
         actions = self.scheduler.tick(time.monotonic())
         for wake in (self._expire_parked() if self.holdings.parked else None,
                      self.feed.feed(self.generation) if self.continuous else None):
             if wake is not None:
                 actions.wake_in = wake if actions.wake_in is None else min(actions.wake_in, wake)
-        if not self.drain.active:
+        with self.drain:  # its refusals are answers too: a drain ends after them all
             self._apply(actions)
-            return
-        # Its refusals (deadlines passed) are answers too: the drain ends after them all.
-        answering = self.drain.answering
-        self.drain.answering = answering + 1
-        try:
-            self._apply(actions)
-        finally:
-            self.drain.answering = answering
-        if not answering:
-            self.drain.check()
 
     def _expire_parked(self) -> float | None:
         """Answer the parked requests whose deadline passed (they wait for a LoRA outside
@@ -232,22 +262,7 @@ class Dispatcher:
             log.info("returned %d requests of %s to the queue", len(returned), model)
         for lane in self.scheduler.lanes.values():
             metrics.HELD.labels(lane.model).set(len(lane.backlog))
-        self._wake_in(actions.wake_in)
-
-    def _wake_in(self, seconds: float | None) -> None:
-        if seconds is None:
-            return
-        at = time.monotonic() + seconds
-        if self._timer is not None:
-            if abs(at - self._timer_at) <= TIMER_SLACK_S:
-                return
-            self._timer.cancel()
-        self._timer_at = at
-        self._timer = self.c.hub.call_later(seconds, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.tick()
+        self.ticks.wake_in(actions.wake_in)
 
     # --- the step: a batch done ---------------------------------------------------------
 
@@ -255,8 +270,7 @@ class Dispatcher:
         """A batch ended: the next parts, the next batch, its answers, the drain check."""
         # Until its answers are all published, the drain is not over, whatever is seen
         # meanwhile (confirms of the first answers read while the rest go out, a tick).
-        self.drain.answering += 1
-        try:
+        with self.drain:
             done = self.batches.finish(future)
             if done is None:
                 return
@@ -264,7 +278,7 @@ class Dispatcher:
             # Each split request's next part joins the backlog, behind what arrived
             # meanwhile. Parts are never returned, so their delivery count does not matter.
             for part in next_parts(held, outcomes):
-                self.scheduler.append(model, self.intake.pending(part, 1))
+                self.scheduler.append(model, self.entries.pending(part, 1))
             self.placement.kick()  # a queued load may fit now that this batch is done
             # Start the next batch before answering this one: the runtime computes
             # while the loop publishes results, instead of idling until they are out.
@@ -273,23 +287,16 @@ class Dispatcher:
             if generation == self.generation:
                 self.answers.answer_batch(model, held, outcomes)
             # else: the connection was lost meanwhile; the messages are redelivered.
-        finally:
-            self.drain.answering -= 1
-        self.drain.check()
 
     def _on_request_done(self, generation: int, model: str, held: Held,
                          future: Future) -> None:
         """A continuous runtime ended a request: its answer, the next handed over."""
-        self.streams.publish()  # its last deltas go before its result
-        outcome = self.feed.finish(model, held, future)
-        if generation == self.generation:
-            self.drain.answering += 1
-            try:
+        with self.drain:
+            self.streams.publish()  # its last deltas go before its result
+            outcome = self.feed.finish(model, held, future)
+            if generation == self.generation:
                 self.answers.answer(model, held, outcome)
-            finally:
-                self.drain.answering -= 1
-        self._queue_tick()  # a slot is free: hand over the next
-        self.drain.check()
+            self.ticks.queue()  # a slot is free: hand over the next
 
     # --- placement (loop thread) -----------------------------------------------------------
 
@@ -303,7 +310,7 @@ class Dispatcher:
                 metrics.LOAD_WAIT.labels(model).observe(now - pending.received)
         self.consumers.follow_state(model, state)
         self.on_placement()
-        self._queue_tick()
+        self.ticks.queue()
         if lane.ready:
             for lora in self.holdings.parked_loras(model):
                 if why := self.placement.ensure(model, lora):
@@ -322,11 +329,11 @@ class Dispatcher:
         """A LoRA adapter's load ended (why None: loaded): its parked requests go on."""
         for held, deliveries in self.holdings.unpark(model, lora):
             if why is None:
-                self.scheduler.append(model, self.intake.pending(held, deliveries))
+                self.scheduler.append(model, self.entries.pending(held, deliveries))
             else:
                 self.answers.refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
         self.on_placement()
-        self._queue_tick()
+        self.ticks.queue()
 
     # --- what the worker's steps and its remote control call ------------------------
 
@@ -350,9 +357,7 @@ class Dispatcher:
         for model in self.scheduler.lanes:
             metrics.HELD.labels(model).set(0)
         self.consumers.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
+        self.ticks.cancel()
 
     def close(self) -> None:
         self.claims.close()

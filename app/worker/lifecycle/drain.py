@@ -10,8 +10,8 @@ called once the broker has confirmed every publish (their messages are then acke
 message delivered meanwhile goes straight back (`refuse`).
 
 The loop (`app.worker.lifecycle.dispatcher`) marks the stretches in which it answers
-(`answering`: a batch's results, refusals of a tick while draining), as the drain is not
-over until they are all out, and asks `check` after each; `check` calls `on_drained` once.
+(`with drain:` a batch's results, a tick's refusals), as the drain is not over until they
+are all out; the end of the outermost one checks (`check` calls `on_drained` once).
 """
 
 from __future__ import annotations
@@ -52,6 +52,15 @@ class Drain:
         self.handed_back = 0  # requests handed back when the drain began, or after
         self.answered = 0  # requests answered while draining (`Answers` counts them)
         self.on_drained: Callable[[], None] = lambda: None
+
+    def __enter__(self) -> None:
+        """A stretch of answers begins: the one place `answering` goes up."""
+        self.answering += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.answering -= 1
+        if not self.answering:
+            self.check()
 
     def begin(self) -> dict[str, int]:
         """Stop consuming, hand back every request that has not started; what runs goes

@@ -16,13 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 from app.worker import metrics
 from app.worker.lifecycle.answers import Answers
 from app.worker.lifecycle.batches import decode_requests, mark_started
 from app.worker.lifecycle.consumers import Consumers
 from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.loop import Loop
 from app.worker.lifecycle.placement import Placement
 from app.worker.lifecycle.replies import Replier
 from app.worker.lifecycle.returns import Returns
@@ -43,7 +43,7 @@ class Feed:
 
     def __init__(self, runtime: Runtime, feeder: Feeder, models: set[str],
                  placement: Placement, consumers: Consumers, answers: Answers,
-                 returns: Returns, streams: Streams, replier: Replier, consumer: Any,
+                 returns: Returns, streams: Streams, replier: Replier, loop: Loop,
                  done: Callable[[int, str, Held, Future], None]) -> None:
         self.runtime = runtime
         self.feeder = feeder
@@ -54,7 +54,7 @@ class Feed:
         self.returns = returns
         self.streams = streams
         self.replier = replier
-        self.c = consumer  # the Celery consumer: its hub wakes the loop
+        self.loop = loop  # woken when a request ends
         self.done = done  # the loop's: (generation, model, request, future), on the loop
 
     def feed(self, generation: int) -> float | None:
@@ -98,7 +98,7 @@ class Feed:
         metrics.IN_FLIGHT.labels(model).set(len(self.feeder.in_flight[model]))
         on_deltas = self.streams.queuer(generation, [held]) if request.stream else None
         future = self.runtime.submit(model, request, on_deltas)  # type: ignore[attr-defined]
-        future.add_done_callback(lambda f: self.c.hub.call_soon(
+        future.add_done_callback(lambda f: self.loop.call_soon(
             self.done, generation, model, held, f))
 
     def finish(self, model: str, held: Held, future: Future) -> Outcome:

@@ -37,6 +37,7 @@ import amqp
 import msgpack
 from celery.utils.time import utcoffset
 
+from app.worker.lifecycle.loop import Identity
 from tasks.envelope import (
     CONTENT_ENCODING,
     CONTENT_TYPE,
@@ -126,8 +127,8 @@ def rpc_result(task_id: str, status: str, result: Any, done: str | None = None
 
 
 class Replier:
-    def __init__(self, consumer: Any) -> None:
-        self.c = consumer
+    def __init__(self, loop: Identity) -> None:
+        self.loop = loop  # the worker's name, Celery's task events
         self.channel: Any = None
         self._published = 0  # publisher sequence number of the last publish
         # publish sequence number -> the requests its confirm settles
@@ -198,12 +199,12 @@ class Replier:
         if len(payloads) == 1:  # shares nothing: whole is smallest (a lone request's)
             payloads[0].update(traceback=None, children=[], date_done=done)
             for result in results:
-                result[WORKER] = self.c.hostname
+                result[WORKER] = self.loop.hostname
             return
         reply["envelope"] = {"traceback": None, "children": [], "date_done": done}
         if results:
             shared = take_shared(results) or {}
-            shared[WORKER] = self.c.hostname  # not stamped into them (`shares`)
+            shared[WORKER] = self.loop.hostname  # not stamped into them (`shares`)
             reply["shared"] = shared
 
     def _payload(self, delivery: Delivery, task_id: str, status: str, result: Any
@@ -263,7 +264,7 @@ class Replier:
         sends it when it starts, and every 5 s) adds 'task', and `disable_events` takes
         it out. The dispatcher is replaced on a reconnect, its groups carried over, so
         this is read each time rather than kept: a few attribute loads."""
-        dispatcher = getattr(self.c, "event_dispatcher", None)
+        dispatcher = self.loop.event_dispatcher
         if dispatcher is None or not dispatcher.enabled:
             return False
         groups = dispatcher.groups
@@ -276,7 +277,7 @@ class Replier:
             self._event(kind, task_id, **fields)
 
     def _event(self, kind: str, task_id: str, **fields: Any) -> None:
-        dispatcher = self.c.event_dispatcher
+        dispatcher = self.loop.event_dispatcher
         # Celery buffers task events and flushes them on the loop's next turn; a batch
         # of requests sends three events each, so let one flush carry them all.
         dispatcher.buffer_limit = EVENT_BUFFER_LIMIT

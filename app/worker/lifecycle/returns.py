@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from app.worker.lifecycle import traces
 from app.worker.lifecycle.consumers import Consumers
 from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.loop import Identity
 from app.worker.lifecycle.replies import Delivery, Replier
 from tasks import tracing
 from tasks.envelope import H_DEADLINE, Part, coalesce
@@ -80,13 +80,13 @@ def give_back(model: str, returned: list[Held], queue: str | None, replier: Repl
 class Returns:
     """Gives requests back to their model's queue (loop thread)."""
 
-    def __init__(self, consumers: Consumers, replier: Replier, consumer: Any) -> None:
+    def __init__(self, consumers: Consumers, replier: Replier, loop: Identity) -> None:
         self.consumers = consumers  # each model's queue, None once the connection is lost
         self.replier = replier
-        self.c = consumer  # the Celery consumer: its hostname marks what is republished
+        self.loop = loop  # its hostname marks what is republished
 
     def give_back(self, model: str, returned: list[Held],
                   renew: Callable[[Delivery], bool] | None = None) -> None:
         """See `give_back`."""
         give_back(model, returned, self.consumers.queue(model), self.replier,
-                  self.c.hostname, renew)
+                  self.loop.hostname, renew)

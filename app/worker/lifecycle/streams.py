@@ -19,6 +19,7 @@ from celery.worker import state as worker_state
 
 from app.worker import metrics
 from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.loop import Loop
 from app.worker.lifecycle.replies import Delivery, Replier
 from runtimes.base import Delta, OnDeltas, Runtime
 
@@ -26,11 +27,11 @@ from runtimes.base import Delta, OnDeltas, Runtime
 class Streams:
     """The deltas runtimes make, published in order on the loop."""
 
-    def __init__(self, runtime: Runtime, replier: Replier, consumer: Any,
+    def __init__(self, runtime: Runtime, replier: Replier, loop: Loop,
                  generation: Callable[[], int]) -> None:
         self.runtime = runtime
         self.replier = replier
-        self.c = consumer  # the Celery consumer: its hub, its hostname
+        self.loop = loop  # woken to publish; its hostname goes into each update
         self.generation = generation  # the dispatcher's: deltas of an older one are dropped
         # Deltas the runtime's thread made, for the loop to publish in order:
         # (generation, the batch's requests by task id, one step's deltas).
@@ -43,7 +44,7 @@ class Streams:
 
         def queue(deltas: list[Delta]) -> None:
             self._deltas.append((generation, by_id, deltas))
-            self.c.hub.call_soon(self.publish)
+            self.loop.call_soon(self.publish)
 
         return queue
 
@@ -71,7 +72,7 @@ class Streams:
                 self.runtime.cancel([task_id])
                 continue
             updates.append((held.delivery, task_id,
-                            {"choices": list(items.values()), "worker": self.c.hostname}))
+                            {"choices": list(items.values()), "worker": self.loop.hostname}))
             metrics.STREAM_DELTAS.labels(held.annotations.model).inc(len(items))
         if updates:
             self.replier.progress(updates)

@@ -21,7 +21,9 @@ from celery import bootsteps
 from kombu import Consumer
 
 from app.worker.deadletters import DeadLetterAnswerer
+from app.worker.lifecycle.decisions import LoopSettings
 from app.worker.lifecycle.dispatcher import Dispatcher
+from app.worker.lifecycle.loop import ConsumerLoop
 from app.worker.limits import (
     batch_limits,
     cost_model,
@@ -132,15 +134,17 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         if c.hub is None:
             raise RuntimeError("shoal's worker needs Celery's event loop (an AMQP broker)")
         if self.dispatcher is None:
-            self.dispatcher = Dispatcher(c, self.runtime, self.lanes, self.hold,
-                                         {e.id: e for e in self.entries},
-                                         self.settings.part_target_ms / 1000, self.pool,
-                                         self.pinned, self.settings.prefetch,
-                                         self._profile_load_s(),
-                                         self.settings.lora_mixed_batches,
-                                         self.settings.feed_return_after_ms / 1000,
-                                         self.settings.blob_url,
-                                         self.settings.claim_upload_timeout_s)
+            settings = self.settings
+            self.dispatcher = Dispatcher(
+                ConsumerLoop(c), self.runtime, self.lanes, self.hold,
+                entries={e.id: e for e in self.entries}, pool=self.pool, pinned=self.pinned,
+                load_s=self._profile_load_s(), settings=LoopSettings(
+                    part_target_s=settings.part_target_ms / 1000,
+                    prefetch=settings.prefetch,
+                    lora_mixed_batches=settings.lora_mixed_batches,
+                    feed_return_after_s=settings.feed_return_after_ms / 1000,
+                    blob_url=settings.blob_url,
+                    claim_upload_timeout_s=settings.claim_upload_timeout_s))
         self.c = c
         graceful = getattr(c, "shoal_graceful", None)
         if graceful is not None and graceful.requested_at is not None:

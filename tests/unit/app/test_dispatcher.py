@@ -14,7 +14,9 @@ from typing import Any
 import msgpack
 import pytest
 
+from app.worker.lifecycle.decisions import LoopSettings
 from app.worker.lifecycle.dispatcher import Dispatcher
+from app.worker.lifecycle.loop import ConsumerLoop
 from app.worker.lifecycle.held import PARKED, RUNNING, SCHEDULED
 from batching.feeder import Load
 from batching.former import BatchLimits
@@ -181,9 +183,10 @@ class Fixture:
         self.worker = Worker()
         self.hub = self.worker.hub
         lanes = {MODEL: Lane(MODEL, BatchLimits(max_tokens=10_000, max_items=max_items), cost)}
-        self.dispatcher = Dispatcher(self.worker, self.runtime, lanes,
+        self.dispatcher = Dispatcher(ConsumerLoop(self.worker), self.runtime, lanes,
                                      HoldLimits(horizon_batches=1.0, max_horizon_s=0.5),
-                                     entries={}, pinned={MODEL}, prefetch=8)
+                                     entries={}, pinned={MODEL},
+                                     settings=LoopSettings(prefetch=8))
         self.dispatcher.replier.open(self.worker.connection)
         self.channel = self.worker.connection.channel_opened
         self.consumer = KombuConsumer()
@@ -397,7 +400,7 @@ def test_a_continuous_runtime_is_fed_as_it_has_room_and_a_drain_waits_for_what_i
 
 
 def test_a_requests_scheduler_entry_carries_its_annotations_field_by_field(make):
-    """`Intake.pending` builds `Pending` positionally (once per request): each field
+    """`Entries.pending` builds `Pending` positionally (once per request): each field
     lands where its name says."""
     from app.worker.lifecycle.held import Held
     from app.worker.lifecycle.replies import Delivery
@@ -408,7 +411,7 @@ def test_a_requests_scheduler_entry_carries_its_annotations_field_by_field(make)
     a = Annotations(MODEL, "encode", 3, 42, 17, deadline_ms, deadline_ms - 8_000.0, "ad",
                     bulk=True)
     held = Held(Delivery(Message()), "t-1", a, b"", 0)
-    p = f.dispatcher.intake.pending(held, 4)
+    p = f.dispatcher.entries.pending(held, 4)
     assert p.handle is held and p.key == "t-1"
     assert p.group == ("encode", False)  # LoRAs mix by default
     assert (p.items, p.cost, p.longest) == (3, 42, 17)
