@@ -1,5 +1,6 @@
 """What a SPLADE model's files say about its pooling, and the pooling itself on numpy
-arrays; the PyTorch and ONNX sparse adapters share both."""
+arrays: the sparse family's (`runtimes.families.sparse`) and an engine's that pools on
+the host."""
 
 from __future__ import annotations
 
