@@ -273,9 +273,10 @@ class ContinuousRuntime(Runtime, Protocol):
     batching."""
 
 
-# The file an emulated device's queue lives in, shared by the processes of one device
-# (`runtimes.worker_side.replicas` sets it, `runtimes.doubles.emulated` reads it).
-EMULATED_QUEUE_ENV = "SHOAL_EMULATE_DEVICE_QUEUE"
+# Names the device a runtime process computes on, the same in every process that shares
+# it (the replicas of one device: `runtimes.worker_side.replicas` sets it); a stand-in
+# device that keeps its own queue of passes shares it among them (`runtimes.doubles`).
+DEVICE_GROUP_ENV = "SHOAL_DEVICE_GROUP"
 CANCELLED = "cancelled"  # the finish_reason of a generation its caller abandoned
 
 

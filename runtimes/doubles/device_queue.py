@@ -1,19 +1,28 @@
 """The emulated device's queue of passes, as a CUDA stream is one: a pass starts when the
 one before it ends (or when it is called, if later). One process's (`Stream`), or one
 that the processes of a device share through a mapped file (`SharedStream`: the replicas
-`runtimes.worker_side.replicas` starts, `EMULATED_QUEUE_ENV` naming the file).
+`runtimes.worker_side.replicas` starts, whose environment names their device the same,
+`runtimes.base.DEVICE_GROUP_ENV`). The file is this module's: named from the group (the
+worker's pid first), made by the first replica to queue a pass, and left for a later
+start to remove once that worker has exited.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
+import re
 import struct
+import tempfile
 import threading
 import time
+from pathlib import Path
 
-from runtimes.base import EMULATED_QUEUE_ENV
+from runtimes.base import DEVICE_GROUP_ENV
+
+QUEUE_PREFIX = "shoal-device-queue-"
 
 
 def wait_until(deadline: float) -> None:
@@ -64,5 +73,36 @@ _FREE_AT = struct.Struct("d")
 
 
 def make_stream() -> Stream | SharedStream:
-    path = os.environ.get(EMULATED_QUEUE_ENV)
-    return SharedStream(path) if path else Stream()
+    """This process's queue: shared with the other processes of its device group, if it
+    has one (`DEVICE_GROUP_ENV`), else its own."""
+    group = os.environ.get(DEVICE_GROUP_ENV, "").strip()
+    if not group:
+        return Stream()
+    _remove_stale()
+    return SharedStream(str(queue_path(group)))
+
+
+def queue_path(group: str) -> Path:
+    """The file a device group's queue lives in."""
+    name = re.sub(r"[^0-9A-Za-z.-]", "_", group)
+    return Path(tempfile.gettempdir()) / f"{QUEUE_PREFIX}{name}"
+
+
+def _remove_stale() -> None:
+    """Remove the queues of groups whose worker (the pid the group starts with) is gone."""
+    for path in Path(tempfile.gettempdir()).glob(f"{QUEUE_PREFIX}*"):
+        pid = re.match(r"(\d+)-", path.name[len(QUEUE_PREFIX):])
+        if pid is None or _alive(int(pid.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's: alive)
+        return True
+    return True

@@ -4,12 +4,12 @@
 `h100/minilm`, or explicit `fixed_ms,per_token_us`, e.g. `0.25,0.2`) in a runtime
 process's environment (a worker's runtime inherits the worker's:
 `SHOAL_EMULATE_DEVICE=h100/minilm shoal worker`) installs this module as the PyTorch
-engine's device double (`install`, through `runtimes.pytorch.device_double`, the one seam:
-no product module imports this one), and `load_model` hands every model it loads to
-`emulate_forward`: the model is loaded and watched as usual, and every CPU step of its
-adapter runs for real (decode, parse, tokenize, pad, pool, results, the frames to and
-from the worker); only the model's own forward is replaced by a wait of what the profile
-says the device would take,
+engine's device seam (`EmulatedDevice`, supplied through `runtimes.doubles.device_seam`
+to `runtimes.pytorch.device_seam`: no product module imports this one), and `load_model`
+hands every model it loads to `emulate_forward`: the model is loaded and watched as
+usual, and every CPU step of its adapter runs for real (decode, parse, tokenize, pad,
+pool, results, the frames to and from the worker); only the model's own forward is
+replaced by a wait of what the profile says the device would take,
 
     fixed_ms + per_token_us x padded tokens  (padded tokens = rows x columns of input_ids)
 
@@ -69,7 +69,7 @@ from transformers.modeling_outputs import (
 
 from runtimes.doubles.device_queue import make_stream, wait_until
 from runtimes.doubles.profiles import ENV, DeviceProfile, configured_profile
-from runtimes.pytorch import device_double
+from runtimes.pytorch import device_seam
 from runtimes.pytorch.device_time import DeviceClock, device_clock
 
 log = logging.getLogger(__name__)
@@ -310,16 +310,16 @@ def emulated_profile(model: torch.nn.Module) -> DeviceProfile | None:
 
 
 
-# --- the hook: the PyTorch engine's device double ---------------------------------------------
+# --- the hook: the PyTorch engine's device seam -----------------------------------------------
 
 
 class EmulatedDevice:
-    """This module as the engine's `runtimes.pytorch.device_double.DeviceDouble`."""
+    """This module as the engine's `runtimes.pytorch.device_seam.DeviceSeam`."""
 
-    def emulates(self) -> bool:
+    def replaces_forward(self) -> bool:
         return configured_profile() is not None
 
-    def replace_forward(self, model: Any, model_class: Any, ref: str) -> None:
+    def loaded(self, model: Any, model_class: Any, ref: str) -> None:
         emulate_forward(model, model_class, ref)
 
     def queued(self) -> AbstractContextManager[None]:
@@ -336,6 +336,6 @@ class EmulatedDevice:
 
 
 def install() -> None:
-    """Make this the engine's device double (`device_double.configured` calls it when
+    """Make this the engine's device seam (`device_seam.configured` does when
     SHOAL_EMULATE_DEVICE is set; benchmarks and tests may too)."""
-    device_double.install(EmulatedDevice())
+    device_seam.install(EmulatedDevice())

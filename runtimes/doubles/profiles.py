@@ -31,9 +31,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from runtimes.pytorch.device_double import SETTING
-
-ENV = SETTING
+ENV = "SHOAL_EMULATE_DEVICE"  # read when the PyTorch engine starts and a model loads
 _OFF = frozenset({"", "0", "off", "false", "no", "none"})
 
 

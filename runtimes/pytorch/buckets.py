@@ -54,10 +54,10 @@ worker's) decides, read at each model load:
 - `buckets`: bucket padding only, on any device (the padding's own effect, and tests);
 - `off`: neither: every pass eager at its own shape, as before.
 
-Graphs are never attempted on a device other than CUDA, nor on an emulated device
-(`runtimes.doubles.emulated`, CPU only): the emulated forward sees the bucket's padded
-shape in `buckets`/`on` mode, as a bucketed device would. A capture that fails logs a
-warning and leaves the model bucketed and eager.
+Graphs are never attempted on a device other than CUDA, nor for a model whose forward a
+stand-in device replaced (`runtimes.pytorch.device_seam`, CPU only): the stand-in's
+forward sees the bucket's padded shape in `buckets`/`on` mode, as a bucketed device would.
+A capture that fails logs a warning and leaves the model bucketed and eager.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def configured_mode() -> str:
     return mode
 
 
-def plan(mode: str, device: str, emulated: bool = False) -> Plan:
+def plan(mode: str, device: str, replaced_forward: bool = False) -> Plan:
     """What `mode` means for a model on `device` (see the module doc)."""
-    cuda = device.startswith("cuda") and not emulated
+    cuda = device.startswith("cuda") and not replaced_forward
     if mode == "off":
         return Plan(False, False)
     if mode == "buckets":
@@ -316,10 +316,10 @@ _runners: weakref.WeakKeyDictionary[torch.nn.Module, Buckets] = weakref.WeakKeyD
 
 def install(model: torch.nn.Module, *, field: str, device: str, pad_id: int, limit: int,
             max_tokens: int, inputs: Sequence[str], name: str,
-            emulated: bool = False) -> Buckets | None:
+            replaced_forward: bool = False) -> Buckets | None:
     """Give `model` its buckets (None, and nothing done, when SHOAL_CUDA_GRAPHS says
     neither buckets nor graphs for it) and capture its graphs where the plan says so."""
-    wanted = plan(configured_mode(), device, emulated)
+    wanted = plan(configured_mode(), device, replaced_forward)
     if not wanted.buckets:
         _runners.pop(model, None)
         return None

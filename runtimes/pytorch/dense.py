@@ -11,7 +11,6 @@ adapters (texts of different LoRAs in one forward pass, `runtimes.pytorch.lora`)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ from runtimes.families.dense import DenseConfig, Tokenized, dense_config, tokeni
 from runtimes.families.token_ids import Input, vocabulary
 from runtimes.families.vectors import normalize_rows
 from runtimes.model_files.precision import torch_dtype
-from runtimes.pytorch import buckets, device_double
+from runtimes.pytorch import buckets, device_seam
 from runtimes.pytorch.loading import load_model
 from runtimes.pytorch.lora import LoraSet
 from runtimes.pytorch.text import (
@@ -100,10 +99,9 @@ class DenseEncoder:
         """The device side of `embed`: every chunk's pooled vectors, copied to the host
         without waiting (`gather` waits)."""
         pooled = []
-        # On an emulated device (benchmarks) the passes queue as a GPU's kernels do, and
-        # the HostCopy waits for them.
-        double = device_double.current()
-        with nullcontext() if double is None else double.queued():
+        # The passes queue as a GPU's kernels do (on a stand-in device too), and the
+        # HostCopy waits for them.
+        with device_seam.current().queued():
             for chunk, staged_inputs in chunks:
                 inputs = to_device(staged_inputs, self.device)
                 names = None if loras is None else [loras[i] for i in chunk]

@@ -10,7 +10,7 @@ import torch
 from runtimes.child_side.adapter import Adapter
 from runtimes.model_files.footprint import physical_memory_bytes, tensor_bytes
 from runtimes.model_files.precision import resolve_precision
-from runtimes.pytorch import device_double, offload
+from runtimes.pytorch import device_seam, offload
 from runtimes.pytorch.buckets import graph_bytes
 from runtimes.pytorch.device_time import device_clock
 from runtimes.pytorch.families import ADAPTERS
@@ -22,12 +22,18 @@ class TorchEngine:
     name = "pytorch"
     adapters = ADAPTERS
 
-    def __init__(self, device: str, threads: int = 0) -> None:
+    def __init__(self, device: str, threads: int = 0,
+                 seam: device_seam.DeviceSeam | None = None) -> None:
+        """`seam`: where the forward path's passes queue and the host waits for them
+        (`runtimes.pytorch.device_seam`); None: what the process's settings say (the real
+        device, or a stand-in a benchmark's setting asks for)."""
         self.device = device
         if threads > 0:
             torch.set_num_threads(threads)
         self.clock = device_clock(device)
-        device_double.configured()  # benchmarks only: SHOAL_EMULATE_DEVICE installs one
+        if seam is not None:
+            device_seam.install(seam)
+        self.seam = device_seam.configured()
 
     def adapter_class(self, entry: ModelEntry) -> type[Adapter]:
         """The class of the entry's family (imported only when needed)."""
@@ -79,8 +85,7 @@ class TorchEngine:
         return physical_memory_bytes()
 
     def stamp(self) -> dict[str, Any] | None:
-        double = device_double.current()
-        return None if double is None else double.stamp()
+        return device_seam.current().stamp()
 
     def warm(self) -> None:
         """A spare runs a few tiny CPU ops of the kinds encoders run: the first of each sets

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from runtimes.families.text import max_length
-from runtimes.pytorch import buckets, device_double
+from runtimes.pytorch import buckets, device_seam
 from runtimes.pytorch.device_time import watch_forward
 
 
@@ -35,7 +35,7 @@ def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | Non
     model's) and, on CUDA, graphs captured here, before the device clock watches the
     model (`runtimes.pytorch.buckets`, SHOAL_CUDA_GRAPHS).
     """
-    double = device_double.configured()  # benchmarks only: SHOAL_EMULATE_DEVICE, else None
+    seam = device_seam.configured()  # the real device, unless a benchmark's stand-in
     tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=True)
     options: dict[str, Any] = {"local_files_only": True, "dtype": dtype or torch.float32}
     try:
@@ -52,10 +52,9 @@ def load_model(model_class: Any, ref: str, device: str, dtype: torch.dtype | Non
                         limit=max_length(tokenizer, model.config, bucket_width),
                         max_tokens=budget,
                         inputs=inputs, name=ref,
-                        emulated=double is not None and double.emulates())
+                        replaced_forward=seam.replaces_forward())
     watch_forward(model)
-    if double is not None:
-        double.replace_forward(model, model_class, ref)
+    seam.loaded(model, model_class, ref)
     return LoadedModel(tokenizer, model, pad_id(tokenizer))
 
 

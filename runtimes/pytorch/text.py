@@ -20,7 +20,7 @@ from runtimes.families.text import (
     row_lengths,
     too_long,
 )
-from runtimes.pytorch import device_double
+from runtimes.pytorch import device_seam
 
 __all__ = [
     "check_lengths", "encode_texts", "filled", "length_chunks", "max_length", "too_long",
@@ -90,12 +90,13 @@ class HostCopy:
 
     On a GPU the copy is queued behind the forward that makes them (into pinned memory),
     and an event marks its end, so the device stage moves on to the next batch at once.
-    Made right after passes run inside a device double's `queued()` (an emulated device,
-    `runtimes.pytorch.device_double`), it waits for those instead, as for a GPU's copy."""
+    Made right after passes ran inside the device seam's `queued()`
+    (`runtimes.pytorch.device_seam`: a stand-in device may queue them), it waits for those
+    too, as for a GPU's copy."""
 
     def __init__(self, outputs: list[torch.Tensor]) -> None:
-        self._double = device_double.current()
-        self._emulated_until = None if self._double is None else self._double.queued_until()
+        self._seam = device_seam.current()
+        self._queued_until = self._seam.queued_until()
         self._event = None
         if outputs and outputs[0].is_cuda:
             host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
@@ -107,9 +108,9 @@ class HostCopy:
         self._outputs = outputs
 
     def wait(self) -> list[torch.Tensor]:
-        if self._double is not None:
-            self._double.wait_queued(self._emulated_until)
-            self._emulated_until = None
+        if self._queued_until is not None:
+            self._seam.wait_queued(self._queued_until)
+            self._queued_until = None
         if self._event is not None:
             self._event.synchronize()
             self._event = None

@@ -7,10 +7,10 @@ while the device could take a hundred times more and the host's other cores idle
 `ReplicaSet` runs `count` `runtimes.worker_side.process.ProcessRuntime`s (the worker's
 SHOAL_RUNTIME_REPLICAS) on the same device, each with every model loaded, and hands
 each batch to the one with the fewest batches in flight; their device work interleaves
-on the device as the streams of separate processes do (CUDA time-slices contexts; an
-emulated device is one queue that every replica's passes wait in, `runtimes.pytorch.
-emulated`). Threads inside one process would share its GIL, which is most of the
-preparation's CPU (BENCHMARKS.md, "Preparation on several cores").
+on the device as the streams of separate processes do (CUDA time-slices contexts; each
+replica's environment names the device they share, `runtimes.base.DEVICE_GROUP_ENV`).
+Threads inside one process would share its GIL, which is most of the preparation's CPU
+(BENCHMARKS.md, "Preparation on several cores").
 
 Everything a single runtime promises holds per replica, because each is one: a crash,
 hang or fatal device error ends one child, its supervisor restarts it with its models
@@ -24,17 +24,17 @@ each copy against the device's memory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 from runtimes.base import (
-    EMULATED_QUEUE_ENV,
+    DEVICE_GROUP_ENV,
     BatchesOnly,
     Capabilities,
     LoadFailed,
@@ -61,6 +61,9 @@ def default_replicas(device: str, cores: int | None = None) -> int:
     return max(1, min(8, (cores or os.cpu_count() or 1) // 4))
 
 
+_sets = itertools.count()  # the replica sets of this process, each a device's group
+
+
 class _ReplicaAhead:
     """A frame sent ahead to one replica, which keeps that replica's slot until its batch
     ran there or it is discarded."""
@@ -81,15 +84,13 @@ class ReplicaSet(BatchesOnly):
     """`runtimes.base.Runtime` over `count` ProcessRuntimes on one device (module doc).
 
     `start(index, env)` starts replica `index` with `env` added to its child's
-    environment (the shared emulated-device queue)."""
+    environment (the name of the device they share)."""
 
     def __init__(self, start: Callable[[int, dict[str, str]], ProcessRuntime],
                  count: int) -> None:
         if count < 1:
             raise ValueError(f"a replica set needs at least one replica, not {count}")
-        fd, self._queue_file = tempfile.mkstemp(prefix="shoal-emulated-queue-")
-        os.close(fd)
-        env = {EMULATED_QUEUE_ENV: self._queue_file}
+        env = {DEVICE_GROUP_ENV: f"{os.getpid()}-{next(_sets)}"}
         self.replicas: list[ProcessRuntime] = []
         self._lock = threading.Lock()
         self._in_flight = [0] * count
@@ -260,5 +261,3 @@ class ReplicaSet(BatchesOnly):
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
-        with suppress(FileNotFoundError):
-            os.unlink(self._queue_file)

@@ -110,8 +110,8 @@ def test_the_setting():
     assert plan("on", "cpu") == Plan(True, False)
     assert plan("buckets", "cuda") == Plan(True, False)
     assert plan("off", "cuda") == Plan(False, False)
-    assert plan("auto", "cuda", emulated=True) == Plan(False, False)
-    assert plan("on", "cuda", emulated=True) == Plan(True, False)
+    assert plan("auto", "cuda", replaced_forward=True) == Plan(False, False)
+    assert plan("on", "cuda", replaced_forward=True) == Plan(True, False)
 
 
 def test_the_setting_is_read_from_the_environment(monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from batching.pool import lora_key
-from runtimes.base import CANCELLED, EMULATED_QUEUE_ENV, LoadFailed, Outcome, Request
+from runtimes.base import CANCELLED, DEVICE_GROUP_ENV, LoadFailed, Outcome, Request
 from runtimes.child_side.host import ModelHost
 from runtimes.worker_side.process import ProcessRuntime
 from runtimes.worker_side.replicas import ReplicaSet, default_replicas
@@ -263,16 +263,35 @@ def test_a_failed_start_of_one_replica_stops_the_others(catalog_dir):
              not os.path.exists(f"/proc/{started[0].pid}"))
 
 
-def test_the_replicas_share_one_emulated_device_queue(tmp_path, monkeypatch):
-    """Two processes' passes queue one behind the other, as on one GPU."""
+def test_the_replicas_share_one_emulated_device_queue(monkeypatch):
+    """Two processes' passes queue one behind the other, as on one GPU: the processes of
+    one device group (what a replica set names in each replica's environment)."""
     from runtimes.doubles import device_queue
 
-    path = tmp_path / "queue"
-    monkeypatch.setenv(EMULATED_QUEUE_ENV, str(path))
+    group = f"{os.getpid()}-test-{threading.get_ident()}"
+    monkeypatch.setenv(DEVICE_GROUP_ENV, group)
     first, second = device_queue.make_stream(), device_queue.make_stream()  # two processes
-    assert isinstance(first, device_queue.SharedStream)
-    assert first.queue(100.0, 1.0) == 101.0
-    assert second.queue(100.5, 1.0) == 102.0  # behind the first pass
-    assert first.queue(200.0, 0.5) == 200.5  # the device was free by then
-    monkeypatch.delenv(EMULATED_QUEUE_ENV)
+    try:
+        assert isinstance(first, device_queue.SharedStream)
+        assert first.queue(100.0, 1.0) == 101.0
+        assert second.queue(100.5, 1.0) == 102.0  # behind the first pass
+        assert first.queue(200.0, 0.5) == 200.5  # the device was free by then
+    finally:
+        device_queue.queue_path(group).unlink()
+    monkeypatch.delenv(DEVICE_GROUP_ENV)
     assert isinstance(device_queue.make_stream(), device_queue.Stream)
+
+
+def test_a_stale_device_queue_is_removed_once_its_worker_is_gone(monkeypatch):
+    from runtimes.doubles import device_queue
+
+    gone = device_queue.queue_path("999999999-0")  # no such pid
+    gone.write_bytes(b"")
+    monkeypatch.setenv(DEVICE_GROUP_ENV, f"{os.getpid()}-stale-test")
+    device_queue.make_stream()
+    try:
+        assert not gone.exists()
+        assert device_queue.queue_path(f"{os.getpid()}-stale-test").exists()  # (alive)
+    finally:
+        device_queue.queue_path(f"{os.getpid()}-stale-test").unlink()
+

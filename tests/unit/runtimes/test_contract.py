@@ -9,6 +9,7 @@ ProcessRuntime's send-ahead through a ReplicaSet: tests/runtime/test_replicas.py
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -17,6 +18,7 @@ import pytest
 
 from batching.feeder import Load
 from runtimes.base import (
+    DEVICE_GROUP_ENV,
     BatchesOnly,
     Capabilities,
     Compute,
@@ -268,3 +270,20 @@ def test_a_replica_set_forwards_models_statistics_and_availability():
     assert all(e.watchers == [print] for e in engines)
     runtime.close()
     assert all(e.calls[-1] == ("close",) for e in engines)
+
+
+def test_the_replicas_of_a_set_are_told_the_device_they_share():
+    """Each set's replicas get one name for their device in their environment (a stand-in
+    device queues their passes as one: `runtimes.doubles.device_queue`); another set,
+    another name."""
+    envs: list[dict[str, str]] = []
+
+    def start(index: int, env: dict[str, str]) -> Engine:
+        envs.append(env)
+        return Engine(f"replica-{index}")
+
+    for _ in range(2):
+        ReplicaSet(start, 2).close()  # type: ignore[arg-type]
+    groups = [env[DEVICE_GROUP_ENV] for env in envs]
+    assert groups[0] == groups[1] != groups[2] == groups[3]
+    assert all(g.startswith(f"{os.getpid()}-") for g in groups)
