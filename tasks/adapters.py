@@ -1,9 +1,11 @@
 """What each adapter (model family) promises: its operation, inputs and outputs.
 
 The catalog validates entries against these contracts and the gateway checks
-requests with them, both without importing torch. Which class computes a family is its
-engine's (`runtimes.pytorch.families`, `runtimes.onnx.engine.ADAPTERS`; `tasks.engines`
-says which engine serves which families).
+requests with them, both without importing torch. A family's logic is written once, in
+`runtimes/families/` (its checks, tokenizing, pooling, results), over a primitive that
+each engine that serves it supplies; which class computes a family is its engine's
+(`runtimes.pytorch.families`, `runtimes.onnx.engine.ADAPTERS`; `tasks.engines` says which
+engine serves which families). A test or a plugin adds a family with `register`.
 """
 
 from __future__ import annotations
@@ -72,3 +74,18 @@ ADAPTERS: dict[str, AdapterContract] = {
 }
 
 OPERATIONS = (ENCODE, SCORE, EXTRACT, CLASSIFY, GENERATE)
+
+
+def register(contract: AdapterContract) -> None:
+    """Add a family at run time (a test's, a plugin's): the catalog and the gateway read
+    it from then on, in this process. A name taken is an error."""
+    if contract.name in ADAPTERS:
+        raise ValueError(f"an adapter named {contract.name!r} is registered already")
+    if contract.operation not in OPERATIONS:
+        raise ValueError(f"adapter {contract.name!r}: unknown operation "
+                         f"{contract.operation!r}; allowed: {list(OPERATIONS)}")
+    ADAPTERS[contract.name] = contract
+
+
+def unregister(name: str) -> None:
+    ADAPTERS.pop(name, None)
