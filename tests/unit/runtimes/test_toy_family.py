@@ -201,6 +201,7 @@ def test_a_family_of_an_unknown_operation_is_refused():
 ENGINE_FILES = {
     "runtimes/families/dense.py": ["runtimes/pytorch/dense.py", "runtimes/onnx/dense.py"],
     "runtimes/families/sparse.py": ["runtimes/pytorch/sparse.py", "runtimes/onnx/sparse.py"],
+    "runtimes/families/multivector.py": ["runtimes/pytorch/multivector.py"],
 }
 FAMILY_LOGIC = {"check", "prepare", "run", "plan", "finish", "scored", "probe"}
 
