@@ -202,6 +202,7 @@ ENGINE_FILES = {
     "runtimes/families/dense.py": ["runtimes/pytorch/dense.py", "runtimes/onnx/dense.py"],
     "runtimes/families/sparse.py": ["runtimes/pytorch/sparse.py", "runtimes/onnx/sparse.py"],
     "runtimes/families/multivector.py": ["runtimes/pytorch/multivector.py"],
+    "runtimes/families/clip.py": ["runtimes/pytorch/clip.py"],
 }
 FAMILY_LOGIC = {"check", "prepare", "run", "plan", "finish", "scored", "probe"}
 
