@@ -23,7 +23,7 @@ class CurvePoint:
 class Candidate:
     """One way to serve the model on this device: a runtime at a precision."""
 
-    runtime: str  # pytorch | onnx
+    runtime: str  # an engine of tasks.engines (its `candidates`)
     precision: str  # fp32 | bf16 | fp16 | int8
     parity: dict[str, float] = field(default_factory=dict)  # figure name -> value
     parity_ok: bool = False
