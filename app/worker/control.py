@@ -15,6 +15,7 @@ from typing import Any
 from celery.utils.functional import maybe_list
 from celery.worker import control
 
+from app.worker.lifecycle.view import WorkerView
 from app.worker.steps.model_queues import ModelQueueConsumer
 
 
@@ -37,38 +38,38 @@ def _step(state: Any) -> ModelQueueConsumer | None:
 def shoal_models(state: Any) -> dict[str, Any]:
     """Each model this worker may serve: resident, loading or cold, pinned, its bytes."""
     step = _step(state)
-    if step is None or step.dispatcher is None:
+    if step is None or step.view is None:
         return {"error": "not consuming yet"}
-    return step.dispatcher.placement.snapshot()
+    return step.view.snapshot()
 
 
-def _placement_serving(state: Any, model: str) -> tuple[Any, dict[str, str] | None]:
-    """This worker's placement and None, or None and the reply that says why not."""
+def _serving(state: Any, model: str) -> tuple[WorkerView | None, dict[str, str] | None]:
+    """This worker's view and None, or None and the reply that says why not."""
     step = _step(state)
-    if step is None or step.dispatcher is None:
+    if step is None or step.view is None:
         return None, {"error": "not consuming yet"}
-    if model not in step.dispatcher.scheduler.lanes:
+    if not step.view.serves(model):
         return None, {"error": f"this worker does not serve {model!r} (SHOAL_MODELS)"}
-    return step.dispatcher.placement, None
+    return step.view, None
 
 
 @control.control_command(args=[("model", str)], signature="<model id>")
 def shoal_load(state: Any, model: str) -> dict[str, Any]:
     """Start loading a model here (warm it before traffic comes)."""
-    placement, refused = _placement_serving(state, model)
-    if refused is not None:
-        return refused
-    why = placement.ensure(model, asked=True)
-    return {"error": why} if why is not None else {"ok": f"{model} is {placement.state(model)}"}
+    view, refused = _serving(state, model)
+    if view is None:
+        return refused or {}
+    why = view.load(model)
+    return {"error": why} if why is not None else {"ok": f"{model} is {view.state(model)}"}
 
 
 @control.control_command(args=[("model", str)], signature="<model id>")
 def shoal_unload(state: Any, model: str) -> dict[str, Any]:
     """Drop a model here (not a pinned one, nor one with requests held or running)."""
-    placement, refused = _placement_serving(state, model)
-    if refused is not None:
-        return refused
-    why = placement.unload(model)
+    view, refused = _serving(state, model)
+    if view is None:
+        return refused or {}
+    why = view.unload(model)
     return {"error": why} if why is not None else {"ok": f"{model} unloaded"}
 
 
@@ -78,9 +79,9 @@ def shoal_cancel(state: Any, task_ids: list[str]) -> dict[str, Any]:
     they are answered CANCELLED at once; running, the runtime drops them before the device
     or stops their generation at its next token (`app.worker.lifecycle.revokes`)."""
     step = _step(state)
-    if step is None or step.dispatcher is None:
+    if step is None or step.view is None:
         return {"error": "not consuming yet"}
-    return {"ok": step.dispatcher.cancel([str(t) for t in task_ids])}
+    return {"ok": step.view.cancel([str(t) for t in task_ids])}
 
 
 # Celery's own `revoke` (`AsyncResult.revoke()`, `celery control revoke`) marks the ids
@@ -97,6 +98,6 @@ def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None
     reply = _celery_revoke(state, task_id, terminate=terminate, signal=signal, **kwargs)
     ids = list(maybe_list(task_id) or ())
     step = _step(state)
-    if ids and step is not None and step.dispatcher is not None:
-        step.dispatcher.cancel([str(t) for t in ids])
+    if ids and step is not None and step.view is not None:
+        step.view.cancel([str(t) for t in ids])
     return reply

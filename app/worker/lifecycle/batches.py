@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from celery.worker import state as worker_state
 
@@ -41,7 +40,7 @@ from batching.lanes import Batch
 from batching.pool import lora_key
 from batching.scheduler import Scheduler
 from batching.shapes import BatchShape
-from runtimes.base import Outcome, Request, Runtime
+from runtimes.base import Outcome, Request, Runtime, SentAhead
 from tasks import tracing
 from tasks.claims import substitute
 from tasks.envelope import decode_body, now_ms
@@ -123,6 +122,8 @@ class Batches:
         self.loop = loop  # wakes the loop when a batch is done
         self.done = done  # the loop's: (generation, future), on the loop
         self.executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="shoal-runtime")
+        # Whether a lone batch's frame may be sent from the loop (read once).
+        self.send_ahead = runtime.capabilities.send_ahead
         self.futures: dict[Future, Batch] = {}  # of the batches in flight
         self.device_busy_s = 0.0  # the device's busy time in this worker's batches so far
 
@@ -163,24 +164,24 @@ class Batches:
         )
 
     def _ahead(self, model: str, batch: list[Held]
-               ) -> tuple[tuple[list[Request], dict[str, Outcome], float] | None, Any]:
+               ) -> tuple[tuple[list[Request], dict[str, Outcome], float] | None,
+                          SentAhead | None]:
         """A lone small batch decoded on the loop and its frame sent to the runtime process
         now (`ProcessRuntime.send_ahead`, which never waits): (its requests, refusals and
         start time), and the runtime's handle of the frame sent, or None. Anything else
         (None, None) is decoded on the runtime's thread, as is every batch of a runtime
         that sends nothing ahead."""
-        send_ahead = getattr(self.runtime, "send_ahead", None)
-        if send_ahead is None or self.futures or any(h.blobs is not None for h in batch) \
+        if not self.send_ahead or self.futures or any(h.blobs is not None for h in batch) \
                 or sum(len(h.body) for h in batch) > AHEAD_BODY_BYTES:
             return None, None
         started = time.perf_counter()
         requests, refused = decode_requests(batch)
-        ahead = send_ahead(model, requests) if requests else None
+        ahead = self.runtime.send_ahead(model, requests) if requests else None
         return (requests, refused, started), ahead
 
     def _run(self, model: str, batch: list[Held], generation: int,
              decoded: tuple[list[Request], dict[str, Outcome], float] | None = None,
-             ahead: Any = None) -> tuple[list[Outcome], float | None]:
+             ahead: SentAhead | None = None) -> tuple[list[Outcome], float | None]:
         """The batch (runtime thread): its outcomes in order, and how long it took if any
         of it ran. `decoded`, `ahead`: what the loop did of it already (`_ahead`)."""
         if decoded is None:
@@ -189,7 +190,7 @@ class Batches:
         else:
             requests, outcomes, started = decoded
         if ahead is not None:  # first: nothing else may read its connection until it is
-            outcomes.update((o.id, o) for o in self.runtime.run_batch(  # type: ignore[call-arg]
+            outcomes.update((o.id, o) for o in self.runtime.run_batch(
                 model, requests, ahead=ahead))  # (no stream: those are not sent ahead)
         elif requests:
             on_deltas = self.streams.queuer(generation, batch) \

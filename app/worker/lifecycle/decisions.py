@@ -12,6 +12,7 @@ the cheapest immutable record Python makes (a frozen dataclass's `__init__` cost
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -68,10 +69,12 @@ class Reject(NamedTuple):
 
 
 class GiveBack(NamedTuple):
-    """Requests given back to their model's queue (`app.worker.lifecycle.returns`)."""
+    """Requests given back to their model's queue (`app.worker.lifecycle.returns`);
+    `renew`: whether a message must be republished rather than requeued (a drain's)."""
 
     model: str
     held: list[Held]
+    renew: Callable[[Delivery], bool] | None = None
 
 
 class Submit(NamedTuple):
@@ -81,7 +84,7 @@ class Submit(NamedTuple):
     held: Held
 
 
-Decision = Place | Fetch | Refuse | Fail | Reject
+Decision = Place | Fetch | Refuse | Fail | Reject | GiveBack | Submit
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,20 +41,23 @@ from app.worker.lifecycle.decisions import (
     Decision,
     Fail,
     Fetch,
+    GiveBack,
     LoopSettings,
     Place,
     Refuse,
     Reject,
+    Submit,
 )
 from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.entries import Entries
 from app.worker.lifecycle.feed import Feed
 from app.worker.lifecycle.fleet import FleetRow
+from app.worker.lifecycle.generations import Generations
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.intake import Intake
 from app.worker.lifecycle.loop import Loop
 from app.worker.lifecycle.placement import Placement
-from app.worker.lifecycle.replies import Replier
+from app.worker.lifecycle.replies import Delivery, Replier
 from app.worker.lifecycle.returns import Returns
 from app.worker.lifecycle.revokes import Revokes
 from app.worker.lifecycle.splits import next_parts
@@ -82,20 +85,17 @@ class Dispatcher:
                  settings: LoopSettings | None = None, pool: Pool | None = None,
                  pinned: set[str] | None = None,
                  load_s: dict[str, float] | None = None) -> None:
-        self.loop = loop
         settings = settings or LoopSettings()
         self.runtime = runtime
-        # A pipelined runtime takes the next batch while it computes one (its
-        # `pipeline_depth`); each batch in flight waits for its answer on a thread here.
-        depth = max(1, runtime.pipeline_depth)
-        # Runtime replicas run that many of them side by side (`runtimes.worker_side.replicas`).
-        parallel = max(1, runtime.parallel)
+        # What the runtime can do, read once: batches at once (pipelined: each waits for
+        # its answer on a thread here), side by side (replicas).
+        capabilities = runtime.capabilities
+        depth = max(1, capabilities.pipeline_depth)
         self.scheduler = Scheduler(lanes, hold, lambda model, now: self.consumers.peers(model, now),
-                                   depth=depth, parallel=parallel)
+                                   depth=depth, parallel=max(1, capabilities.parallel))
         self.continuous = {model for model in lanes if runtime.continuous(model)}
         self.feeder = Feeder(settings.feed_return_after_s, hold.delivery_limit)
-        # Every request held here, in whichever state (scheduled, parked for a LoRA,
-        # fetching its claims, waiting for or handed to a continuous runtime).
+        # Every request held here, in its state (`app.worker.lifecycle.held`).
         self.holdings = Holdings(self.scheduler, self.feeder)
         self.replier = Replier(loop)
         self.claims = ClaimFetcher(settings.blob_url, settings.claim_upload_timeout_s,
@@ -114,15 +114,17 @@ class Dispatcher:
         self.returns = Returns(self.consumers, self.replier, loop)
         self.batches = Batches(runtime, self.scheduler, self.placement, self.streams,
                                self.replier, loop, depth, self._on_batch_done)
-        # Draining for a shutdown (`begin`, `check`, `on_drained`: `app.worker.steps.drain`).
-        self.drain = Drain(self.scheduler, self.holdings, self.consumers, self.returns,
-                           self.batches, self.replier, hold.delivery_limit)
+        # Draining for a shutdown (`app.worker.steps.drain`, through `WorkerView`).
+        self.drain = Drain(lanes, hold.delivery_limit, lambda: (
+            self.batches.idle and self.holdings.empty and self.replier.unconfirmed == 0))
         self.replier.on_confirmed = self.drain.check
         self.answers = Answers(self.replier, loop, self.drain)
-        self.revokes = Revokes(self.holdings, self.answers, runtime, self.ticks.queue)
-        self.feed = Feed(runtime, self.feeder, self.continuous, self.placement, self.consumers,
-                         self.answers, self.returns, self.streams, self.replier, loop,
-                         self._on_request_done)
+        self.revokes = Revokes(self.holdings)
+        self.feed = Feed(self.feeder, self.continuous,
+                         lambda model: self.placement.state(model) == RESIDENT,
+                         runtime.load_of, self.consumers.peers)
+        self.generations = Generations(runtime, self.holdings, self.placement, self.streams,
+                                       self.replier, loop, self._on_request_done)
         # Where a request waits (pure); `Intake` decides with it what each message becomes.
         self.entries = Entries(self.scheduler.lanes, entries, self.continuous,
                                settings.part_target_s, settings.lora_mixed_batches)
@@ -130,7 +132,7 @@ class Dispatcher:
         for model, lane in lanes.items():
             lane.ready = self.placement.state(model) == RESIDENT
 
-    # --- the step: a message in -------------------------------------------------------------
+    # --- the event: a message in ------------------------------------------------------------
 
     def on_message(self, message: Any) -> None:
         """A delivered message: what `Intake` decides of its requests applied (held and
@@ -150,12 +152,12 @@ class Dispatcher:
             message.reject(requeue=False)
 
     def _decided(self, decision: Decision) -> bool:
-        """Apply what `Intake` (or `Entries`) decided of a request; whether it calls for
-        a tick (a request was held or answered)."""
+        """Apply what `Intake`, `Entries` or the `Feed` decided of a request; whether it
+        calls for a tick (a request was held or answered)."""
         if type(decision) is Place:
             self._place(*decision)
         elif type(decision) is Refuse:
-            self.answers.refuse(*decision)
+            self.refuse(*decision)
         elif type(decision) is Fetch:
             self._fetch(*decision)
         elif type(decision) is Fail:
@@ -164,6 +166,13 @@ class Dispatcher:
         elif type(decision) is Reject:
             decision.message.reject(requeue=False)
             return False
+        elif type(decision) is Submit:
+            if (refused := self.generations.submit(*decision, self.generation)) is not None:
+                self.holdings.settle(decision.held)
+                self.answers.answer(decision.model, decision.held, refused)
+        elif type(decision) is GiveBack:
+            self.give_back(*decision)
+            metrics.RETURNS.labels(decision.model).inc(len(decision.held))
         return True
 
     def _place(self, model: str, held: Held, deliveries: int, entry: Pending | Waiting
@@ -173,7 +182,7 @@ class Dispatcher:
         # Asked for = used: a popular model stays recent while its requests wait.
         self.placement.touch(model)
         if isinstance(entry, Waiting):  # a continuously batching runtime's
-            self.feeder.add(model, entry)
+            self.holdings.wait(model, entry)
             if self.placement.state(model) != RESIDENT:
                 self._ensure(model)
             return
@@ -184,7 +193,7 @@ class Dispatcher:
             if why is not None:
                 self._on_lora(model, lora, why)
             return
-        self.scheduler.append(model, entry)
+        self.holdings.schedule(model, entry)
         if not self.scheduler.lanes[model].ready:
             self._ensure(model)
 
@@ -199,39 +208,37 @@ class Dispatcher:
                           lambda fetched: self._on_fetched(generation, model, held,
                                                            deliveries, fetched))
 
-    def _on_fetched(self, generation: int, model: str, held: Held, deliveries: int,
-                    outcome: Fetched) -> None:
-        """A request's claimed inputs came (or could not be had): it is placed."""
-        if generation != self.generation:
-            return  # the connection was lost: the message is redelivered
-        if not self.holdings.fetched(held):
-            return  # handed back when the drain began
-        if outcome.error_code is not None:
-            self.answers.refuse(model, held, outcome.error_message or "",
-                                ErrorCode(outcome.error_code))
-            return
-        held.blobs = outcome.blobs
-        self._decided(self.entries.place(model, held, deliveries))
-        self.ticks.queue()
-
     def _ensure(self, model: str) -> None:
         """Have `model` loaded; if it cannot be, what is held for it is answered."""
         why = self.placement.ensure(model)
         if why is not None:
             self._on_load_failed(model, why)
 
-    # --- the step: tick -----------------------------------------------------------------
+    # --- applied wherever decided: each settles what it answers or gives back --------------
+
+    def refuse(self, model: str, held: Held, why: str,
+                code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
+        self.holdings.settle(held)
+        self.answers.refuse(model, held, why, code)
+
+    def give_back(self, model: str, held: list[Held],
+                   renew: Callable[[Delivery], bool] | None = None) -> None:
+        self.holdings.settle_all(held)
+        self.returns.give_back(model, held, renew)
+
+    # --- the event: tick ---------------------------------------------------------------
 
     def tick(self) -> None:
         """The scheduler's decisions (and the feed's, the parked requests' deadlines)
         applied."""
         self.ticks.ticking()
         actions = self.scheduler.tick(time.monotonic())
-        for wake in (self._expire_parked() if self.holdings.parked else None,
-                     self.feed.feed(self.generation) if self.continuous else None):
-            if wake is not None:
-                actions.wake_in = wake if actions.wake_in is None else min(actions.wake_in, wake)
         with self.drain:  # its refusals are answers too: a drain ends after them all
+            for wake in (self._expire_parked() if self.holdings.parked else None,
+                         self._feed() if self.continuous else None):
+                if wake is not None:
+                    actions.wake_in = wake if actions.wake_in is None \
+                        else min(actions.wake_in, wake)
             self._apply(actions)
 
     def _expire_parked(self) -> float | None:
@@ -244,27 +251,35 @@ class Dispatcher:
                                 "adapter was loading")
         return None if soonest is None else max((soonest - now) / 1000, TIMER_SLACK_S)
 
+    def _feed(self) -> float | None:
+        """The continuous feed's decisions applied; seconds until it must run again."""
+        decisions, wake = self.feed.feed(time.monotonic())
+        for decision in decisions:
+            self._decided(decision)
+        return wake
+
     def _apply(self, actions: Actions) -> None:
         for model, pending in actions.expired:
-            self.answers.refuse(model, pending.handle,
-                                "the request's deadline passed before a worker could run it")
+            self.refuse(model, pending.handle,
+                         "the request's deadline passed before a worker could run it")
         for model, late in actions.late:
-            self.answers.refuse(model, late.pending.handle, refusal_message(late),
-                                ErrorCode.DEADLINE_TOO_SHORT if late.too_short
-                                else ErrorCode.DEADLINE_EXCEEDED)
+            self.refuse(model, late.pending.handle, refusal_message(late),
+                         ErrorCode.DEADLINE_TOO_SHORT if late.too_short
+                         else ErrorCode.DEADLINE_EXCEEDED)
         if actions.start is not None:
+            self.holdings.run(actions.start)
             self.batches.start(actions.start, self.generation)
         for model, prefetch in actions.prefetch.items():
             self.consumers.set_prefetch(model, prefetch)
         for model, returned in actions.returned:
-            self.returns.give_back(model, [pending.handle for pending in returned])
+            self.give_back(model, [pending.handle for pending in returned])
             metrics.RETURNS.labels(model).inc(len(returned))
             log.info("returned %d requests of %s to the queue", len(returned), model)
         for lane in self.scheduler.lanes.values():
             metrics.HELD.labels(lane.model).set(len(lane.backlog))
         self.ticks.wake_in(actions.wake_in)
 
-    # --- the step: a batch done ---------------------------------------------------------
+    # --- the events other threads hand back: a batch, a request, a fetch, a load done ------
 
     def _on_batch_done(self, generation: int, future: Future) -> None:
         """A batch ended: the next parts, the next batch, its answers, the drain check."""
@@ -275,10 +290,11 @@ class Dispatcher:
             if done is None:
                 return
             model, held, outcomes = done
+            self.holdings.settle_all(held)
             # Each split request's next part joins the backlog, behind what arrived
             # meanwhile. Parts are never returned, so their delivery count does not matter.
             for part in next_parts(held, outcomes):
-                self.scheduler.append(model, self.entries.pending(part, 1))
+                self.holdings.schedule(model, self.entries.pending(part, 1))
             self.placement.kick()  # a queued load may fit now that this batch is done
             # Start the next batch before answering this one: the runtime computes
             # while the loop publishes results, instead of idling until they are out.
@@ -293,12 +309,26 @@ class Dispatcher:
         """A continuous runtime ended a request: its answer, the next handed over."""
         with self.drain:
             self.streams.publish()  # its last deltas go before its result
-            outcome = self.feed.finish(model, held, future)
+            outcome = self.generations.finish(model, held, future)
+            self.holdings.settle(held)
             if generation == self.generation:
                 self.answers.answer(model, held, outcome)
             self.ticks.queue()  # a slot is free: hand over the next
 
-    # --- placement (loop thread) -----------------------------------------------------------
+    def _on_fetched(self, generation: int, model: str, held: Held, deliveries: int,
+                    outcome: Fetched) -> None:
+        """A request's claimed inputs came (or could not be had): it is placed."""
+        if generation != self.generation:
+            return  # the connection was lost: the message is redelivered
+        if not self.holdings.fetched(held):
+            return  # handed back when the drain began
+        if outcome.error_code is not None:
+            self.refuse(model, held, outcome.error_message or "",
+                         ErrorCode(outcome.error_code))
+            return
+        held.blobs = outcome.blobs
+        self._decided(self.entries.place(model, held, deliveries))
+        self.ticks.queue()
 
     def _on_state(self, model: str, state: str) -> None:
         """A model became resident, loading or cold here: its lane and its consumer follow."""
@@ -318,9 +348,9 @@ class Dispatcher:
 
     def _on_load_failed(self, model: str, why: str) -> None:
         for pending in self.scheduler.drop(model):
-            self.answers.refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
+            self.refuse(model, pending.handle, why, ErrorCode.MODEL_UNAVAILABLE)
         for waiting in self.feeder.drop(model):
-            self.answers.refuse(model, waiting.handle, why, ErrorCode.MODEL_UNAVAILABLE)
+            self.refuse(model, waiting.handle, why, ErrorCode.MODEL_UNAVAILABLE)
         metrics.HELD.labels(model).set(0)
         for lora in self.holdings.parked_loras(model):
             self._on_lora(model, lora, why)
@@ -329,26 +359,13 @@ class Dispatcher:
         """A LoRA adapter's load ended (why None: loaded): its parked requests go on."""
         for held, deliveries in self.holdings.unpark(model, lora):
             if why is None:
-                self.scheduler.append(model, self.entries.pending(held, deliveries))
+                self.holdings.schedule(model, self.entries.pending(held, deliveries))
             else:
-                self.answers.refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
+                self.refuse(model, held, why, ErrorCode.MODEL_UNAVAILABLE)
         self.on_placement()
         self.ticks.queue()
 
-    # --- what the worker's steps and its remote control call ------------------------
-
-    def cancel(self, task_ids: list[str]) -> list[str]:
-        """Revoke requests (loop thread): released at once wherever they are (`Revokes`).
-        The ids that were running here."""
-        return self.revokes.revoke(task_ids)
-
-    def abandon(self) -> int:
-        """A forced end: publish and ack nothing more (the broker redelivers it); the
-        number of requests that were running."""
-        unfinished = self.holdings.unfinished
-        self.drain.abandon()
-        self.drop_held()
-        return unfinished
+    # --- what the worker's steps and remote control ask (through `WorkerView`) -------------
 
     def drop_held(self) -> None:
         """Forget held messages after a connection loss (the broker redelivers them)."""
@@ -358,12 +375,3 @@ class Dispatcher:
             metrics.HELD.labels(model).set(0)
         self.consumers.clear()
         self.ticks.cancel()
-
-    def close(self) -> None:
-        self.claims.close()
-        self.placement.close()
-        # The runtime first: a batch still running (a forced or cold shutdown; a drained
-        # worker runs none) fails at once instead of holding the exit up.
-        self.batches.shutdown(wait=False)
-        self.runtime.close()
-        self.batches.shutdown(wait=True)

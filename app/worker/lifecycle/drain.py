@@ -1,5 +1,5 @@
 """The drain for a shutdown (`app.worker.steps.drain`, `app.worker.shutdown`): its state in
-one object, and the hand-back that begins it.
+one object, and what it gives back when it begins.
 
 The model queues' consumers are cancelled, every request that has not started is handed
 back at once (requeued whole, or republished when its message is partly settled or a
@@ -9,6 +9,9 @@ continuous runtime is generating. Their results are published, and `on_drained` 
 called once the broker has confirmed every publish (their messages are then acked). A
 message delivered meanwhile goes straight back (`refuse`).
 
+`begin` returns what to give back (`GiveBack`, each requeued whole or republished as
+below); the loop stops the consumers and applies them. `quiet` (the loop's: no batch in
+flight, nothing held, every publish confirmed) says whether what ran is all out.
 The loop (`app.worker.lifecycle.dispatcher`) marks the stretches in which it answers
 (`with drain:` a batch's results, a tick's refusals), as the drain is not over until they
 are all out; the end of the outermost one checks (`check` calls `on_drained` once).
@@ -17,16 +20,13 @@ are all out; the end of the outermost one checks (`check` calls `on_drained` onc
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from app.worker import metrics
-from app.worker.lifecycle.batches import Batches
-from app.worker.lifecycle.consumers import Consumers
-from app.worker.lifecycle.held import Holdings
-from app.worker.lifecycle.replies import Delivery, Replier
-from app.worker.lifecycle.returns import Returns
-from batching.scheduler import Scheduler
+from app.worker.lifecycle.decisions import GiveBack
+from app.worker.lifecycle.held import Held
+from app.worker.lifecycle.replies import Delivery
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,11 @@ class Drain:
     """Draining for a shutdown (loop thread): whether it is on, how far it got, what it
     handed back; `on_drained` is called once it is over."""
 
-    def __init__(self, scheduler: Scheduler, holdings: Holdings, consumers: Consumers,
-                 returns: Returns, batches: Batches, replier: Replier,
-                 delivery_limit: int) -> None:
-        self.scheduler = scheduler
-        self.holdings = holdings
-        self.consumers = consumers
-        self.returns = returns
-        self.batches = batches
-        self.replier = replier
+    def __init__(self, models: Collection[str], delivery_limit: int,
+                 quiet: Callable[[], bool]) -> None:
+        self.models = models  # the served models (a message's model is counted if one)
         self.delivery_limit = delivery_limit
+        self.quiet = quiet  # nothing running or held here, every publish confirmed
         self.active = False  # draining: nothing new is held, what runs finishes
         self.begun = False  # its hand-back is done: `on_drained` may be called
         self.reported = False  # `on_drained` was called (or the drain was abandoned)
@@ -62,22 +57,17 @@ class Drain:
         if not self.answering:
             self.check()
 
-    def begin(self) -> dict[str, int]:
-        """Stop consuming, hand back every request that has not started; what runs goes
-        on. The requests handed back, by model."""
+    def begin(self, not_started: dict[str, list[Held]]) -> list[GiveBack]:
+        """Draining from now: every request that has not started (by model, taken out of
+        where it waited) is given back; what runs goes on."""
         self.active = True
-        self.consumers.stop()
-        handed: dict[str, int] = {}
-        for model in self.scheduler.lanes:
-            back = self.holdings.not_started(model)
-            if back:
-                self.returns.give_back(model, back, self._near_delivery_limit)
-                metrics.HANDED_BACK.labels(model).inc(len(back))
-                handed[model] = len(back)
-            metrics.HELD.labels(model).set(len(self.scheduler.lanes[model].backlog))
-        self.handed_back += sum(handed.values())
+        back = [GiveBack(model, held, self._near_delivery_limit)
+                for model, held in not_started.items() if held]
+        for give in back:
+            metrics.HANDED_BACK.labels(give.model).inc(len(give.held))
+            self.handed_back += len(give.held)
         self.begun = True
-        return handed
+        return back
 
     def _near_delivery_limit(self, delivery: Delivery) -> bool:
         """A requeue would bring it near the queue's delivery limit (quorum queues count
@@ -95,15 +85,14 @@ class Drain:
                         exc_info=True)
         self.handed_back += 1
         model = (message.headers or {}).get("shoal_model")
-        if isinstance(model, str) and model in self.scheduler.lanes:
+        if isinstance(model, str) and model in self.models:
             metrics.HANDED_BACK.labels(model).inc()
 
     @property
     def drained(self) -> bool:
         """Its hand-back done, nothing answering, running or held, every publish
         confirmed."""
-        return (self.begun and not self.answering and self.batches.idle
-                and self.holdings.empty and self.replier.unconfirmed == 0)
+        return self.begun and not self.answering and self.quiet()
 
     def check(self) -> None:
         """Call `on_drained` (once) if the drain is over."""

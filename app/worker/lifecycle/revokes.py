@@ -23,43 +23,34 @@ small reply, counted in shoal_gateway_duplicate_replies_total).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from celery.worker import state as worker_state
 
 from app.worker import metrics
-from app.worker.lifecycle.answers import Answers
 from app.worker.lifecycle.batches import REVOKED_MESSAGE
-from app.worker.lifecycle.held import GENERATING, RUNNING, Holdings
+from app.worker.lifecycle.decisions import Refuse
+from app.worker.lifecycle.held import Holdings
 from tasks.errors import ErrorCode
 
 
 class Revokes:
-    """Releases revoked requests (loop thread)."""
+    """Decides what becomes of revoked requests (loop thread); the loop answers them and
+    tells the runtime."""
 
-    def __init__(self, holdings: Holdings, answers: Answers, runtime: Any,
-                 queue_tick: Callable[[], None]) -> None:
+    def __init__(self, holdings: Holdings) -> None:
         self.holdings = holdings
-        self.answers = answers
-        self.runtime = runtime  # told of the revoked requests it runs
-        self.queue_tick = queue_tick  # what was released frees credit for more
 
-    def revoke(self, task_ids: list[str]) -> list[str]:
-        """Release these requests (see the module); the ids that were running here."""
+    def revoke(self, task_ids: list[str]) -> tuple[list[Refuse], list[str]]:
+        """Release these requests (see the module): the refusals of those held (taken out
+        of wherever they waited), and the ids of those running here (the runtime is told)."""
         worker_state.revoked.update(task_ids)
         wanted = set(task_ids)
-        released = self.holdings.withdraw(wanted)
-        for model, held in released:
+        refusals: list[Refuse] = []
+        for model, held in self.holdings.withdraw(wanted):
             metrics.REVOKED.labels(model, "held").inc()
-            self.answers.refuse(model, held, REVOKED_MESSAGE, ErrorCode.CANCELLED)
+            refusals.append(Refuse(model, held, REVOKED_MESSAGE, ErrorCode.CANCELLED))
         running: list[str] = []
-        for state, model, held in self.holdings.states():
-            if state in (RUNNING, GENERATING) and held.task_id in wanted:
-                metrics.REVOKED.labels(model, "running").inc()
+        for held in self.holdings.running():
+            if held.task_id in wanted:
+                metrics.REVOKED.labels(held.annotations.model, "running").inc()
                 running.append(held.task_id)
-        if running:
-            self.runtime.cancel(running)
-        if released:
-            self.queue_tick()
-        return running
+        return refusals, running

@@ -50,8 +50,8 @@ class GracefulDrain(bootsteps.StartStopStep):
         c = self.c
         c.shoal_health.draining()
         queues = c.shoal_queues
-        dispatcher = queues.dispatcher
-        if dispatcher is None:
+        view = queues.view
+        if view is None:
             self.graceful.finish()
             return
         self.drain_started = time.monotonic()
@@ -60,8 +60,7 @@ class GracefulDrain(bootsteps.StartStopStep):
         publisher.stop_publishing()
         # Gateways stop counting this worker as serving its models now.
         publisher.farewell()
-        dispatcher.drain.on_drained = self._drained
-        handed = dispatcher.drain.begin()
+        handed = view.begin_drain(self._drained)
         # Nothing more from the dead-letter queues, nor Celery's own task queue (its remote
         # control and events go on until Celery's shutdown).
         for consumer in [*queues.consumers, c.task_consumer]:
@@ -70,24 +69,21 @@ class GracefulDrain(bootsteps.StartStopStep):
                     consumer.cancel()
                 except Exception:
                     log.warning("could not cancel a consumer while draining", exc_info=True)
-        in_flight = dispatcher.scheduler.in_flight
         log.warning("draining for shutdown: stopped consuming; handed back %d requests that "
                     "had not started (%s); finishing %d running (batches of %s), %d results "
                     "to confirm; grace %gs", sum(handed.values()),
                     ", ".join(f"{m}: {n}" for m, n in handed.items()) or "none",
-                    dispatcher.holdings.unfinished,
-                    ", ".join(str(len(b.members)) for b in in_flight) or "none",
-                    dispatcher.replier.unconfirmed, self.grace_s)
-        dispatcher.drain.check()
+                    view.unfinished, ", ".join(str(n) for n in view.batch_sizes()) or "none",
+                    view.unconfirmed, self.grace_s)
+        view.check_drain()
 
     def _drained(self) -> None:
-        dispatcher = self.c.shoal_queues.dispatcher
-        assert dispatcher is not None
+        view = self.c.shoal_queues.view
+        assert view is not None
         DRAINING.set(0)
         log.warning("drained in %.2fs: %d requests answered after the signal (results "
                     "confirmed, messages acked), %d handed back; exiting",
-                    time.monotonic() - self.drain_started, dispatcher.drain.answered,
-                    dispatcher.drain.handed_back)
+                    time.monotonic() - self.drain_started, view.answered, view.handed_back)
         # Flower's last task events of the drain: Celery flushes its buffer on the loop's
         # next turn, which the shutdown does not take.
         events = getattr(self.c, "event_dispatcher", None)
@@ -101,12 +97,11 @@ class GracefulDrain(bootsteps.StartStopStep):
     def _force_exit(self, why: str) -> None:
         SHUTDOWNS_FORCED.inc()
         DRAINING.set(0)
-        dispatcher = self.c.shoal_queues.dispatcher if self.c is not None else None
-        unfinished = dispatcher.abandon() if dispatcher is not None else 0
+        view = self.c.shoal_queues.view if self.c is not None else None
+        unfinished = view.abandon() if view is not None else 0
         log.error("shutdown forced (%s) %.2fs after the signal: %d requests left unfinished "
                   "and unacked (the broker redelivers them), %d answered, %d handed back",
                   why, self.graceful.elapsed(), unfinished,
-                  dispatcher.drain.answered if dispatcher else 0,
-                  dispatcher.drain.handed_back if dispatcher else 0)
+                  view.answered if view else 0, view.handed_back if view else 0)
         if self.c is not None:
             self.c.controller.exitcode = 1  # as a crash would say

@@ -24,6 +24,7 @@ from app.worker.deadletters import DeadLetterAnswerer
 from app.worker.lifecycle.decisions import LoopSettings
 from app.worker.lifecycle.dispatcher import Dispatcher
 from app.worker.lifecycle.loop import ConsumerLoop
+from app.worker.lifecycle.view import WorkerView
 from app.worker.limits import (
     batch_limits,
     cost_model,
@@ -110,7 +111,7 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                 f"worker's device budget of {self.pool.budget / 2**20:.1f} MiB "
                 "(SHOAL_DEVICE_MEMORY_BYTES, else SHOAL_DEVICE_MEMORY_FRACTION of the "
                 "device): pin fewer models, or raise the budget")
-        self.dispatcher: Dispatcher | None = None
+        self.view: WorkerView | None = None  # the loop, as the steps and remote control see it
         self.consumers: list[Any] = []
         self.started = False  # consuming (the steps after it start theirs then)
         self.c: Any = None
@@ -133,9 +134,9 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
         self.started = False
         if c.hub is None:
             raise RuntimeError("shoal's worker needs Celery's event loop (an AMQP broker)")
-        if self.dispatcher is None:
+        if self.view is None:
             settings = self.settings
-            self.dispatcher = Dispatcher(
+            self.view = WorkerView(Dispatcher(
                 ConsumerLoop(c), self.runtime, self.lanes, self.hold,
                 entries={e.id: e for e in self.entries}, pool=self.pool, pinned=self.pinned,
                 load_s=self._profile_load_s(), settings=LoopSettings(
@@ -144,25 +145,26 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
                     lora_mixed_batches=settings.lora_mixed_batches,
                     feed_return_after_s=settings.feed_return_after_ms / 1000,
                     blob_url=settings.blob_url,
-                    claim_upload_timeout_s=settings.claim_upload_timeout_s))
+                    claim_upload_timeout_s=settings.claim_upload_timeout_s)))
+        view = self.view
+        assert view is not None
         self.c = c
         graceful = getattr(c, "shoal_graceful", None)
         if graceful is not None and graceful.requested_at is not None:
             # Reconnected while draining: what was held is redelivered to others anyway.
             graceful.finish()
             return
-        self.dispatcher.replier.open(c.connection)
+        view.open(c.connection)
         self.consumers = []
         for entry in self.entries:
             queue, dead = kombu_queues(queue_for(entry.id, self.settings, entry.queue_type))
             channel = c.connection.channel()
-            consumer = Consumer(channel, queues=[queue], on_message=self.dispatcher.on_message,
+            consumer = Consumer(channel, queues=[queue], on_message=view.on_message,
                                 accept=["msgpack", "json"])
-            self.dispatcher.consumers.consume(entry.id, consumer, queue.name,
-                                              _consumer_counter(channel, queue.name),
-                                              self.warm_peers(entry.id))
+            view.consume(entry.id, consumer, queue.name, _consumer_counter(channel, queue.name),
+                         self.warm_peers(entry.id))
             dead_channel = c.connection.channel()
-            answerer = DeadLetterAnswerer(self.dispatcher.replier, entry.id)
+            answerer = DeadLetterAnswerer(view.replier, entry.id)
             dead_consumer = Consumer(dead_channel, queues=[dead], on_message=answerer.on_message,
                                      prefetch_count=DEAD_LETTER_PREFETCH)
             dead_consumer.consume()
@@ -174,17 +176,17 @@ class ModelQueueConsumer(bootsteps.ConsumerStep):
 
     def stop(self, c: Any) -> None:
         self.started = False
-        if self.dispatcher is not None:
-            self.dispatcher.drop_held()
+        if self.view is not None:
+            self.view.drop_held()
         super().stop(c)
 
     def shutdown(self, c: Any) -> None:
-        if self.dispatcher is not None:
-            self.dispatcher.drop_held()
+        if self.view is not None:
+            self.view.drop_held()
         super().shutdown(c)
-        if self.dispatcher is not None:
-            self.dispatcher.close()
-            self.dispatcher = None
+        if self.view is not None:
+            self.view.close()
+            self.view = None
         else:
             self.runtime.close()
 

@@ -38,10 +38,10 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         queues = c.shoal_queues
         if not queues.started:
             return
-        dispatcher = queues.dispatcher
-        self.pool_states.busy_seconds = lambda: dispatcher.batches.device_busy_s
-        self.pool_states.open(c, dispatcher.placement.snapshot)
-        dispatcher.on_placement = self.pool_states.soon
+        view = queues.view
+        self.pool_states.busy_seconds = view.busy_seconds
+        self.pool_states.open(c, view.snapshot)
+        view.on_placement(self.pool_states.soon)
         # A runtime restarting (refusing batches) and serving again is told at once, from
         # the runtime's threads to the loop (where the state is published).
         runtime = queues.runtime
@@ -54,8 +54,7 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         if c.shoal_queues.settings.placement == "fleet":
             # The fleet's plan, from the peers' latest states (app.worker.lifecycle.fleet).
             self.fleet_timer = c.hub.call_repeatedly(
-                FLEET_TICK_S, lambda: dispatcher.fleet.follow(c.hostname,
-                                                              self.pool_states.fresh()))
+                FLEET_TICK_S, lambda: view.follow_fleet(c.hostname, self.pool_states.fresh()))
 
     def stop_publishing(self) -> None:
         """No more periodic states (a drain, a stop), nor plans."""
@@ -70,9 +69,9 @@ class PoolStatePublisher(bootsteps.StartStopStep):
 
     def stop(self, c: Any) -> None:
         self.stop_publishing()
-        dispatcher = c.shoal_queues.dispatcher
-        if dispatcher is not None:
-            dispatcher.on_placement = lambda: None
+        view = c.shoal_queues.view
+        if view is not None:
+            view.on_placement(lambda: None)
 
     def shutdown(self, c: Any) -> None:
         # Gateways stop counting this worker as serving its models now, not when its

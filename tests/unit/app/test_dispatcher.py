@@ -16,15 +16,16 @@ import pytest
 
 from app.worker.lifecycle.decisions import LoopSettings
 from app.worker.lifecycle.dispatcher import Dispatcher
-from app.worker.lifecycle.loop import ConsumerLoop
 from app.worker.lifecycle.held import PARKED, RUNNING, SCHEDULED
+from app.worker.lifecycle.loop import ConsumerLoop
+from app.worker.lifecycle.view import WorkerView
 from batching.feeder import Load
 from batching.former import BatchLimits
 from batching.hold import HoldLimits
 from batching.lanes import Lane
 from batching.latency_model import CostModel
 from batching.pool import lora_key
-from runtimes.base import Outcome, Request
+from runtimes.base import BatchesOnly, Capabilities, Outcome, Request
 from tasks.envelope import (
     H_MULTI,
     Annotations,
@@ -42,12 +43,11 @@ MODEL = "m"
 MB = 2**20
 
 
-class Runtime:
+class Runtime(BatchesOnly):
     """A model runtime that answers each request with its item count, holds a batch until
     `go` is set, and fails the requests whose ids are in `fail`."""
 
-    pipeline_depth = 1
-    parallel = 1
+    capabilities = Capabilities()
     device_bytes = None
     restarts = poison_isolated = spare_promotions = start_failures = 0
     pid = None
@@ -61,10 +61,8 @@ class Runtime:
         self.fail: set[str] = set()
         self.restarting: set[str] = set()  # answered as a runtime whose restart is pending
 
-    def continuous(self, model: str) -> bool:
-        return False
-
-    def run_batch(self, model: str, requests: list[Request], on_deltas: Any) -> list[Outcome]:
+    def run_batch(self, model: str, requests: list[Request], on_deltas: Any = None,
+                  ahead: Any = None) -> list[Outcome]:
         self.batches.append([r.id for r in requests])
         self.started.set()
         assert self.go.wait(10), "the test never let the batch end"
@@ -187,14 +185,14 @@ class Fixture:
                                      HoldLimits(horizon_batches=1.0, max_horizon_s=0.5),
                                      entries={}, pinned={MODEL},
                                      settings=LoopSettings(prefetch=8))
-        self.dispatcher.replier.open(self.worker.connection)
+        self.view = WorkerView(self.dispatcher)  # as the worker's steps see it
+        self.view.open(self.worker.connection)
         self.channel = self.worker.connection.channel_opened
         self.consumer = KombuConsumer()
-        self.dispatcher.consumers.consume(MODEL, self.consumer, "q.m", lambda: peers,
-                                          lambda: peers - 1)
+        self.view.consume(MODEL, self.consumer, "q.m", lambda: peers, lambda: peers - 1)
 
     def deliver(self, message: Message) -> None:
-        self.dispatcher.on_message(message)
+        self.view.on_message(message)
         self.hub.run_timers()  # the tick it queued: a batch starts
 
     def finish_batch(self) -> None:
@@ -228,7 +226,7 @@ def make() -> Iterator[Any]:
     yield build
     for fixture in made:
         fixture.runtime.go.set()
-        fixture.dispatcher.close()
+        fixture.view.close()
 
 
 def _annotations(items: int = 1) -> Annotations:
@@ -345,20 +343,19 @@ def test_a_drain_stops_taking_hands_back_what_waits_and_finishes_what_runs(make)
     assert f.runtime.started.wait(5)
     f.deliver(waiting)
     drained: list[bool] = []
-    f.dispatcher.drain.on_drained = lambda: drained.append(True)
-    assert f.dispatcher.drain.begin() == {MODEL: 1}
-    f.dispatcher.drain.check()
+    assert f.view.begin_drain(lambda: drained.append(True)) == {MODEL: 1}
+    f.view.check_drain()
     assert not f.consumer.consuming  # stopped taking
     assert waiting.requeues == 1 and not drained
     late = single("c")
     f.dispatcher.on_message(late)  # delivered before the broker saw the cancel
-    assert late.requeues == 1 and f.dispatcher.drain.handed_back == 2
+    assert late.requeues == 1 and f.view.handed_back == 2
     f.finish_batch()
     assert f.replies()["a"]["status"] == "SUCCESS"
     assert not drained  # its reply is not confirmed yet, its message not acked
     f.channel.confirm()
     assert drained == [True] and running.acks == 1
-    assert f.dispatcher.drain.answered == 1 and f.runtime.batches == [["a"]]
+    assert f.view.answered == 1 and f.runtime.batches == [["a"]]
 
 
 def test_a_request_for_an_adapter_not_loaded_is_parked_then_handed_back_by_a_drain(make):
@@ -370,7 +367,7 @@ def test_a_request_for_an_adapter_not_loaded_is_parked_then_handed_back_by_a_dra
     f.deliver(message)
     assert f.dispatcher.holdings.counts() == {(MODEL, PARKED): 1}
     assert f.dispatcher.holdings.in_use() == {MODEL: 1, lora_key(MODEL, "style"): 1}
-    f.dispatcher.drain.begin()
+    f.view.begin_drain(lambda: None)
     assert message.requeues == 1 and not f.dispatcher.holdings.counts()
 
 
@@ -388,15 +385,14 @@ def test_a_continuous_runtime_is_fed_as_it_has_room_and_a_drain_waits_for_what_i
     assert f.replies()["a"]["status"] == "SUCCESS" and list(runtime.submitted) == ["a", "b"]
     f.deliver(third)
     drained: list[bool] = []
-    f.dispatcher.drain.on_drained = lambda: drained.append(True)
-    assert f.dispatcher.drain.begin() == {MODEL: 1}  # "c" waited: handed back
-    f.dispatcher.drain.check()
+    assert f.view.begin_drain(lambda: drained.append(True)) == {MODEL: 1}  # "c" waited
+    f.view.check_drain()
     assert third.requeues == 1 and not drained
     runtime.end("b")
     f.hub.run_timers()
     assert f.replies()["b"]["status"] == "SUCCESS" and not drained  # not confirmed yet
     f.channel.confirm()
-    assert drained == [True] and second.acks == 1 and f.dispatcher.drain.answered == 1
+    assert drained == [True] and second.acks == 1 and f.view.answered == 1
 
 
 def test_a_requests_scheduler_entry_carries_its_annotations_field_by_field(make):

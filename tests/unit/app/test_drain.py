@@ -1,5 +1,6 @@
-"""A worker's drain on SIGTERM: which signal does what, and how requests near the delivery
-limit are handed back (the whole drain runs end to end in tests/e2e/test_worker_shutdown.py)."""
+"""A worker's drain on SIGTERM: which signal does what, how requests near the delivery
+limit are handed back, and the drain's own state and decisions, pure (the whole drain runs
+end to end in tests/e2e/test_worker_shutdown.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 import pytest
 from celery.worker import state as worker_state
 
+from app.worker.lifecycle.decisions import GiveBack
+from app.worker.lifecycle.drain import Drain
 from app.worker.lifecycle.held import Held
 from app.worker.lifecycle.replies import Delivery
 from app.worker.lifecycle.returns import plan_returns
@@ -90,3 +93,48 @@ def test_a_signal_while_nothing_is_consumed_goes_to_celery(handlers, no_watchdog
     graceful.detach()  # the connection was lost: nothing is held
     os.kill(os.getpid(), signal.SIGTERM)
     assert handlers == [signal.SIGTERM] and calls == [] and no_watchdog == []
+
+
+# --- the drain's state and decisions (`app.worker.lifecycle.drain.Drain`), pure ------------
+
+
+def _held(task_id: str, deliveries: int = 1) -> Held:
+    message = Message(batch=False, headers={"x-delivery-count": deliveries - 1})
+    return Held(Delivery(message), task_id, Annotations("m", "encode", 1, 1, 1, None, None),
+                b"body")
+
+
+def test_a_drain_gives_back_what_has_not_started_and_counts_it():
+    drain = Drain({"m", "n"}, delivery_limit=4, quiet=lambda: False)
+    fresh, worn = _held("a"), _held("b", deliveries=3)
+    back = drain.begin({"m": [fresh, worn], "n": []})
+    assert drain.active and drain.begun and drain.handed_back == 2
+    assert back == [GiveBack("m", [fresh, worn], back[0].renew)]  # nothing for "n"
+    # A requeue would bring "b" near the queue's delivery limit: republished instead.
+    renew = back[0].renew
+    assert renew is not None and not renew(fresh.delivery) and renew(worn.delivery)
+
+
+def test_a_drain_is_over_once_quiet_outside_every_answering_stretch_and_says_so_once():
+    quiet = [False]
+    drain = Drain({"m"}, delivery_limit=-1, quiet=lambda: quiet[0])
+    drained: list[bool] = []
+    drain.on_drained = lambda: drained.append(True)
+    quiet[0] = True
+    drain.check()
+    assert not drained  # not draining yet
+    drain.begin({})
+    with drain:  # a batch's answers going out
+        with drain:  # the tick it starts
+            drain.check()
+        assert not drained  # the outer stretch is still answering
+    assert drained == [True]  # its end checked
+    drain.check()
+    assert drained == [True]  # once
+
+
+def test_a_message_delivered_while_draining_goes_straight_back():
+    drain = Drain({"m"}, delivery_limit=-1, quiet=lambda: True)
+    message = Message(headers={"shoal_model": "m"})
+    drain.refuse(message)
+    assert message.requeues == 1 and drain.handed_back == 1

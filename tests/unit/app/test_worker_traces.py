@@ -46,7 +46,7 @@ def traced(monkeypatch) -> Iterator[Fixture]:
     fixture = Fixture(1, 8, CostModel(0.001, 0.0, 0.0), TracingRuntime())
     yield fixture
     fixture.runtime.go.set()
-    fixture.dispatcher.close()
+    fixture.view.close()
 
 
 def _annotations(traceparent: str | None) -> Annotations:
