@@ -6,13 +6,15 @@ once, when its last part ran, or with its first part's error), refused with an e
 DEADLINE_TOO_SHORT: alone it is predicted to take longer than its whole deadline;
 MODEL_UNAVAILABLE: its model or adapter could not load; a claim's BLOB_MISSING or
 BLOB_CORRUPT), or handed back (`app.worker.lifecycle.returns`). The publishing and acking are
-`app.worker.lifecycle.replies`'; this module counts the outcome and stamps the result.
+`app.worker.lifecycle.replies`'; this module decides what each caller is sent (`reply_to`,
+`refusal`: a `Reply`, pure), counts it and stamps the result.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 from app.worker import metrics
 from app.worker.lifecycle import traces
@@ -43,6 +45,51 @@ def refusal_message(late: Late) -> str:
     return why + "allow more time (X-Timeout-Ms) or send fewer items"
 
 
+class Reply(NamedTuple):
+    """What a request's caller is sent: its outcome (a result, or an error), when to come
+    back (whole seconds: a restarting runtime says), and for a refusal whether any of it
+    ran (a caller may send a request refused unrun again)."""
+
+    outcome: Outcome
+    retry_after: int | None = None
+    refused: bool = False
+    ran: bool = False
+
+
+def reply_to(held: Held, outcome: Outcome) -> Reply | None:
+    """What a request that ran is answered with: its outcome; a split request's once, its
+    parts' results joined when the last ran, or its first failure with the part named;
+    None: nothing now (more parts to run, or answered already)."""
+    split = held.split
+    if split is not None:
+        if split.answered or (outcome.ok and len(split.results) < len(split.parts)):
+            return None
+        split.answered = True
+        if outcome.ok:
+            outcome = Outcome(held.task_id, result=merged_result(split))
+        else:
+            outcome = Outcome(held.task_id, error_code=outcome.error_code,
+                              error_message=f"{split.describe(held.part)}: "
+                                            f"{outcome.error_message}")
+    if outcome.ok:
+        return Reply(outcome)
+    retry_after = outcome.stats.get("retry_after_s") if outcome.stats else None
+    return Reply(outcome, math.ceil(retry_after) if retry_after is not None else None)
+
+
+def refusal(held: Held, why: str, code: ErrorCode) -> Reply | None:
+    """What a request refused unrun is answered with (a split request's names its part, and
+    whether parts of it ran); None: answered already."""
+    split = held.split
+    if split is not None:
+        if split.answered:
+            return None
+        split.answered = True
+        why = f"{split.describe(held.part)}: {why}"
+    return Reply(Outcome(held.task_id, error_code=code, error_message=why), refused=True,
+                 ran=split is not None and bool(split.results))
+
+
 class Answers:
     """Settles held requests with their outcome or an error (loop thread)."""
 
@@ -71,34 +118,40 @@ class Answers:
         self.replier.end_batch()
 
     def answer(self, model: str, held: Held, outcome: Outcome) -> None:
-        split = held.split
-        retry_after = outcome.stats.get("retry_after_s") if outcome.stats else None
-        if split is not None:
-            if split.answered or (outcome.ok and len(split.results) < len(split.parts)):
-                return  # answered already, or more parts to run
-            split.answered = True
-            if outcome.ok:
-                outcome = Outcome(held.task_id, result=merged_result(split))
-            else:
-                outcome = Outcome(held.task_id, error_code=outcome.error_code,
-                                  error_message=f"{split.describe(held.part)}: "
-                                                f"{outcome.error_message}")
+        """Answer a request with its outcome (`reply_to` decides what its caller gets)."""
+        reply = reply_to(held, outcome)
+        if reply is not None:
+            self.publish(model, held, reply)
+
+    def refuse(self, model: str, held: Held, why: str,
+               code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
+        """Answer a request with an error, unrun (`refusal` decides what its caller gets)."""
+        reply = refusal(held, why, code)
+        if reply is not None:
+            self.publish(model, held, reply)
+
+    def publish(self, model: str, held: Held, reply: Reply) -> None:
+        """Count a reply and publish it to the request's caller."""
         self._count_drain_answer(model)
-        if not outcome.ok:
-            metrics.RESULTS.labels(model, outcome.error_code or "error").inc()
-            if outcome.error_code == ErrorCode.CANCELLED:
-                metrics.CANCELLED.labels(model).inc()
-            elif outcome.error_code == ErrorCode.DEADLINE_EXCEEDED:  # dropped before the device
-                metrics.EXPIRED.labels(model).inc()
-            if tracing.ENABLED:
-                traces.settled(held, str(outcome.error_code or "error"))
-            # A runtime that is restarting says when to come back (MODEL_UNAVAILABLE).
-            self.replier.failure(held.delivery, held.task_id, outcome.error_code,
-                                 outcome.error_message,
-                                 math.ceil(retry_after) if retry_after is not None else None)
+        outcome = reply.outcome
+        if outcome.ok:
+            metrics.RESULTS.labels(model, "ok").inc()
+            self._succeed(model, held, outcome, time.time())
             return
-        metrics.RESULTS.labels(model, "ok").inc()
-        self._succeed(model, held, outcome, time.time())
+        code = outcome.error_code or "error"
+        metrics.RESULTS.labels(model, code).inc()
+        if reply.refused:
+            if code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.DEADLINE_TOO_SHORT):
+                metrics.EXPIRED.labels(model).inc()
+        elif code == ErrorCode.CANCELLED:
+            metrics.CANCELLED.labels(model).inc()
+        elif code == ErrorCode.DEADLINE_EXCEEDED:  # dropped before the device
+            metrics.EXPIRED.labels(model).inc()
+        if tracing.ENABLED:
+            traces.settled(held, str(code))
+        self.replier.failure(held.delivery, held.task_id, outcome.error_code,
+                             outcome.error_message, reply.retry_after,
+                             reply.ran if reply.refused else None)
 
     def _succeed(self, model: str, held: Held, outcome: Outcome, now: float) -> None:
         """Publish a result (`now`: epoch seconds it is answered); counted by the caller."""
@@ -120,23 +173,6 @@ class Answers:
         if tracing.ENABLED:
             traces.settled(held, "ok")
         self.replier.success(held.delivery, held.task_id, result, now - started)
-
-    def refuse(self, model: str, held: Held, why: str,
-                code: ErrorCode = ErrorCode.DEADLINE_EXCEEDED) -> None:
-        if held.split is not None:
-            if held.split.answered:
-                return
-            held.split.answered = True
-            why = f"{held.split.describe(held.part)}: {why}"
-        self._count_drain_answer(model)
-        if code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.DEADLINE_TOO_SHORT):
-            metrics.EXPIRED.labels(model).inc()
-        metrics.RESULTS.labels(model, code).inc()
-        # Refused unrun: a client may send it again (unless parts of it ran already).
-        ran = held.split is not None and bool(held.split.results)
-        if tracing.ENABLED:
-            traces.settled(held, str(code))
-        self.replier.failure(held.delivery, held.task_id, code, why, started=ran)
 
     def _count_drain_answer(self, model: str, answered: int = 1) -> None:
         if self.drain.active:
