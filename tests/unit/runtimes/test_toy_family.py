@@ -203,6 +203,7 @@ ENGINE_FILES = {
     "runtimes/families/sparse.py": ["runtimes/pytorch/sparse.py", "runtimes/onnx/sparse.py"],
     "runtimes/families/multivector.py": ["runtimes/pytorch/multivector.py"],
     "runtimes/families/clip.py": ["runtimes/pytorch/clip.py"],
+    "runtimes/families/causal_lm.py": ["runtimes/pytorch/causal_lm.py"],
 }
 FAMILY_LOGIC = {"check", "prepare", "run", "plan", "finish", "scored", "probe"}
 
