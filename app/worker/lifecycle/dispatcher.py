@@ -56,7 +56,7 @@ from app.worker.lifecycle.generations import Generations
 from app.worker.lifecycle.held import Held, Holdings
 from app.worker.lifecycle.intake import Intake
 from app.worker.lifecycle.loop import Loop
-from app.worker.lifecycle.placement import Placement
+from app.worker.lifecycle.placement import Placed, Placement
 from app.worker.lifecycle.replies import Delivery, Replier
 from app.worker.lifecycle.returns import Returns
 from app.worker.lifecycle.revokes import Revokes
@@ -106,8 +106,7 @@ class Dispatcher:
         self.on_placement: Callable[[], None] = lambda: None  # a model's state changed
         self.placement = Placement(
             runtime, pool or Pool(2**62), list(lanes), pinned or set(),
-            loop.call_soon, self.holdings.in_use,
-            self._on_state, self._on_load_failed, load_s or {}, self._on_lora)
+            loop.call_soon, self.holdings.in_use, self._on_placed, load_s or {})
         self.placement.running = lambda: {b.lane.model for b in self.scheduler.in_flight}
         self.consumers = Consumers(self.scheduler, self.placement, settings.prefetch)
         self.fleet = FleetRow(self.placement, self.consumers)  # the pool-state step's timer
@@ -135,8 +134,7 @@ class Dispatcher:
     # --- the event: a message in ------------------------------------------------------------
 
     def on_message(self, message: Any) -> None:
-        """A delivered message: what `Intake` decides of its requests applied (held and
-        placed, fetching their claims, or answered), a tick queued."""
+        """A delivered message: what `Intake` decides of its requests applied, a tick queued."""
         if self.drain.active:
             self.drain.refuse(message)  # delivered before the broker saw the cancel
             return
@@ -177,8 +175,7 @@ class Dispatcher:
 
     def _place(self, model: str, held: Held, deliveries: int, entry: Pending | Waiting
                ) -> None:
-        """A held request, its inputs at hand, joins its model's feeder or scheduler, or is
-        parked until its LoRA adapter is loaded; what it needs starts loading."""
+        """Into its feeder or lane, or parked for its LoRA adapter; its loads start."""
         # Asked for = used: a popular model stays recent while its requests wait.
         self.placement.touch(model)
         if isinstance(entry, Waiting):  # a continuously batching runtime's
@@ -198,8 +195,7 @@ class Dispatcher:
             self._ensure(model)
 
     def _fetch(self, model: str, held: Held, deliveries: int) -> None:
-        """Fetch a request's claimed inputs (on the fetcher's threads) before it is placed:
-        it enters the scheduler only when its inputs are here (`_on_fetched`)."""
+        """Its claimed inputs fetched (fetcher's threads) first: placed in `_on_fetched`."""
         generation = self.generation
         a = held.annotations
         self.holdings.fetch(model, held)
@@ -229,8 +225,7 @@ class Dispatcher:
     # --- the event: tick ---------------------------------------------------------------
 
     def tick(self) -> None:
-        """The scheduler's decisions (and the feed's, the parked requests' deadlines)
-        applied."""
+        """The scheduler's decisions applied (the feed's, the parked deadlines' too)."""
         self.ticks.ticking()
         actions = self.scheduler.tick(time.monotonic())
         with self.drain:  # its refusals are answers too: a drain ends after them all
@@ -242,8 +237,7 @@ class Dispatcher:
             self._apply(actions)
 
     def _expire_parked(self) -> float | None:
-        """Answer the parked requests whose deadline passed (they wait for a LoRA outside
-        the scheduler); seconds until the next such deadline, or None."""
+        """Refuse the parked requests whose deadline passed; seconds to the next, or None."""
         now = now_ms()
         expired, soonest = self.holdings.expire_parked(now)
         for model, held in expired:
@@ -330,8 +324,13 @@ class Dispatcher:
         self._decided(self.entries.place(model, held, deliveries))
         self.ticks.queue()
 
-    def _on_state(self, model: str, state: str) -> None:
-        """A model became resident, loading or cold here: its lane and its consumer follow."""
+    def _on_placed(self, event: Placed) -> None:
+        """A model became resident, loading or cold here (its lane and its consumer
+        follow; a failed load's requests are answered), or a LoRA adapter's load ended."""
+        model, state, lora, why = event
+        if lora is not None:
+            self._on_lora(model, lora, why)
+            return
         lane = self.scheduler.lanes[model]
         lane.ready = state == RESIDENT
         if lane.ready:
@@ -341,10 +340,12 @@ class Dispatcher:
         self.consumers.follow_state(model, state)
         self.on_placement()
         self.ticks.queue()
-        if lane.ready:
-            for lora in self.holdings.parked_loras(model):
-                if why := self.placement.ensure(model, lora):
-                    self._on_lora(model, lora, why)
+        if why is not None:
+            self._on_load_failed(model, why)
+        elif lane.ready:
+            for parked in self.holdings.parked_loras(model):
+                if failed := self.placement.ensure(model, parked):
+                    self._on_lora(model, parked, failed)
 
     def _on_load_failed(self, model: str, why: str) -> None:
         for pending in self.scheduler.drop(model):

@@ -6,13 +6,13 @@ of the models already loaded (the runtime takes them on a connection of their ow
 the event loop (and with it the broker heartbeats) never waits for a load.
 
 Life of a model on a worker: cold -> loading -> resident -> (evicted) cold. A request
-held for a model that is not resident starts its load at once; when it ends, `on_state`
-tells the dispatcher (the lane may run, the consumer's priority rises) or `on_failed`
-has every request held for it answered MODEL_UNAVAILABLE with the reason. A LoRA
-adapter is loaded the same way once its model is resident (`on_lora` reports the
-end), counts against the same budget and is evicted LRU too (with its model, or
-alone). A failure is remembered for `FAILURE_MEMORY_S`, and the requests that arrive
-meanwhile are answered at once instead of each trying the load again.
+held for a model that is not resident starts its load at once; when it ends, a `Placed`
+event tells the loop (the lane may run, the consumer's priority rises; or, with `why`,
+every request held for it is answered MODEL_UNAVAILABLE with the reason). A LoRA adapter
+is loaded the same way once its model is resident (its `Placed` names it), counts
+against the same budget and is evicted LRU too (with its model, or alone). A failure is
+remembered for `FAILURE_MEMORY_S`, and the requests that arrive meanwhile are answered
+at once instead of each trying the load again.
 
 Loads queue and run one at a time; each evicts what it needs when it starts. A load
 that does not fit yet (what is in use or loading must end first) waits; one whose
@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from app.worker import metrics
 from batching.fleet import Demand, DemandMeter, Plan, eviction_value
@@ -60,22 +60,29 @@ WARM_S = 60.0
 TURN_S = 1.0
 
 
+class Placed(NamedTuple):
+    """The placement's one event to the loop: `model` became `state` (RESIDENT, LOADING,
+    COLD); with `lora`, that adapter's load ended instead (RESIDENT, or COLD: failed);
+    `why`: the load failed, and why (what is held for it is answered with it)."""
+
+    model: str
+    state: str
+    lora: str | None = None
+    why: str | None = None
+
+
 class Placement:
     def __init__(self, runtime: Runtime, pool: Pool, models: list[str], pinned: set[str],
                  call_soon: Callable[..., Any], in_use: Callable[[], Mapping[str, int]],
-                 on_state: Callable[[str, str], None],
-                 on_failed: Callable[[str, str], None],
-                 load_s: dict[str, float] | None = None,
-                 on_lora: Callable[[str, str, str | None], None] | None = None) -> None:
+                 on_placed: Callable[[Placed], None],
+                 load_s: dict[str, float] | None = None) -> None:
         self.runtime = runtime
         self.pool = pool
         self.models = models  # all it may serve
         self.pinned = pinned
         self.call_soon = call_soon  # runs a callable on the event loop thread
         self.in_use = in_use  # keys with held, parked or running work: how many requests
-        self.on_state = on_state  # (model, RESIDENT | LOADING | COLD)
-        self.on_failed = on_failed  # (model, why): answer what is held for it
-        self.on_lora = on_lora or (lambda model, lora, why: None)  # why None: loaded
+        self.on_placed = on_placed  # the loop's: a model's state changed, a load ended
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-loader")
         self.failures: dict[str, tuple[float, str]] = {}  # model -> (when, why)
         self.started: dict[str, float] = {}  # model -> when its load began
@@ -189,7 +196,7 @@ class Placement:
         if asked:
             self.asked.add(key)
         if lora is None:
-            self.on_state(model, LOADING)
+            self.on_placed(Placed(model, LOADING))
         self._start_next()
         return None
 
@@ -227,7 +234,7 @@ class Placement:
                      if (m if lo is None else lora_key(m, lo)) not in set(in_use) | self.asked]:
             self.queued.remove(gone)  # nobody waits for it any more
             if gone[1] is None:
-                self.on_state(gone[0], COLD)
+                self.on_placed(Placed(gone[0], COLD))
         in_use = self.in_use()  # those callbacks may have taken new requests in
         # The load most requests wait for first (first come among equals): a popular
         # model must not wait behind the loads of rare ones. The fleet's: the models kept
@@ -266,7 +273,7 @@ class Placement:
             # Told last: a callback may come back here (a consumer restarting delivers).
             for gone in evicted:
                 if LORA_SEPARATOR not in gone:
-                    self.on_state(gone, LOADING if gone in again else COLD)
+                    self.on_placed(Placed(gone, LOADING if gone in again else COLD))
             return
 
     def _holding(self, in_use: Mapping[str, int], now: float) -> Mapping[str, int]:
@@ -289,7 +296,7 @@ class Placement:
         if model in self.in_use():
             return f"{model} has requests held or running"
         self.pool.remove(model)  # with its LoRA adapters
-        self.on_state(model, COLD)
+        self.on_placed(Placed(model, COLD))
         self.executor.submit(self.runtime.unload, model)
         self._gauges()
         return None
@@ -327,11 +334,7 @@ class Placement:
             self.pool.failed(key)
             self.failures[key] = (now, why)
             metrics.LOADS.labels(model, "failed").inc()
-            if lora is None:
-                self.on_state(model, COLD)
-                self.on_failed(model, why)
-            else:
-                self.on_lora(model, lora, why)
+            self.on_placed(Placed(model, COLD, lora, why))
             self._gauges()
             return
         if key not in self.pool.slots:  # its model was unloaded meanwhile
@@ -347,9 +350,7 @@ class Placement:
             metrics.LOAD_SECONDS.labels(model).observe(seconds)
             self.load_s[model] = seconds
             self.loaded_at[model] = now
-            self.on_state(model, RESIDENT)
-        else:
-            self.on_lora(model, lora, None)
+        self.on_placed(Placed(model, RESIDENT, lora))
         self._gauges()
 
     def _gauges(self) -> None:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.worker.lifecycle.placement import Placement
+from app.worker.lifecycle.placement import Placed, Placement
 from batching.pool import Pool
 from tasks.pool_state import COLD, LOADING, RESIDENT
 
@@ -61,10 +61,16 @@ def _placement(runtime: MemoryRuntime, budget: int, in_use: set[str],
                pinned: set[str] = frozenset()) -> tuple[Placement, Loop, list, list]:
     """`in_use`: what requests wait for or run on, as the dispatcher would say."""
     loop, states, failures = Loop(), [], []
+
+    def placed(event: Placed) -> None:  # the loop's one placement event, recorded
+        if event.lora is not None:
+            return
+        states.append((event.model, event.state))
+        if event.why is not None:  # a model's load failed (not an adapter's)
+            failures.append((event.model, event.why))
+
     placement = Placement(runtime, Pool(budget), list(runtime.sizes), set(pinned),
-                          loop.call_soon, lambda: dict.fromkeys(in_use, 1),
-                          lambda m, s: states.append((m, s)),
-                          lambda m, why: failures.append((m, why)))
+                          loop.call_soon, lambda: dict.fromkeys(in_use, 1), placed)
     return placement, loop, states, failures
 
 
