@@ -147,7 +147,8 @@ def processes(workers: int, work: list[list[Any]], duration: float, warmup: floa
         for index, pid in enumerate(pids):
             pin(pid, {index % CORES})
         rate, busy, cpu, own = drive(lambda b: replicas.run_batch(MINILM, b),
-                                     replicas.pipeline_depth, work, duration, warmup, pids)
+                                     replicas.capabilities.pipeline_depth, work, duration, warmup,
+                                     pids)
     finally:
         replicas.close()
     texts_ = rate * duration

@@ -247,13 +247,6 @@ class Runtime(Compute, ModelStore, RuntimeStatistics, Protocol):
     Runtime: it has nothing to restart.
     """
 
-    # Until the worker's loop reads `capabilities` (then they go).
-    @property
-    def pipeline_depth(self) -> int: ...
-
-    @property
-    def parallel(self) -> int: ...
-
 
 class StartRuntime(Protocol):
     """How the worker starts an engine that is no runtime process of shoal's: its own

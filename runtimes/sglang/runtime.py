@@ -143,8 +143,6 @@ class SGLangRuntime:
     # It forms its own batches (`submit`): the worker hands it none, so one slot suffices,
     # and there is no frame to send ahead.
     capabilities = Capabilities()
-    pipeline_depth = 1
-    parallel = 1
 
     def ready_in(self, model_id: str) -> float | None:
         """None: a restarting server's requests wait for it (`Recovery`), none is refused."""

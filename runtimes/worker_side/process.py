@@ -122,11 +122,9 @@ class ProcessRuntime(BatchesOnly):
         self.resident: dict[str, int] = dict.fromkeys(models, 0)  # model -> measured bytes
         self.start_timeout = start_timeout
         # Batches `run_batch` may be running at once (from as many threads): the child
-        # computes one while it prepares the next (`runtimes.child_side.pipeline`).
-        # One child computes one batch at a time (`ReplicaSet` has more side by side).
+        # computes one while it prepares the next (`runtimes.child_side.pipeline`); one
+        # child computes one batch at a time (`ReplicaSet` has more side by side).
         self.capabilities = Capabilities(pipeline_depth=pipeline_depth, send_ahead=True)
-        self.pipeline_depth = pipeline_depth
-        self.parallel = 1
         self._catalog_dir = catalog_dir
         self.poison_isolated = 0
         argv = [

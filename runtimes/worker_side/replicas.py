@@ -112,8 +112,6 @@ class ReplicaSet(BatchesOnly):
             pipeline_depth=sum(r.capabilities.pipeline_depth for r in self.replicas),
             parallel=count,
             send_ahead=all(r.capabilities.send_ahead for r in self.replicas))
-        self.pipeline_depth = self.capabilities.pipeline_depth
-        self.parallel = count
         log.info("%d runtime replicas on one device: pids %s", count,
                  [r.pid for r in self.replicas])
 

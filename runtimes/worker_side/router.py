@@ -54,14 +54,6 @@ class RuntimeRouter:
         return sum(r.start_failures for r in self.runtimes.values())
 
     @property
-    def pipeline_depth(self) -> int:
-        return self.capabilities.pipeline_depth
-
-    @property
-    def parallel(self) -> int:
-        return self.capabilities.parallel
-
-    @property
     def pid(self) -> int | None:
         return next((r.pid for r in self.runtimes.values() if r.pid is not None), None)
 

@@ -245,8 +245,6 @@ class SimRuntime(BatchesOnly):
         self.spare_promotions = 0  # no child, so no spare either
         self.start_failures = 0
         self.capabilities = Capabilities()  # one simulated batch at a time
-        self.pipeline_depth = 1
-        self.parallel = 1
         self.pid: int | None = None
         self._closed = False
         self._models = {e.id: _SimModel(e, sim_constants(e, device, constants)) for e in entries}
