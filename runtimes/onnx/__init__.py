@@ -1,1 +1,2 @@
-"""ONNX Runtime adapters: the encoder families without torch (docs/runtimes.md, "ONNX")."""
+"""ONNX Runtime engine: the encoder families' primitives without torch, under the families'
+own logic (`runtimes.families`; docs/runtimes.md, "ONNX")."""
