@@ -4,9 +4,10 @@ the loop.
 A batch the scheduler starts (`Batches.start`) runs on the runtime's own thread (an
 executor of `pipeline_depth` threads: a pipelined runtime takes the next batch while it
 computes one); its bodies are decoded there (`decode_requests`), and its completion is
-handed to the loop's `done` callback with `hub.call_soon`, which wakes the loop at once (no
-polling timer). A lone small batch (nothing in flight, small bodies) is decoded and sent
-to a runtime process by the loop itself (`send_ahead`, which never waits), so the child
+handed back as the loop's `done` event through the loop handle (`call_soon`), which wakes
+it at once (no polling timer). A lone small batch (nothing in flight, small bodies; a
+runtime whose `capabilities.send_ahead` says it can) is decoded and sent to a runtime
+process by the loop itself (`send_ahead`, which never waits), so the child
 starts on it while the thread wakes up: the executor's hand-off is off a lone request's
 path on the way in (measured 0.04-0.09 ms of it; the way back still takes the loop's
 wake-up). `Batches.finish` turns a completed batch into its outcomes and teaches the
@@ -16,7 +17,8 @@ output goes out through `app.worker.lifecycle.streams`, always before its result
 
 It owns the executor and the batches in flight, and nothing of the loop: it is given the
 runtime, the scheduler, the placement (what a batch uses is touched), the streams, the
-replier (Flower's task-started) and the callback that takes a finished batch.
+replier (Flower's task-started), the loop handle and the loop's event for a finished
+batch.
 """
 
 from __future__ import annotations

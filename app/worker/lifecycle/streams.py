@@ -6,7 +6,7 @@ made, as Celery PROGRESS states on its `reply_to` before its result
 and wakes the loop, which publishes them in order, and always before the batch's results.
 A request revoked by its caller (Celery's `revoke`, or `shoal_cancel`, which a gateway
 sends when an HTTP stream's client leaves) is answered CANCELLED if it has not started,
-and stops at its next token if it runs (`Dispatcher.cancel`).
+and stops at its next token if it runs (`WorkerView.cancel`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 1. `HealthServer` (`app.worker.steps.health`): /healthz, /readyz, /metrics, served from
    when the worker is built (while the pinned models load too);
-2. `ModelQueueConsumer` (`app.worker.steps.model_queues`): the runtime, the dispatcher, and
-   every served model's queue and dead-letter queue consumed into it;
+2. `ModelQueueConsumer` (`app.worker.steps.model_queues`): the runtime, the loop (seen by
+   the steps and remote control through one `WorkerView`), and every served model's queue
+   and dead-letter queue consumed into it;
 3. `PoolStatePublisher` (`app.worker.steps.pool_state`): this worker's models, told to
    peers and gateways;
 4. `GracefulDrain` (`app.worker.steps.drain`): SIGTERM drains before Celery's warm shutdown;

@@ -1,6 +1,6 @@
 """The graceful-drain step: SIGTERM (or SIGINT) drains the worker before Celery's warm
-shutdown (`app.worker.shutdown` takes the signals; the dispatcher's `drain`,
-`app.worker.lifecycle.drain.Drain`, is the loop's side): it stops consuming, hands back
+shutdown (`app.worker.shutdown` takes the signals; `WorkerView.begin_drain` and
+`app.worker.lifecycle.drain.Drain` are the loop's side): it stops consuming, hands back
 what has not started, and finishes, publishes and acks what runs, within
 SHOAL_SHUTDOWN_GRACE_S."""
 
