@@ -6,7 +6,10 @@ same paths against RabbitMQ and a real worker."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -414,3 +417,34 @@ def test_a_requests_scheduler_entry_carries_its_annotations_field_by_field(make)
     assert p.deliveries == 4 and p.returnable and p.bulk
     assert p.deadline is not None and 4.0 < p.deadline - p.received <= 5.0
     assert p.budget_s == pytest.approx(8.0)
+
+
+def _rooms_entered(run: Any) -> Counter[str]:
+    """How many times `run()` enters each module of the worker's lifecycle from another
+    (a call whose caller is in a different file), by module name."""
+    entered: Counter[str] = Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
+        if callee != caller and f"{os.sep}lifecycle{os.sep}" in callee:
+            entered[os.path.basename(callee)] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_a_messages_walk_enters_intake_once_and_each_request_its_entry_once(make):
+    """The loop applies what `Intake` decides: nothing calls back into it (issue 55)."""
+    f = make()
+    for message, requests in ((single("a"), 1), (coalesced(["b", "c", "d"]), 3)):
+        entered = _rooms_entered(lambda m=message: f.view.on_message(m))
+        assert entered["intake.py"] == 1, entered
+        assert entered["entries.py"] == requests, entered  # where each waits: decided once
+        assert entered["held.py"] == requests, entered  # into its lane, by `Holdings`
+    assert f.dispatcher.holdings.counts() == {(MODEL, SCHEDULED): 4}
