@@ -15,7 +15,9 @@ The toy family below is written as a real one is, its files in a temporary packa
    so a family written there needs nothing more; one registered later is added here).
 
 Nothing else changes, yet the catalog takes an entry of it and the real PyTorch engine's
-model host serves a batch, the family's checks failing the request they refuse alone.
+model host serves a batch, the family's checks failing the request they refuse alone. A
+second engine (the toy engine, with a numpy primitive) serves it too, with the same bytes:
+steps 3 to 5 again for that engine, the family module as it is.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from runtimes.pytorch import families
 from tasks import adapters, engines
 from tasks.adapters import DENSE, ENCODE, TEXT, AdapterContract
 from tasks.catalog import ModelEntry
+from tasks.engines import EngineEntry
 from tasks.results import embedding_rows
+from tests.unit.runtimes.test_toy_engine import ENGINE_PY as TOY_ENGINE_PY
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -122,6 +126,37 @@ class TorchWordsAdapter(WordsAdapter):
         return TorchWordStates(self.device, self.entry.dims)
 '''
 
+# A second engine's primitive: the toy engine of test_toy_engine.py, its map naming this
+# family (its step 4), serving it with numpy: the family module is not copied.
+NUMPY_PY = '''
+import numpy as np
+
+from toy_family.family import WordsAdapter
+
+
+class NumpyWordStates:
+    def __init__(self, dims: int) -> None:
+        self.dims = dims
+
+    def states(self, words: list[str]) -> np.ndarray:
+        out = np.zeros((len(words), self.dims), dtype=np.float32)
+        out[:, 0] = [len(w) for w in words]
+        out[:, 1] = [sum(c in "aeiou" for c in w) for w in words]
+        out[:, 2] = 1.0
+        return out
+
+
+class NumpyWordsAdapter(WordsAdapter):
+    def word_states(self) -> NumpyWordStates:
+        return NumpyWordStates(self.entry.dims)
+'''
+TOY_MAP = 'ADAPTERS = {"dense": "toy_engine.dense:ToyDenseAdapter"}'
+assert TOY_MAP in TOY_ENGINE_PY
+NUMPY_ENGINE_PY = TOY_ENGINE_PY.replace(
+    TOY_MAP, f'ADAPTERS = {{"{TOY.name}": "toy_family.numpy_words:NumpyWordsAdapter"}}')
+NUMPY_ENGINE = EngineEntry("toy", "process", "toy_family.engine:ToyEngine",
+                           frozenset({TOY.name}), ("fp32",), ("fp32",))
+
 
 @pytest.fixture
 def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AdapterContract]:
@@ -130,6 +165,8 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AdapterCont
     (package / "__init__.py").write_text('"""A toy family: its module and a primitive."""\n')
     (package / "family.py").write_text(textwrap.dedent(FAMILY_PY))
     (package / "torch_words.py").write_text(textwrap.dedent(TORCH_PY))
+    (package / "numpy_words.py").write_text(textwrap.dedent(NUMPY_PY))
+    (package / "engine.py").write_text(textwrap.dedent(NUMPY_ENGINE_PY))
     monkeypatch.syspath_prepend(str(tmp_path))
     adapters.register(TOY)
     try:
@@ -175,6 +212,26 @@ def test_the_pytorch_host_serves_a_family_added_in_five_places(toy, tmp_path):
     assert (c.ok, c.error_code) == (False, "INPUT_TOO_LONG")
     assert d.ok and d.result is not None and embedding_rows(d.result) == [[3.75, 1.75]]
     assert (e.ok, e.error_code) == (False, "UNSUPPORTED_OPERATION")
+
+
+def test_a_second_engine_serves_it_with_its_primitive_only(toy, tmp_path):
+    engines.register(NUMPY_ENGINE)
+    try:
+        request = [Request("a", "encode", {"items": [{"text": "Hello toy world"},
+                                                     {"text": "sea"}]})]
+        results = []
+        for engine, entry in (("pytorch", _entry(tmp_path)),
+                              ("toy", _entry(tmp_path, runtime="toy"))):
+            host = ModelHost(engine=engine)
+            host.load_one(entry)
+            (outcome,) = host.run_batch(entry.id, request)
+            assert outcome.ok and outcome.result is not None
+            results.append(outcome.result)
+        torch_result, numpy_result = results
+        assert numpy_result["embeddings"] == torch_result["embeddings"]
+        assert numpy_result["usage"] == torch_result["usage"] == {"tokens": 4}
+    finally:
+        engines.unregister(NUMPY_ENGINE.name)
 
 
 def test_the_catalog_knows_it_only_while_registered(toy, tmp_path):
