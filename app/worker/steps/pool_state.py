@@ -44,12 +44,11 @@ class PoolStatePublisher(bootsteps.StartStopStep):
         view.on_placement(self.pool_states.soon)
         # A runtime restarting (refusing batches) and serving again is told at once, from
         # the runtime's threads to the loop (where the state is published).
+        # (Every runtime has both: `runtimes.base.RuntimeStatistics`; one that cannot
+        # restart says None and never calls back.)
         runtime = queues.runtime
-        ready_in = getattr(runtime, "ready_in", None)
-        watch = getattr(runtime, "watch_availability", None)
-        if ready_in is not None and watch is not None:
-            self.pool_states.ready_in = ready_in
-            watch(lambda: c.hub.call_soon(self.pool_states.soon))
+        self.pool_states.ready_in = runtime.ready_in
+        runtime.watch_availability(lambda: c.hub.call_soon(self.pool_states.soon))
         self.timer = c.hub.call_repeatedly(self.interval_s, self.pool_states.publish)
         if c.shoal_queues.settings.placement == "fleet":
             # The fleet's plan, from the peers' latest states (app.worker.lifecycle.fleet).
