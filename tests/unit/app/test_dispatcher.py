@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from celery.worker import state as worker_state
 
 from app.worker.lifecycle.decisions import LoopSettings
 from app.worker.lifecycle.dispatcher import Dispatcher
@@ -63,6 +64,7 @@ class Runtime(BatchesOnly):
         self.go.set()
         self.fail: set[str] = set()
         self.restarting: set[str] = set()  # answered as a runtime whose restart is pending
+        self.cancelled: list[str] = []  # the ids the worker told it to cancel
 
     def run_batch(self, model: str, requests: list[Request], on_deltas: Any = None,
                   ahead: Any = None) -> list[Outcome]:
@@ -87,7 +89,7 @@ class Runtime(BatchesOnly):
         pass
 
     def cancel(self, task_ids: list[str]) -> None:
-        pass
+        self.cancelled += task_ids
 
     def close(self) -> None:
         pass
@@ -417,6 +419,22 @@ def test_a_requests_scheduler_entry_carries_its_annotations_field_by_field(make)
     assert p.deliveries == 4 and p.returnable and p.bulk
     assert p.deadline is not None and 4.0 < p.deadline - p.received <= 5.0
     assert p.budget_s == pytest.approx(8.0)
+
+
+def test_a_revoke_answers_what_waits_at_once_and_cancels_what_runs(make):
+    f = make(max_items=1)
+    f.runtime.go.clear()
+    f.deliver(single("run"))
+    assert f.runtime.started.wait(5)
+    f.deliver(single("wait"))
+    try:
+        assert f.view.cancel(["run", "wait", "unknown"]) == ["run"]
+        assert f.runtime.cancelled == ["run"]
+        assert f.replies()["wait"]["result"]["exc_message"][0] == ErrorCode.CANCELLED
+        assert f.dispatcher.holdings.counts() == {(MODEL, RUNNING): 1}
+    finally:
+        for task_id in ("run", "wait", "unknown"):
+            worker_state.revoked.discard(task_id)
 
 
 def _rooms_entered(run: Any) -> Counter[str]:
