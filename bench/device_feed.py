@@ -29,8 +29,9 @@ default 64 x 1 and 16 x 16), after `--warmup` s, over `--duration` s, `--rounds`
   seen (issue 26's target: a device just slower than the CPU side feeding it).
 
 RabbitMQ is this machine's shared broker: its CPU includes whatever else uses it. The
-worker runs without a spare runtime (SHOAL_RUNTIME_SPARE=0; `--env` can set it back): a
-spare imports torch while the first load runs, which is no cost per text.
+worker runs PyTorch (the engine the emulated device stands in for; MiniLM's cpu profile
+would pick ONNX Runtime) without a spare runtime (SHOAL_RUNTIME_SPARE=0; `--env` can set
+either back): a spare imports torch while the first load runs, which is no cost per text.
 Batches are formed with GPU-like limits (`--batch-items` 256, `--batch-tokens` 16,384,
 as `bench.gpu_check` used on the H200), not the catalog's CPU profile. Results are the
 emulator's zeros, never a model's.
@@ -299,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     metrics_port = free_port()
     # No spare runtime: it imports torch and transformers (~7 s of CPU) while the first load
-    # runs, billed as the runtime's per text; a crash is not what this measures.
+    # runs, billed as the runtime's per text; a crash is not what this measures. PyTorch:
+    # the emulated device is its seam (MiniLM's cpu profile would pick ONNX Runtime).
     env = {ENV: args.profile, "SHOAL_WORKER_METRICS_PORT": str(metrics_port),
-           "SHOAL_RUNTIME_SPARE": "0",
+           "SHOAL_RUNTIME": "pytorch", "SHOAL_RUNTIME_SPARE": "0",
            "SHOAL_BATCH_MAX_ITEMS": str(args.batch_items),
            "SHOAL_BATCH_MAX_TOKENS": str(args.batch_tokens),
            **env_of(args.env)}
