@@ -4,7 +4,9 @@ The loop (`app.worker.lifecycle.dispatcher`) feeds its collaborators events and 
 what they return, as it applies the scheduler's `batching.lanes.Actions`: `Intake` says
 what each request of a message becomes (`Place`, `Fetch`, `Refuse`, `Fail`, or the whole
 message `Reject`ed), the continuous `Feed` what to refuse, give back and `Submit`, the
-`Drain` what to give back when it begins. None of them calls back into the loop.
+`Drain` what to give back when it begins, `Revokes` what to refuse. None of them calls
+back into the loop; the loop's events (a message, a tick, a batch or a continuous request
+done, a claim fetched, a model placed) are the only way in.
 
 Named tuples, not dataclasses: one is made per request on the hot path, and a tuple is
 the cheapest immutable record Python makes (a frozen dataclass's `__init__` costs ~1 µs).
