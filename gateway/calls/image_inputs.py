@@ -4,7 +4,7 @@ on /v2/embed and /v1/embed (`gateway.routes.cohere_embed`).
 
 The rule for a string: one that starts with `data:image/` is an image, and must be a base64
 data URI, `data:image/<type>;base64,<data>`, the type one of png, jpeg (jpg), webp, gif
-(the formats the image models' workers decode: `runtimes.pytorch.clip`); every other
+(the formats the image models' workers decode: `runtimes.families.clip`); every other
 string is text. A text that really starts with those 11 characters is no text on these
 routes: send it to /v1/encode/{model} as `{"text": ...}`. An image object is a chat content
 part, `{"type": "image_url", "image_url": {"url": ...}}` (or the URL string as
@@ -45,7 +45,7 @@ from tasks.catalog import ModelEntry
 from tasks.render import shown
 
 DATA_IMAGE = "data:image/"
-# The formats the workers decode (runtimes.pytorch.clip.IMAGE_FORMATS), by media subtype.
+# The formats the workers decode (runtimes.families.clip.IMAGE_FORMATS), by media subtype.
 IMAGE_TYPES = frozenset({"png", "jpeg", "jpg", "webp", "gif"})
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
