@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import select
+import subprocess
 import threading
 
 from runtimes.base import RuntimeClosed, RuntimeStartError
@@ -38,6 +39,8 @@ from runtimes.worker_side.supervisor import RestartPending, Supervisor
 log = logging.getLogger(__name__)
 
 IMPORT_POLL_S = 0.05  # how often a failed restart's importing replacement is looked at
+# How long the watcher lets another thread finish reaping a child its pidfd says is gone.
+REAP_WAIT_S = 1.0
 
 
 def _serving(child: RuntimeChild) -> bool:
@@ -85,7 +88,12 @@ class ChildWatcher:
                 continue
             if self._wait(child) and not self._stopping and not self._supervisor.closed:
                 self.deaths_noticed += 1
-                child.proc.poll()
+                # Its pidfd says it exited, but poll() reads None while another thread (a
+                # batch that lost its connection) holds Popen's waitpid lock: let that
+                # thread reap it, or the supervisor takes the dead child for a live one and
+                # this loop spins on it, taking the supervisor's lock from that thread.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(REAP_WAIT_S)
                 log.warning("model runtime pid %d died between batches (%s); replacing it "
                             "now", child.pid, describe_exit(child.proc.returncode))
                 gave_up_on = None if self._bring_up() else self._supervisor.child
