@@ -49,7 +49,8 @@ class ColbertConfig:
     encoder_dir: str = ""  # the encoder's folder inside the model
 
 
-def _json(path: Path | None) -> dict[str, Any]:
+def read_json(path: Path | None) -> dict[str, Any]:
+    """A model file's JSON (`runtimes.model_files.files.model_file`'s path); {} if absent."""
     return json.loads(path.read_text()) if path is not None else {}
 
 
@@ -68,10 +69,10 @@ def read_colbert(ref: str) -> tuple[list[str], ColbertConfig]:
 
     settings: dict[str, Any] = {}
     # Stanford artifact.metadata, then PyLate's, then sentence-transformers' own names.
-    stanford = _json(model_file(ref, "artifact.metadata"))
-    pylate = _json(model_file(ref, "config_sentence_transformers.json"))
+    stanford = read_json(model_file(ref, "artifact.metadata"))
+    pylate = read_json(model_file(ref, "config_sentence_transformers.json"))
     prefix = f"{encoder_dir}/" if encoder_dir else ""
-    st = _json(model_file(ref, f"{prefix}sentence_bert_config.json"))
+    st = read_json(model_file(ref, f"{prefix}sentence_bert_config.json"))
     expansion = st.get("query_expansion") or {}
     for key, value in (
         ("query_length", stanford.get("query_maxlen")),

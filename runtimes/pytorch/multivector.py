@@ -4,7 +4,6 @@ token's state projected and L2-normalised there."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,6 @@ class Linear:
     bias: torch.Tensor | None
 
 
-def _json(path: Path | None) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path is not None else {}
-
-
 def _tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors of a safetensors (or legacy pickled) weights file."""
     if path.suffix == ".safetensors":
@@ -54,7 +49,7 @@ def _weights_file(ref: str, folder: str) -> Path | None:
 
 def _dense_module(ref: str, folder: str) -> Linear:
     """A sentence-transformers Dense folder: config.json plus `linear.weight` (and bias)."""
-    config = _json(model_file(ref, f"{folder}/config.json"))
+    config = multivector.read_json(model_file(ref, f"{folder}/config.json"))
     activation = config.get("activation_function")
     if activation is not None and activation not in _IDENTITY:
         raise ValueError(f"{ref}: Dense module {folder!r} applies {activation}; the multivector "
@@ -76,7 +71,7 @@ def _stanford_linear(ref: str) -> Linear | None:
     """`linear.weight` next to the encoder's weights (colbert-ir/colbertv2.0), if there."""
     index = model_file(ref, "model.safetensors.index.json")
     if index is not None:
-        shard = _json(index).get("weight_map", {}).get("linear.weight")
+        shard = multivector.read_json(index).get("weight_map", {}).get("linear.weight")
         path = model_file(ref, shard) if shard else None
     else:
         path = _weights_file(ref, "")
